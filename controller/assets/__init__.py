@@ -1,0 +1,1 @@
+"""Files pvisor-host places into sandboxes at run time (the entry shim)."""

@@ -1,0 +1,190 @@
+"""The ``pvisor-host`` command line: parse → validate into a model → one library call → render → exit code.
+
+:func:`main` is the console script. It is the one place exceptions become exit codes: a
+:class:`~pvisor_host.errors.PvisorHostError` prints one line and exits with its code, Ctrl-C exits 130,
+and tracebacks appear only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from typer.exceptions import TyperException
+
+from . import render
+from ._version import PVISOR_VERSION, __version__
+from .errors import ExitCode, PvisorHostError, exit_code_for_status
+from .signals import install_sigterm_as_interrupt
+
+app = typer.Typer(
+    name="pvisor-host",
+    help="Replay recorded AI-agent trajectories with pvisor inside hardened Docker containers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+_out = Console()
+_err = Console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        _out.print(f"pvisor-host {__version__} (pvisor {PVISOR_VERSION})")
+        raise typer.Exit
+
+
+@app.callback()
+def _global(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every step.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Log warnings and errors only.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Verbose logs and tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    from . import logs
+
+    logs.configure(verbose=verbose, quiet=quiet, debug=debug)
+
+
+@app.command()
+def build(
+    agent: Annotated[str, typer.Option(help="Agent to build the sandbox image for (see `pvisor-host agents`).")],
+    base: Annotated[str | None, typer.Option(help="Base image (default debian:bookworm-slim, or a bootstrap).")] = None,
+    ca_bundle: Annotated[
+        Path | None,
+        typer.Option(help="CA bundle for the build's downloads (default: SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT)."),
+    ] = None,
+    bootstrap: Annotated[bool, typer.Option(help="Build the Debian base with mmdebstrap instead of pulling.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the image as JSON.")] = False,
+) -> int:
+    """Build (or find) the verified sandbox image for an agent: pvisor plus the pinned agent CLI."""
+    from .build import build_agent_image
+    from .engine import connect
+    from .profiles import get_profile
+
+    profile = get_profile(agent)
+    built = build_agent_image(connect(), profile, base=base, ca_bundle=ca_bundle, force_bootstrap=bootstrap)
+    if json_output:
+        typer.echo(built.model_dump_json(indent=2))
+    else:
+        render.built_image(_out, built)
+    return ExitCode.OK
+
+
+_MODE_HELP = "continue (replay, then the live agent), replay-only or prepare-only."
+
+
+@app.command()
+def replay(
+    trajectory: Annotated[Path, typer.Option(help="The agent's native trajectory file.")],
+    after_step: Annotated[int, typer.Option(help="Complete tool batch after which live execution resumes (1-based).")],
+    agent: Annotated[str | None, typer.Option(help="Agent name; default: the image's label.")] = None,
+    image: Annotated[str | None, typer.Option(help="Sandbox image; default: the one `build --agent` makes.")] = None,
+    mode: Annotated[str, typer.Option(help=_MODE_HELP)] = "continue",
+    max_steps: Annotated[int | None, typer.Option(help="Total action budget including the prefix.")] = None,
+    boundary_user_prompt: Annotated[
+        str | None, typer.Option(help="User message appended after the boundary observation.")
+    ] = None,
+    disable_thinking: Annotated[bool, typer.Option(help="Disable thinking in live model requests.")] = False,
+    allow_stale_observations: Annotated[
+        bool, typer.Option(help="Let Claude reuse source observations it cannot reproduce (degraded).")
+    ] = False,
+    session_id: Annotated[str | None, typer.Option(help="Model-router session key.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id ([A-Za-z0-9_-]); generated when absent.")] = None,
+    workspace_dir: Annotated[Path | None, typer.Option(help="Host directory copied in as the workspace.")] = None,
+    workspace_path: Annotated[
+        str | None, typer.Option(help="Workspace path in the sandbox (default: the recorded cwd, else /workspace).")
+    ] = None,
+    no_workspace: Annotated[bool, typer.Option("--no-workspace", help="Do not collect the final workspace.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Run directory (new or empty); default ./pvisor-runs/<run-id>.")] = None,
+    timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 90s, 30m, 2h.")] = "2h",
+    memory: Annotated[str, typer.Option(help="Memory limit, e.g. 2g.")] = "4g",
+    cpus: Annotated[float, typer.Option(help="CPU limit.")] = 2.0,
+    pids: Annotated[int, typer.Option(help="Process limit.")] = 1024,
+    tmp_size: Annotated[str, typer.Option(help="Size of the /tmp tmpfs.")] = "1g",
+    collect_limit: Annotated[str, typer.Option(help="Most bytes collected from the sandbox.")] = "4g",
+    network: Annotated[str, typer.Option(help="none (default) or bridge.")] = "none",
+    env: Annotated[list[str] | None, typer.Option(help="Pass this host variable into the sandbox (repeat).")] = None,
+    user: Annotated[str | None, typer.Option(help="Sandbox user UID[:GID] or root (default: non-root).")] = None,
+    cap_add: Annotated[list[str] | None, typer.Option(help="Keep this capability (repeat).")] = None,
+    writable_rootfs: Annotated[bool, typer.Option(help="Do not make the root filesystem read-only.")] = False,
+    allow_privilege_escalation: Annotated[bool, typer.Option(help="Do not set no-new-privileges.")] = False,
+    base: Annotated[str | None, typer.Option(help="Base image when the agent image must be built.")] = None,
+    ca_bundle: Annotated[Path | None, typer.Option(help="CA bundle when the agent image must be built.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
+) -> int:
+    """Replay a trajectory up to --after-step in a fresh hardened container and collect the result."""
+    from .engine import connect
+    from .preflight import check_inputs, prepare
+    from .replay import execute
+    from .spec import build_spec
+
+    spec = build_spec(
+        trajectory=trajectory, agent=agent, image=image, after_step=after_step, mode=mode, max_steps=max_steps,
+        boundary_user_prompt=boundary_user_prompt, disable_thinking=disable_thinking,
+        allow_stale_observations=allow_stale_observations, session_id=session_id, run_id=run_id,
+        workspace_dir=workspace_dir, workspace_path=workspace_path, no_workspace=no_workspace, out=out,
+        timeout=timeout, memory=memory, cpus=cpus, pids=pids, tmp_size=tmp_size, collect_limit=collect_limit,
+        network=network, env=env or [], user=user, cap_add=cap_add or [], writable_rootfs=writable_rootfs,
+        allow_privilege_escalation=allow_privilege_escalation,
+    )  # fmt: skip
+    checked = check_inputs(spec)
+    client = connect()
+    prepared = prepare(checked, client, base=base, ca_bundle=ca_bundle)
+    record = execute(prepared, client)
+    if json_output:
+        typer.echo(record.model_dump_json(indent=2))
+    else:
+        render.replay_summary(_out, record, prepared.out_dir)
+    return exit_code_for_status(record.status)
+
+
+def _debugging(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("PVISOR_HOST_DEBUG", "") not in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the CLI and exit with a documented code."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = _debugging(args)
+    install_sigterm_as_interrupt()
+    code: int
+    try:
+        result = app(args=args, prog_name="pvisor-host", standalone_mode=False)
+        code = int(result) if isinstance(result, int) else ExitCode.OK
+    except PvisorHostError as exc:
+        if debug:
+            traceback.print_exc()
+        if exc.exit_code == ExitCode.INTERRUPTED:
+            _err.print(f"pvisor-host: {exc.one_line()}", highlight=False)
+        else:
+            _err.print(f"pvisor-host: error: {exc.one_line()}", highlight=False, markup=False)
+        code = exc.exit_code
+    except (KeyboardInterrupt, typer.Abort):
+        _err.print("pvisor-host: interrupted", highlight=False)
+        code = ExitCode.INTERRUPTED
+    except TyperException as exc:  # usage errors from option parsing
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()
+        else:
+            _err.print(f"pvisor-host: error: {exc.format_message()}", highlight=False, markup=False)
+        code = exc.exit_code
+    except Exception as exc:  # a bug: say so in one line, keep the traceback for --debug
+        if debug:
+            traceback.print_exc()
+        _err.print(
+            f"pvisor-host: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            highlight=False,
+            markup=False,
+        )
+        code = ExitCode.INFRASTRUCTURE
+    sys.exit(code)

@@ -1,0 +1,109 @@
+"""The one exception tree of pvisor-host, and the exit codes it maps to.
+
+Every error the controller raises on purpose derives from :class:`PvisorHostError`, and every leaf
+carries the exit code the CLI reports for it. The CLI catches the root once, prints one line and exits
+with that code; nothing else in the package decides exit codes.
+
+    PvisorHostError                      (exit 6, infrastructure)
+    ├── UsageError(ValueError)           (exit 2) bad flags, bad input, bad trajectory, bad image
+    │   └── PreflightRejected             pvisor's own host-side pre-flight refused the request
+    ├── PrerequisiteError                 (exit 3) engine unreachable, a tool or image missing
+    ├── InfrastructureError               (exit 6) engine or build failed in a way no input explains
+    │   ├── ImageBuildError
+    │   └── ResultProtocolError           pvisor printed something that is not a v3 result
+    └── Interrupted                       (exit 130) Ctrl-C or SIGTERM, after cleanup
+
+Outcomes of a replay that *ran* (ok, replay_failed, timeout, oom, infra_error) are not exceptions:
+they are the ``status`` of a :class:`~pvisor_host.record.ReplayRecord`, mapped to exit codes by
+:func:`exit_code_for_status`.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the ``pvisor-host`` CLI (documented in ``docs/exit-codes.md``)."""
+
+    OK = 0
+    REPLAY_FAILED = 1
+    USAGE = 2
+    PREREQUISITE = 3
+    TIMEOUT = 4
+    OOM = 5
+    INFRASTRUCTURE = 6
+    INTERRUPTED = 130
+
+
+class PvisorHostError(Exception):
+    """Root of every error pvisor-host raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.INFRASTRUCTURE
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def one_line(self) -> str:
+        """The single line shown to users: what is wrong, then how to fix it."""
+        text = self.message.strip().replace("\n", " ")
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+class UsageError(PvisorHostError, ValueError):
+    """The request itself is wrong: a flag, the trajectory, the image, the output directory."""
+
+    exit_code = ExitCode.USAGE
+
+
+class PreflightRejected(UsageError):
+    """pvisor's host-side ``--prepare-only`` pre-flight rejected the trajectory or the boundary."""
+
+    def __init__(self, category: str, message: str, *, hint: str | None = None) -> None:
+        super().__init__(f"pvisor rejected the replay ({category}): {message}", hint=hint)
+        self.category = category
+        self.pvisor_message = message
+
+
+class PrerequisiteError(PvisorHostError):
+    """Something the host needs is missing: the Docker engine, mmdebstrap, the pvisor binary."""
+
+    exit_code = ExitCode.PREREQUISITE
+
+
+class InfrastructureError(PvisorHostError):
+    """The engine, a build or the sandbox failed in a way the user's input does not explain."""
+
+    exit_code = ExitCode.INFRASTRUCTURE
+
+
+class ImageBuildError(InfrastructureError):
+    """An image build or its post-build verification failed."""
+
+
+class ResultProtocolError(InfrastructureError):
+    """pvisor's stdout was not a ``sandbox-playback.result/v3`` object this version understands."""
+
+
+class Interrupted(PvisorHostError):
+    """The user pressed Ctrl-C (or the process got SIGTERM); cleanup has already run."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
+#: Exit code for each :class:`~pvisor_host.record.ReplayStatus` value.
+STATUS_EXIT_CODES: dict[str, ExitCode] = {
+    "ok": ExitCode.OK,
+    "replay_failed": ExitCode.REPLAY_FAILED,
+    "timeout": ExitCode.TIMEOUT,
+    "oom": ExitCode.OOM,
+    "infra_error": ExitCode.INFRASTRUCTURE,
+    "interrupted": ExitCode.INTERRUPTED,
+}
+
+
+def exit_code_for_status(status: str) -> ExitCode:
+    """Map a replay record's status to the CLI exit code."""
+    return STATUS_EXIT_CODES[status]

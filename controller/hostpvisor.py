@@ -1,0 +1,118 @@
+"""The pinned pvisor on the host, used to validate a replay exactly as the sandbox will.
+
+``pvisor-sandbox`` is a dependency of pvisor-host, so its static binaries sit next to our own console
+script. Before any container starts, :func:`prepare_only` runs ``pvisor replay --prepare-only`` on the
+host against a throw-away workspace: it parses the trajectory and selects the boundary with the same
+code the sandbox runs, without executing a single tool.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from ._version import PVISOR_VERSION
+from .errors import PreflightRejected, PrerequisiteError
+from .result import ReplayResult, parse_result
+
+_TIMEOUT = 120
+
+
+class PvisorPlan(BaseModel):
+    """What pvisor's pre-flight learned about the selected prefix."""
+
+    model_config = ConfigDict(frozen=True)
+
+    after_step: int
+    prefix_model_turns: int
+    """Model turns in the prefix; ``--max-steps`` budgets are checked against this, not ``after_step``."""
+    tool_calls: int
+    """Tool calls in the selected prefix (from pvisor's ``manifest.json``)."""
+
+
+@cache
+def pvisor_binary() -> Path:
+    """The host's ``pvisor`` executable at the pinned version.
+
+    Raises:
+        PrerequisiteError: pvisor is missing or reports another version.
+    """
+    candidates = [Path(sysconfig.get_path("scripts")) / "pvisor", Path(sys.executable).parent / "pvisor"]
+    found = shutil.which("pvisor")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.is_file():
+            break
+    else:
+        raise PrerequisiteError(
+            "pvisor is not installed on the host", hint=f"pip install pvisor-sandbox=={PVISOR_VERSION}"
+        )
+    version = subprocess.run(
+        [str(candidate), "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout.strip()
+    if version != f"pvisor {PVISOR_VERSION}":
+        raise PrerequisiteError(
+            f"{candidate} reports {version!r}; pvisor-host needs pvisor {PVISOR_VERSION}",
+            hint=f"pip install pvisor-sandbox=={PVISOR_VERSION}",
+        )
+    return candidate
+
+
+def prepare_only(
+    *,
+    agent: str,
+    trajectory: Path,
+    after_step: int,
+    run_id: str,
+    session_id: str | None = None,
+    boundary_user_prompt: str | None = None,
+) -> tuple[ReplayResult, PvisorPlan]:
+    """Run ``pvisor replay --prepare-only`` on the host in a temporary directory.
+
+    Raises:
+        PreflightRejected: pvisor reported a failure (its category and message are kept).
+        ResultProtocolError: pvisor printed no v3 result.
+    """
+    binary = pvisor_binary()
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-preflight-") as scratch:
+        root = Path(scratch)
+        (root / "workspace").mkdir()
+        command = [
+            str(binary), "replay", "--agent", agent, "--trajectory", str(trajectory),
+            "--after-step", str(after_step), "--prepare-only", "--workspace", str(root / "workspace"),
+            "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), "--run-id", run_id,
+        ]  # fmt: skip
+        if session_id:
+            command += ["--session-id", session_id]
+        if boundary_user_prompt:
+            command += ["--boundary-user-prompt", boundary_user_prompt]
+        done = subprocess.run(command, capture_output=True, timeout=_TIMEOUT, cwd=root, check=False)
+        if done.returncode != 0 and not done.stdout.strip():
+            # clap argument errors print usage text on stderr and no JSON.
+            message = done.stderr.decode(errors="replace").strip().splitlines()
+            raise PreflightRejected("configuration_error", message[0] if message else f"exit {done.returncode}")
+        _, result = parse_result(done.stdout)
+        if result.failure is not None:
+            raise PreflightRejected(result.failure.category, result.failure.message)
+        manifest = root / "output" / run_id / "manifest.json"
+        tool_calls = _manifest_tool_calls(manifest)
+    return result, PvisorPlan(
+        after_step=after_step, prefix_model_turns=result.prefix_model_turns or after_step, tool_calls=tool_calls
+    )
+
+
+def _manifest_tool_calls(manifest: Path) -> int:
+    try:
+        boundary = json.loads(manifest.read_text(encoding="utf-8")).get("boundary", {})
+        return int(boundary.get("tool_calls", 0))
+    except (OSError, ValueError, TypeError):
+        return 0

@@ -1,0 +1,95 @@
+"""Look inside an image: which pvisor and which agent version does it really carry?
+
+Used after every build (an image is only kept when both versions are the pinned ones) and for images
+pvisor-host did not build. The probe runs with the sandbox's hardening and no network, in a labelled
+container that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import uuid
+from pathlib import Path
+
+import docker
+from pydantic import BaseModel
+
+from . import labels as L
+from .container import ContainerSpec, sandbox_container, save_logs, start, wait
+from .spec import default_user
+
+_PROBE_TIMEOUT = 120.0
+# Prints KEY=value lines; the agent's answer is framed because it may span lines.
+_SCRIPT = r"""
+for p in /opt/pvisor/bin/pvisor "$(command -v pvisor 2>/dev/null)"; do
+  if [ -n "$p" ] && [ -x "$p" ]; then
+    echo "PVISOR_PATH=$p"
+    echo "PVISOR_VERSION=$("$p" --version 2>/dev/null | head -n 1)"
+    break
+  fi
+done
+entry="$1"
+[ -x "$entry" ] || entry="$(command -v "$2" 2>/dev/null || true)"
+if [ -n "$entry" ] && [ -x "$entry" ]; then
+  echo "AGENT_PATH=$(readlink -f "$entry")"
+  shift 2
+  # Like pvisor's own probe: stdout, or stderr when stdout is empty.
+  out="$("$entry" "$@" 2>/tmp/.pvisor-host-probe.err)"; code=$?
+  [ -n "$out" ] || out="$(cat /tmp/.pvisor-host-probe.err)"
+  echo "AGENT_EXIT=$code"
+  printf 'AGENT_OUTPUT<<\n%s\n>>AGENT_OUTPUT\n' "$out"
+fi
+"""
+
+
+class ProbeResult(BaseModel):
+    """What the probe found in the image."""
+
+    pvisor_path: str | None = None
+    pvisor_version: str | None = None
+    """``pvisor --version`` output, e.g. ``pvisor 0.3.1``."""
+    agent_path: str | None = None
+    agent_exit: int | None = None
+    agent_output: str | None = None
+
+
+def parse_probe(text: str) -> ProbeResult:
+    """Parse the probe script's output."""
+    fields: dict[str, str] = {}
+    block = re.search(r"AGENT_OUTPUT<<\n(.*?)\n>>AGENT_OUTPUT", text, re.S)
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in {"PVISOR_PATH", "PVISOR_VERSION", "AGENT_PATH", "AGENT_EXIT"}:
+            fields[key] = value.strip()
+    return ProbeResult(
+        pvisor_path=fields.get("PVISOR_PATH"),
+        pvisor_version=fields.get("PVISOR_VERSION") or None,
+        agent_path=fields.get("AGENT_PATH"),
+        agent_exit=int(fields["AGENT_EXIT"]) if fields.get("AGENT_EXIT", "").isdigit() else None,
+        agent_output=block.group(1).strip() if block else None,
+    )
+
+
+def probe_image(
+    client: docker.DockerClient, image: str, *, entrypoint: str, command: str, version_args: list[str]
+) -> ProbeResult:
+    """Run the probe in ``image``: pvisor's version, and ``entrypoint`` (else ``command`` on PATH)."""
+    spec = ContainerSpec(
+        image=image,
+        command=["/bin/sh", "-c", _SCRIPT, "probe", entrypoint, command, *version_args],
+        name=f"pvisor-host-probe-{uuid.uuid4().hex[:12]}",
+        labels=L.resource_labels("probe"),
+        user=default_user(),
+        environment={"HOME": "/tmp"},
+        memory=1024**3,
+        cpus=1.0,
+        pids=256,
+        tmpfs_size=256 * 1024**2,
+    )
+    with sandbox_container(client, spec) as container, tempfile.TemporaryDirectory() as scratch:
+        start(container)
+        wait(container, _PROBE_TIMEOUT)
+        log = Path(scratch) / "probe.out"
+        save_logs(container, stdout=True, dest=log, limit=1024 * 1024)
+        return parse_probe(log.read_text(encoding="utf-8", errors="replace"))

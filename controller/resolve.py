@@ -1,0 +1,151 @@
+"""Which image a replay runs in, and what it carries — decided on the host where it can be.
+
+Images built by ``pvisor-host build`` carry labels recording the pvisor and agent versions verified in
+them, so their fitness is checked without a container. For an image without our labels, a probe
+container looks inside (after every host-side check has passed). ``--agent`` alone means the image
+``build`` makes, built when missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import docker
+import requests
+from docker.errors import APIError
+from docker.models.images import Image
+from loguru import logger
+from pydantic import BaseModel
+
+from . import labels as L
+from ._version import PVISOR_VERSION
+from .build import BuiltImage, build_agent_image, find_image
+from .errors import UsageError
+from .probe import probe_image
+from .profiles import AgentProfile, get_profile
+from .record import ImageRef
+
+
+class ImagePlan(BaseModel):
+    """The image decision before anything runs: use as labelled, probe it, or build it."""
+
+    action: Literal["labels", "probe", "build"]
+    agent: str
+    ref: str | None = None
+    id: str | None = None
+    labels: dict[str, str] = {}
+
+
+def plan_image(client: docker.DockerClient, *, image: str | None, agent: str | None) -> ImagePlan:
+    """Inspect ``image`` (no container): which agent, and whether its labels already vouch for it.
+
+    Raises:
+        UsageError: unknown image, an image of another agent or version, or an unlabelled image without
+            ``--agent``.
+    """
+    if image is None:
+        assert agent is not None
+        get_profile(agent)
+        return ImagePlan(action="build", agent=agent)
+    found = _local_or_pulled(client, image)
+    labels = dict(found.labels or {})
+    labelled_agent = labels.get(L.AGENT)
+    if labelled_agent is None:
+        if agent is None:
+            raise UsageError(
+                f"image {image} was not built by pvisor-host (no {L.AGENT} label)",
+                hint="pass --agent to say which agent it holds",
+            )
+        get_profile(agent)
+        return ImagePlan(action="probe", agent=agent, ref=image, id=found.id, labels=labels)
+    if agent is not None and agent != labelled_agent:
+        raise UsageError(
+            f"image {image} holds {labelled_agent} {labels.get(L.AGENT_VERSION, '?')}, not {agent}",
+            hint=f"drop --image to use the {agent} image, or drop --agent",
+        )
+    profile = get_profile(labelled_agent)
+    _check_labels(image, labels, profile)
+    return ImagePlan(action="labels", agent=labelled_agent, ref=image, id=found.id, labels=labels)
+
+
+def _local_or_pulled(client: docker.DockerClient, image: str) -> Image:
+    found = find_image(client, image)
+    if found is not None:
+        return found
+    try:
+        logger.info("image {} is not present; trying to pull it", image)
+        return client.images.pull(image)
+    except (APIError, requests.exceptions.RequestException) as exc:
+        detail = str(getattr(exc, "explanation", None) or exc).split("\n")[0][:160]
+        raise UsageError(
+            f"image {image} does not exist here and cannot be pulled ({detail})",
+            hint="build one with `pvisor-host build --agent AGENT` or pass --agent without --image",
+        ) from exc
+
+
+def _check_labels(image: str, labels: dict[str, str], profile: AgentProfile) -> None:
+    version = labels.get(L.AGENT_VERSION)
+    if version != profile.version:
+        raise UsageError(
+            f"image {image} has {profile.agent} {version}; pvisor {PVISOR_VERSION} replays only {profile.version}",
+            hint=f"pvisor-host build --agent {profile.agent}",
+        )
+    pvisor = labels.get(L.PVISOR_VERSION)
+    if pvisor != PVISOR_VERSION:
+        raise UsageError(
+            f"image {image} has pvisor {pvisor}; pvisor-host drives pvisor {PVISOR_VERSION}",
+            hint=f"pvisor-host build --agent {profile.agent}",
+        )
+
+
+def materialize(
+    client: docker.DockerClient,
+    plan: ImagePlan,
+    *,
+    base: str | None = None,
+    ca_bundle: Path | None = None,
+) -> tuple[ImageRef, BuiltImage | None]:
+    """Make the planned image real: build it, probe it, or take its labels.
+
+    Raises:
+        UsageError: an unlabelled image lacks pvisor or has another agent version.
+        ImageBuildError: a build failed or produced the wrong versions.
+    """
+    profile = get_profile(plan.agent)
+    if plan.action == "build":
+        built = build_agent_image(client, profile, base=base, ca_bundle=ca_bundle)
+        ref = ImageRef(
+            ref=built.tag, id=built.id, agent=profile.agent, agent_version=profile.version,
+            pvisor_version=PVISOR_VERSION, agent_entrypoint=profile.entrypoint,
+            pvisor_path="/opt/pvisor/bin/pvisor", verified_by="build",
+        )  # fmt: skip
+        return ref, built
+    assert plan.ref is not None and plan.id is not None
+    if plan.action == "labels":
+        return ImageRef(
+            ref=plan.ref, id=plan.id, agent=profile.agent, agent_version=profile.version,
+            pvisor_version=PVISOR_VERSION,
+            agent_entrypoint=plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint),
+            pvisor_path=plan.labels.get(L.PVISOR_PATH, "/opt/pvisor/bin/pvisor"), verified_by="labels",
+        ), None  # fmt: skip
+    found = probe_image(
+        client, plan.id, entrypoint=profile.entrypoint, command=profile.agent, version_args=profile.version_probe.args
+    )
+    if found.pvisor_path is None or found.pvisor_version != f"pvisor {PVISOR_VERSION}":
+        what = "no pvisor" if found.pvisor_path is None else f"{found.pvisor_version!r}"
+        raise UsageError(
+            f"image {plan.ref} has {what}; pvisor-host needs pvisor {PVISOR_VERSION} in the image",
+            hint=f"pvisor-host build --agent {profile.agent}",
+        )
+    if found.agent_path is None or found.agent_output is None or not profile.version_probe.matches(found.agent_output):
+        seen = "no agent executable" if found.agent_path is None else f"{found.agent_output!r} from {found.agent_path}"
+        raise UsageError(
+            f"image {plan.ref} has {seen}; {profile.agent} must be exactly {profile.version}",
+            hint=f"pvisor-host build --agent {profile.agent}",
+        )
+    return ImageRef(
+        ref=plan.ref, id=plan.id, agent=profile.agent, agent_version=profile.version,
+        pvisor_version=PVISOR_VERSION, agent_entrypoint=found.agent_path, pvisor_path=found.pvisor_path,
+        verified_by="probe",
+    ), None  # fmt: skip

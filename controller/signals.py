@@ -1,0 +1,46 @@
+"""Interrupt handling: SIGTERM behaves like Ctrl-C, and cleanup cannot be interrupted.
+
+While :func:`deferred_interrupts` is active, SIGINT and SIGTERM are only noted; the block (removing a
+container, say) always finishes. If an interrupt arrived and no exception was already on its way out,
+``KeyboardInterrupt`` is raised when the block ends, so the user's request is never lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+_HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def install_sigterm_as_interrupt() -> None:
+    """Make SIGTERM raise ``KeyboardInterrupt`` in the main thread, like Ctrl-C."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM until the block is done (a no-op outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    for sig in _HANDLED:
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received and sys.exc_info()[1] is None:
+        raise KeyboardInterrupt
