@@ -7,6 +7,7 @@ carries a hash of that recipe, so a changed recipe makes a new base and an uncha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import subprocess
@@ -118,7 +119,5 @@ def bootstrap(client: docker.DockerClient) -> Image:
 
 
 def _forget(client: docker.DockerClient, tag: str) -> None:
-    try:
+    with contextlib.suppress(ImageNotFound, APIError):
         client.images.remove(tag, force=True)
-    except (ImageNotFound, APIError):
-        pass

@@ -39,8 +39,17 @@ _RECIPE_DIR = "sandbox"
 _RECIPE_FILES = ("Dockerfile", "with-ca.sh", "ensure-os.sh", "fetch-npm.py", "install-agent.sh")
 _BUILD_TIMEOUT = 3600
 # Registry errors that mean "cannot reach it" (retried a little, then we bootstrap), not "no such image".
-_UNREACHABLE = ("no such host", "dial tcp", "connection refused", "i/o timeout", "tls handshake timeout",
-                "client.timeout", "network is unreachable", "connection reset", "temporary failure")  # fmt: skip
+_UNREACHABLE = (
+    "no such host",
+    "dial tcp",
+    "connection refused",
+    "i/o timeout",
+    "tls handshake timeout",
+    "client.timeout",
+    "network is unreachable",
+    "connection reset",
+    "temporary failure",
+)
 
 
 class BaseImage(BaseModel):
@@ -102,16 +111,13 @@ class Recipe(BaseModel):
         for key in sorted(self.build_args):
             h.update(f"arg {key}={self.build_args[key]}\n".encode())
         h.update(f"base {self.base.id}\n".encode())
+        for key, value in sorted(self._facts.items()):
+            h.update(f"label {key}={value}\n".encode())
         return h.hexdigest()
 
     @property
-    def tag(self) -> str:
-        """``pvisor-host/<agent>:<agent-version>-pvisor<version>-<hash12>``."""
-        return f"pvisor-host/{self.profile.agent}:{self.profile.version}-pvisor{PVISOR_VERSION}-{self.digest[:12]}"
-
-    @property
-    def labels(self) -> dict[str, str]:
-        """Image labels: what the image carries, as verified after the build."""
+    def _facts(self) -> dict[str, str]:
+        """The labels that describe the image's content (everything but the hash itself)."""
         return {
             L.MANAGED: "true",
             L.ROLE: "sandbox-image",
@@ -120,9 +126,18 @@ class Recipe(BaseModel):
             L.AGENT_ENTRYPOINT: self.profile.entrypoint,
             L.PVISOR_VERSION: PVISOR_VERSION,
             L.PVISOR_PATH: "/opt/pvisor/bin/pvisor",
-            L.RECIPE_HASH: self.digest,
             L.BASE_IMAGE: self.base.ref,
         }
+
+    @property
+    def tag(self) -> str:
+        """``pvisor-host/<agent>:<agent-version>-pvisor<version>-<hash12>``."""
+        return f"pvisor-host/{self.profile.agent}:{self.profile.version}-pvisor{PVISOR_VERSION}-{self.digest[:12]}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Image labels: what the image carries (verified after the build) and the recipe hash."""
+        return {**self._facts, L.RECIPE_HASH: self.digest}
 
 
 def default_ca_bundle() -> Path | None:
@@ -178,8 +193,12 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, APIError) and any(m in str(exc.explanation or exc).lower() for m in _UNREACHABLE)
 
 
-@retry(retry=retry_if_exception(_unreachable), stop=stop_after_attempt(3),
-       wait=wait_exponential(multiplier=0.5, max=4), reraise=True)  # fmt: skip
+@retry(
+    retry=retry_if_exception(_unreachable),
+    stop=stop_after_attempt(3),
+    wait=wait_exponential(multiplier=0.5, max=4),
+    reraise=True,
+)
 def _pull(client: docker.DockerClient, ref: str) -> Image:
     repository, _, tag = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
     return client.images.pull(repository, tag=tag)
@@ -284,12 +303,21 @@ def _docker_build(client: docker.DockerClient, recipe: Recipe) -> Image:
             path.chmod(0o755 if name.endswith(".sh") else 0o644)
         try:
             stream = client.api.build(
-                path=context, tag=recipe.tag, buildargs=recipe.build_args, labels=recipe.labels,
-                rm=True, forcerm=True, pull=False, decode=True, timeout=_BUILD_TIMEOUT,
-            )  # fmt: skip
+                path=context,
+                tag=recipe.tag,
+                buildargs=recipe.build_args,
+                labels=recipe.labels,
+                rm=True,
+                forcerm=True,
+                pull=False,
+                decode=True,
+                timeout=_BUILD_TIMEOUT,
+            )
             for event in stream:
                 if "error" in event:
-                    raise ImageBuildError(f"building {recipe.tag} failed: {event['error'].strip()} | {' | '.join(tail)}")
+                    raise ImageBuildError(
+                        f"building {recipe.tag} failed: {event['error'].strip()} | {' | '.join(tail)}"
+                    )
                 line = str(event.get("stream", "")).rstrip()
                 if line:
                     logger.debug("build: {}", line)

@@ -31,7 +31,6 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 _out = Console()
-_err = Console(stderr=True)
 
 
 def _version(value: bool) -> None:
@@ -60,7 +59,9 @@ def build(
     base: Annotated[str | None, typer.Option(help="Base image (default debian:bookworm-slim, or a bootstrap).")] = None,
     ca_bundle: Annotated[
         Path | None,
-        typer.Option(help="CA bundle for the build's downloads (default: SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT)."),
+        typer.Option(
+            help="CA bundle for the build's downloads (default: SSL_CERT_FILE, REQUESTS_CA_BUNDLE, PIP_CERT)."
+        ),
     ] = None,
     bootstrap: Annotated[bool, typer.Option(help="Build the Debian base with mmdebstrap instead of pulling.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the image as JSON.")] = False,
@@ -104,7 +105,9 @@ def replay(
         str | None, typer.Option(help="Workspace path in the sandbox (default: the recorded cwd, else /workspace).")
     ] = None,
     no_workspace: Annotated[bool, typer.Option("--no-workspace", help="Do not collect the final workspace.")] = False,
-    out: Annotated[Path | None, typer.Option(help="Run directory (new or empty); default ./pvisor-runs/<run-id>.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Run directory (new or empty); default ./pvisor-runs/<run-id>.")
+    ] = None,
     timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 90s, 30m, 2h.")] = "2h",
     memory: Annotated[str, typer.Option(help="Memory limit, e.g. 2g.")] = "4g",
     cpus: Annotated[float, typer.Option(help="CPU limit.")] = 2.0,
@@ -128,14 +131,34 @@ def replay(
     from .spec import build_spec
 
     spec = build_spec(
-        trajectory=trajectory, agent=agent, image=image, after_step=after_step, mode=mode, max_steps=max_steps,
-        boundary_user_prompt=boundary_user_prompt, disable_thinking=disable_thinking,
-        allow_stale_observations=allow_stale_observations, session_id=session_id, run_id=run_id,
-        workspace_dir=workspace_dir, workspace_path=workspace_path, no_workspace=no_workspace, out=out,
-        timeout=timeout, memory=memory, cpus=cpus, pids=pids, tmp_size=tmp_size, collect_limit=collect_limit,
-        network=network, env=env or [], user=user, cap_add=cap_add or [], writable_rootfs=writable_rootfs,
+        trajectory=trajectory,
+        agent=agent,
+        image=image,
+        after_step=after_step,
+        mode=mode,
+        max_steps=max_steps,
+        boundary_user_prompt=boundary_user_prompt,
+        disable_thinking=disable_thinking,
+        allow_stale_observations=allow_stale_observations,
+        session_id=session_id,
+        run_id=run_id,
+        workspace_dir=workspace_dir,
+        workspace_path=workspace_path,
+        no_workspace=no_workspace,
+        out=out,
+        timeout=timeout,
+        memory=memory,
+        cpus=cpus,
+        pids=pids,
+        tmp_size=tmp_size,
+        collect_limit=collect_limit,
+        network=network,
+        env=env or [],
+        user=user,
+        cap_add=cap_add or [],
+        writable_rootfs=writable_rootfs,
         allow_privilege_escalation=allow_privilege_escalation,
-    )  # fmt: skip
+    )
     checked = check_inputs(spec)
     client = connect()
     prepared = prepare(checked, client, base=base, ca_bundle=ca_bundle)
@@ -145,6 +168,12 @@ def replay(
     else:
         render.replay_summary(_out, record, prepared.out_dir)
     return exit_code_for_status(record.status)
+
+
+def _say(line: str) -> None:
+    """One unwrapped line on stderr (errors must stay one line whatever the terminal width)."""
+    sys.stderr.write(line.replace("\n", " ") + "\n")
+    sys.stderr.flush()
 
 
 def _debugging(argv: list[str]) -> bool:
@@ -163,28 +192,22 @@ def main(argv: list[str] | None = None) -> None:
     except PvisorHostError as exc:
         if debug:
             traceback.print_exc()
-        if exc.exit_code == ExitCode.INTERRUPTED:
-            _err.print(f"pvisor-host: {exc.one_line()}", highlight=False)
-        else:
-            _err.print(f"pvisor-host: error: {exc.one_line()}", highlight=False, markup=False)
+        interrupted = exc.exit_code == ExitCode.INTERRUPTED
+        _say(f"pvisor-host: {exc.one_line()}" if interrupted else f"pvisor-host: error: {exc.one_line()}")
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort):
-        _err.print("pvisor-host: interrupted", highlight=False)
+        _say("pvisor-host: interrupted")
         code = ExitCode.INTERRUPTED
     except TyperException as exc:  # usage errors from option parsing
         show = getattr(exc, "show", None)
         if show is not None:
             show()
         else:
-            _err.print(f"pvisor-host: error: {exc.format_message()}", highlight=False, markup=False)
+            _say(f"pvisor-host: error: {exc.format_message()}")
         code = exc.exit_code
     except Exception as exc:  # a bug: say so in one line, keep the traceback for --debug
         if debug:
             traceback.print_exc()
-        _err.print(
-            f"pvisor-host: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            highlight=False,
-            markup=False,
-        )
+        _say(f"pvisor-host: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
         code = ExitCode.INFRASTRUCTURE
     sys.exit(code)

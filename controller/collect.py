@@ -7,7 +7,8 @@ archive API returns it) into one destination directory and never writes outside 
 * symlinks are kept only when relative and resolving inside the destination; hard links only when
   they name a regular file already extracted (the content is copied);
 * devices, FIFOs and sockets are skipped; set-uid/set-gid/sticky bits are dropped;
-* a byte budget shared by all trees of one run caps the total; past it the report says ``truncated``.
+* a byte budget shared by all trees of one run caps the total: a file that no longer fits is skipped
+  (and listed), smaller ones after it may still be collected, and the report says ``truncated``.
 
 Every skipped member is reported with its reason. :func:`diff_trees` compares the workspace before and
 after the replay.
@@ -30,6 +31,8 @@ from pydantic import BaseModel
 _COPY_CHUNK = 1024 * 1024
 #: Most entries one run may collect (a million tiny files is a denial of service, not an artifact).
 MAX_ENTRIES = 200_000
+#: Most skipped members listed one by one in a report.
+MAX_SKIPPED = 1000
 
 EntryKind = Literal["file", "dir", "symlink"]
 
@@ -124,7 +127,10 @@ class _Extractor:
         self.files: dict[str, Path] = {}
 
     def skip(self, path: str, reason: str) -> None:
-        self.report.skipped.append(Skipped(path=path, reason=reason))
+        if len(self.report.skipped) < MAX_SKIPPED:
+            self.report.skipped.append(Skipped(path=path, reason=reason))
+        elif len(self.report.skipped) == MAX_SKIPPED:
+            self.report.skipped.append(Skipped(path="...", reason="more members skipped; not listed"))
 
     def parent_ok(self, relative: str) -> Path | None:
         """Create the parent directories of ``relative``; None if one of them is not a real directory."""
@@ -225,20 +231,20 @@ def extract_tar(
     dest.mkdir(parents=True, exist_ok=True)
     work = _Extractor(dest, budget)
     try:
-        archive = tarfile.open(fileobj=stream, mode="r|")
+        archive = tarfile.open(fileobj=stream, mode="r|")  # noqa: SIM115 (closed by the `with` below)
     except tarfile.ReadError:
         work.report.skipped.append(Skipped(path=".", reason="not a tar archive"))
         return work.report
     with archive:
         for member in archive:
-            if budget.exhausted or budget.bytes < 0:
-                work.report.truncated = True
-                break
+            if member.name.startswith("/"):
+                work.skip(member.name, "absolute path")
+                continue
             mapped = mapper(member.name)
             if mapped is None:
                 continue
             relative = _safe_relative(mapped)
-            if relative is None:
+            if relative is None or _safe_relative(member.name) is None:
                 work.skip(member.name, "path escapes the collected tree")
                 continue
             if not work.take_entry():
@@ -256,7 +262,6 @@ def extract_tar(
                 assert source is not None
                 if not work.regular(relative, target, source, member.size, member.mode):
                     work.report.truncated = True
-                    break
             elif member.issym():
                 work.symlink(relative, target, member.linkname)
             elif member.islnk():
@@ -268,7 +273,6 @@ def extract_tar(
                 work.skip(relative, "FIFO")
             else:
                 work.skip(relative, f"unsupported member type {member.type!r}")
-    work.report.truncated = work.report.truncated or budget.exhausted
     return work.report
 
 

@@ -122,7 +122,9 @@ def _find_own(client: docker.DockerClient, spec: ContainerSpec) -> Container | N
         found = client.containers.get(spec.name)
     except NotFound:
         return None
-    own = found.labels.get(L.SESSION) == spec.labels.get(L.SESSION) and found.labels.get(L.RUN) == spec.labels.get(L.RUN)
+    own = found.labels.get(L.SESSION) == spec.labels.get(L.SESSION) and found.labels.get(L.RUN) == spec.labels.get(
+        L.RUN
+    )
     return found if own else None
 
 
@@ -190,7 +192,7 @@ def wait(container: Container, timeout: float | None) -> WaitOutcome:
     return WaitOutcome(
         exit_code=status.get("StatusCode"),
         timed_out=timed_out,
-        oom_killed=bool(state.get("OOMKilled")) and not timed_out,
+        oom_killed=bool(state.get("OOMKilled")),
         duration=time.monotonic() - started,
     )
 

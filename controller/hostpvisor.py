@@ -87,10 +87,24 @@ def prepare_only(
         root = Path(scratch)
         (root / "workspace").mkdir()
         command = [
-            str(binary), "replay", "--agent", agent, "--trajectory", str(trajectory),
-            "--after-step", str(after_step), "--prepare-only", "--workspace", str(root / "workspace"),
-            "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), "--run-id", run_id,
-        ]  # fmt: skip
+            str(binary),
+            "replay",
+            "--agent",
+            agent,
+            "--trajectory",
+            str(trajectory),
+            "--after-step",
+            str(after_step),
+            "--prepare-only",
+            "--workspace",
+            str(root / "workspace"),
+            "--state-dir",
+            str(root / "state"),
+            "--output-dir",
+            str(root / "output"),
+            "--run-id",
+            run_id,
+        ]
         if session_id:
             command += ["--session-id", session_id]
         if boundary_user_prompt:

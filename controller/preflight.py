@@ -9,8 +9,10 @@ only then is an image built or probed. Any failure is a one-line :class:`UsageEr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,20 +66,19 @@ def check_out_dir(out: Path | None, run_id: str) -> Path:
         if not path.is_dir():
             raise UsageError(f"--out {path} exists and is not a directory")
         if any(path.iterdir()):
-            raise UsageError(f"--out {path} is not empty", hint="pass a new directory; pvisor-host never overwrites a run")
+            raise UsageError(
+                f"--out {path} is not empty", hint="pass a new directory; pvisor-host never overwrites a run"
+            )
     existing = path
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or _read_only_fs(existing):
-        raise UsageError(f"--out {path} is not writable ({existing} does not allow it)")
-    return path
-
-
-def _read_only_fs(path: Path) -> bool:
     try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
+        # An unnamed temporary file (O_TMPFILE where supported): proves writability, leaves no trace.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {path} is not writable ({existing}: {exc.strerror})") from None
+    return path
 
 
 def create_out_dir(path: Path) -> None:
@@ -94,10 +95,8 @@ def create_out_dir(path: Path) -> None:
 
 def release_out_dir(path: Path) -> None:
     """Remove the run directory again if it is still empty (pre-flight failed after creating it)."""
-    try:
+    with contextlib.suppress(OSError):
         path.rmdir()
-    except OSError:
-        pass
 
 
 def _env_values(spec: ReplaySpec) -> None:
@@ -153,7 +152,9 @@ def _workspace_path(spec: ReplaySpec, trajectory: Path, profile: AgentProfile) -
     try:
         return check_workspace_path(recorded)
     except ValueError as exc:
-        raise UsageError(f"the trajectory recorded its workspace at {recorded}: {exc}", hint="pass --workspace-path") from None
+        raise UsageError(
+            f"the trajectory recorded its workspace at {recorded}: {exc}", hint="pass --workspace-path"
+        ) from None
 
 
 def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
@@ -169,35 +170,69 @@ def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
         )
 
 
+class AgentChecks(BaseModel):
+    """What pre-flight learned once the agent was known."""
+
+    profile: AgentProfile
+    workspace_path: str
+    plan: PvisorPlan
+
+
 class CheckedInputs(BaseModel):
-    """The host-only part of pre-flight: what can be checked without the engine."""
+    """The host-only part of pre-flight: everything that needs no engine."""
 
     spec: ReplaySpec
     trajectory: TrajectoryInfo
     run_id: str
     out_dir: Path
     user: str
+    agent: AgentChecks | None = None
+    """Present when ``--agent`` was given; with ``--image`` alone the agent comes from the image's labels."""
     seconds: float
 
 
 def check_inputs(spec: ReplaySpec) -> CheckedInputs:
-    """The checks that need neither the engine nor pvisor: agent, trajectory, env, workspace, user, out.
+    """Every check that needs no engine: trajectory, environment, workspace, user, output directory and,
+    when ``--agent`` is given, the agent-specific ones including pvisor's own pre-flight.
 
     Raises:
         UsageError: the first problem found, in one line.
+        PrerequisiteError: the host's pvisor is missing.
     """
     started = time.monotonic()
-    if spec.agent is not None:
-        get_profile(spec.agent)
+    profile = get_profile(spec.agent) if spec.agent is not None else None
     trajectory = check_file(spec.trajectory)
     _env_values(spec)
     _workspace_dir(spec)
     user = _user(spec)
     run_id = spec.run_id or new_run_id()
     out_dir = check_out_dir(spec.out, run_id)
+    agent = _agent_checks(spec, trajectory, run_id, profile) if profile is not None else None
     return CheckedInputs(
-        spec=spec, trajectory=trajectory, run_id=run_id, out_dir=out_dir, user=user, seconds=time.monotonic() - started
+        spec=spec,
+        trajectory=trajectory,
+        run_id=run_id,
+        out_dir=out_dir,
+        user=user,
+        agent=agent,
+        seconds=time.monotonic() - started,
     )
+
+
+def _agent_checks(spec: ReplaySpec, trajectory: TrajectoryInfo, run_id: str, profile: AgentProfile) -> AgentChecks:
+    check_agent(trajectory.path, profile, all_profiles())
+    _, plan = prepare_only(
+        agent=profile.agent,
+        trajectory=trajectory.path,
+        after_step=spec.after_step,
+        run_id=run_id,
+        session_id=spec.session_id,
+        boundary_user_prompt=spec.boundary_user_prompt,
+    )
+    _budget(spec, plan)
+    _continuation(spec, profile)
+    workspace_path = _workspace_path(spec, trajectory.path, profile)
+    return AgentChecks(profile=profile, workspace_path=workspace_path, plan=plan)
 
 
 def prepare(
@@ -207,7 +242,7 @@ def prepare(
     base: str | None = None,
     ca_bundle: Path | None = None,
 ) -> PreparedReplay:
-    """Finish pre-flight with the engine and the host's pvisor, then make the image ready.
+    """Finish pre-flight with the engine (the image's labels), then make the image ready.
 
     Raises:
         UsageError: the request is wrong (one line says what and how to fix it).
@@ -217,19 +252,7 @@ def prepare(
     started = time.monotonic()
     spec = checked.spec
     plan = plan_image(client, image=spec.image, agent=spec.agent)
-    profile = get_profile(plan.agent)
-    check_agent(checked.trajectory.path, profile, all_profiles())
-    _continuation(spec, profile)
-    workspace_path = _workspace_path(spec, checked.trajectory.path, profile)
-    _, pvisor_plan = prepare_only(
-        agent=profile.agent,
-        trajectory=checked.trajectory.path,
-        after_step=spec.after_step,
-        run_id=checked.run_id,
-        session_id=spec.session_id,
-        boundary_user_prompt=spec.boundary_user_prompt,
-    )
-    _budget(spec, pvisor_plan)
+    agent = checked.agent or _agent_checks(spec, checked.trajectory, checked.run_id, get_profile(plan.agent))
     create_out_dir(checked.out_dir)
     checked_at = time.monotonic()
     try:
@@ -239,16 +262,19 @@ def prepare(
         raise
     return PreparedReplay(
         spec=spec,
-        profile=profile,
+        profile=agent.profile,
         trajectory=checked.trajectory,
         run_id=checked.run_id,
         out_dir=checked.out_dir,
-        workspace_path=workspace_path,
+        workspace_path=agent.workspace_path,
         user=checked.user,
         image=image,
         built=built,
-        plan=pvisor_plan,
-        timings={"preflight": round(checked.seconds + checked_at - started, 4), "image": round(time.monotonic() - checked_at, 4)},
+        plan=agent.plan,
+        timings={
+            "preflight": round(checked.seconds + checked_at - started, 4),
+            "image": round(time.monotonic() - checked_at, 4),
+        },
     )
 
 

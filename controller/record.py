@@ -13,14 +13,14 @@ import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel
 
 from .collect import Skipped, WorkspaceChanges
 from .result import ReplayResult
 
-RECORD_SCHEMA = "pvisor-host.record/v1"
+RECORD_SCHEMA: Final = "pvisor-host.record/v1"
 
 ReplayStatus = Literal["ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted"]
 

@@ -25,7 +25,9 @@ def built_image(console: Console, built: BuiltImage) -> None:
     """One line per fact about a built (or found) image."""
     how = "found (nothing to build)" if built.cached else f"built and verified in {format_duration(built.seconds)}"
     console.print(f"[bold]{built.tag}[/bold] {how}")
-    console.print(f"  agent {built.agent} {built.agent_version}, pvisor {built.pvisor_version}, {format_size(built.size)}")
+    console.print(
+        f"  agent {built.agent} {built.agent_version}, pvisor {built.pvisor_version}, {format_size(built.size)}"
+    )
     console.print(f"  base {built.base.ref} ({built.base.source})")
 
 

@@ -51,17 +51,26 @@ def pvisor_command(prepared: PreparedReplay, trajectory_in_sandbox: str) -> list
     """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
     spec = prepared.spec
     command = [
-        "/bin/sh", f"{INPUT_MOUNT}/entry.sh",
-        prepared.image.pvisor_path, "replay",
-        "--agent", prepared.profile.agent,
-        "--trajectory", trajectory_in_sandbox,
-        "--after-step", str(spec.after_step),
+        "/bin/sh",
+        f"{INPUT_MOUNT}/entry.sh",
+        prepared.image.pvisor_path,
+        "replay",
+        "--agent",
+        prepared.profile.agent,
+        "--trajectory",
+        trajectory_in_sandbox,
+        "--after-step",
+        str(spec.after_step),
         *_MODE_FLAGS[spec.mode],
-        "--workspace", prepared.workspace_path,
-        "--state-dir", f"{RUN_MOUNT}/state",
-        "--output-dir", f"{RUN_MOUNT}/output",
-        "--run-id", prepared.run_id,
-    ]  # fmt: skip
+        "--workspace",
+        prepared.workspace_path,
+        "--state-dir",
+        f"{RUN_MOUNT}/state",
+        "--output-dir",
+        f"{RUN_MOUNT}/output",
+        "--run-id",
+        prepared.run_id,
+    ]
     if spec.mode != "prepare-only":
         command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
     if spec.max_steps is not None:
@@ -226,8 +235,12 @@ def _run_container(
         sandbox.start(box)
         logger.info(
             "running {} {} (after step {}) in container {} [{}]",
-            run.prepared.profile.agent, spec.mode, spec.after_step, box.short_id, cspec.name,
-        )  # fmt: skip
+            run.prepared.profile.agent,
+            spec.mode,
+            spec.after_step,
+            box.short_id,
+            cspec.name,
+        )
         run.outcome = sandbox.wait(box, spec.timeout)
         clock = run.phase("run", clock)
         logs = out / "logs"
@@ -267,32 +280,48 @@ def _collect(box: Container, run: _Run, staging: Staging) -> None:
             run.infra_error = f"could not collect {path} from the sandbox: {exc}"
             continue
         run.reports[name] = extract_tar(tar_stream(chunks), dest, budget)
-        if budget.exhausted:
-            logger.warning("collection stopped at the collect limit ({})", format_size(prepared.spec.collect_limit))
+    if budget.exhausted:
+        logger.warning(
+            "the collect limit ({}) was reached; record.json lists what was not collected",
+            format_size(prepared.spec.collect_limit),
+        )
 
 
-def classify(run: _Run) -> tuple[ReplayStatus, Failure | None]:
-    """Decide the record's status from the interrupt flag, the wait outcome and pvisor's result."""
-    spec = run.prepared.spec
-    outcome = run.outcome
-    if run.interrupted:
+def classify(
+    outcome: sandbox.WaitOutcome,
+    result: ReplayResult | None,
+    *,
+    interrupted: bool = False,
+    infra_error: str | None = None,
+    protocol_error: str | None = None,
+    timeout: float,
+    memory: int,
+) -> tuple[ReplayStatus, Failure | None]:
+    """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
+
+    An OOM kill anywhere in the sandbox counts as ``oom`` even when pvisor survived it: a replayed
+    tool that ran out of memory produced a different observation than the recording.
+    """
+    if interrupted:
         return "interrupted", Failure(category="interrupted", message="interrupted by the user (Ctrl-C or SIGTERM)")
     if outcome.timed_out:
         return "timeout", Failure(
-            category="timeout", message=f"the sandbox ran past --timeout {format_duration(spec.timeout)} and was killed"
+            category="timeout", message=f"the sandbox ran past --timeout {format_duration(timeout)} and was killed"
         )
-    if outcome.oom_killed and (run.result is None or outcome.exit_code == 137):
+    if outcome.oom_killed:
         return "oom", Failure(
-            category="oom", message=f"the sandbox ran out of memory (--memory {format_size(spec.memory)}) and was killed"
+            category="oom",
+            message=f"the sandbox ran out of memory (--memory {format_size(memory)}); the kernel killed a process",
         )
-    if run.infra_error:
-        return "infra_error", Failure(category="infra_error", message=run.infra_error)
-    if run.result is None:
-        message = run.protocol_error or "pvisor printed no result"
+    if infra_error:
+        return "infra_error", Failure(category="infra_error", message=infra_error)
+    if result is None:
+        message = protocol_error or "pvisor printed no result"
         return "infra_error", Failure(category="infra_error", message=f"{message} (exit code {outcome.exit_code})")
-    if run.result.failure is not None:
-        failure = run.result.failure
-        return "replay_failed", Failure(category=failure.category, message=failure.message, retryable=run.result.retryable)
+    if result.failure is not None:
+        return "replay_failed", Failure(
+            category=result.failure.category, message=result.failure.message, retryable=result.retryable
+        )
     if outcome.exit_code != 0:
         return "infra_error", Failure(
             category="infra_error", message=f"pvisor exited {outcome.exit_code} although its result reports success"
@@ -338,7 +367,15 @@ def _directory_role(roles: dict[str, tuple[str, str]], relative: str) -> tuple[s
 
 def _record(run: _Run, staging: Staging, cspec: sandbox.ContainerSpec, info: ContainerInfo) -> ReplayRecord:
     prepared = run.prepared
-    status, failure = classify(run)
+    status, failure = classify(
+        run.outcome,
+        run.result,
+        interrupted=run.interrupted,
+        infra_error=run.infra_error,
+        protocol_error=run.protocol_error,
+        timeout=prepared.spec.timeout,
+        memory=prepared.spec.memory,
+    )
     info.exit_code = run.outcome.exit_code
     info.oom_killed = run.outcome.oom_killed
     info.timed_out = run.outcome.timed_out

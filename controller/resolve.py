@@ -50,7 +50,7 @@ def plan_image(client: docker.DockerClient, *, image: str | None, agent: str | N
         return ImagePlan(action="build", agent=agent)
     found = _local_or_pulled(client, image)
     labels = dict(found.labels or {})
-    labelled_agent = labels.get(L.AGENT)
+    labelled_agent = labels.get(L.AGENT) or None
     if labelled_agent is None:
         if agent is None:
             raise UsageError(
@@ -74,7 +74,7 @@ def _local_or_pulled(client: docker.DockerClient, image: str) -> Image:
     if found is not None:
         return found
     try:
-        logger.info("image {} is not present; trying to pull it", image)
+        logger.debug("image {} is not present; trying to pull it", image)
         return client.images.pull(image)
     except (APIError, requests.exceptions.RequestException) as exc:
         detail = str(getattr(exc, "explanation", None) or exc).split("\n")[0][:160]
@@ -116,19 +116,28 @@ def materialize(
     if plan.action == "build":
         built = build_agent_image(client, profile, base=base, ca_bundle=ca_bundle)
         ref = ImageRef(
-            ref=built.tag, id=built.id, agent=profile.agent, agent_version=profile.version,
-            pvisor_version=PVISOR_VERSION, agent_entrypoint=profile.entrypoint,
-            pvisor_path="/opt/pvisor/bin/pvisor", verified_by="build",
-        )  # fmt: skip
+            ref=built.tag,
+            id=built.id,
+            agent=profile.agent,
+            agent_version=profile.version,
+            pvisor_version=PVISOR_VERSION,
+            agent_entrypoint=profile.entrypoint,
+            pvisor_path="/opt/pvisor/bin/pvisor",
+            verified_by="build",
+        )
         return ref, built
     assert plan.ref is not None and plan.id is not None
     if plan.action == "labels":
         return ImageRef(
-            ref=plan.ref, id=plan.id, agent=profile.agent, agent_version=profile.version,
+            ref=plan.ref,
+            id=plan.id,
+            agent=profile.agent,
+            agent_version=profile.version,
             pvisor_version=PVISOR_VERSION,
             agent_entrypoint=plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint),
-            pvisor_path=plan.labels.get(L.PVISOR_PATH, "/opt/pvisor/bin/pvisor"), verified_by="labels",
-        ), None  # fmt: skip
+            pvisor_path=plan.labels.get(L.PVISOR_PATH, "/opt/pvisor/bin/pvisor"),
+            verified_by="labels",
+        ), None
     found = probe_image(
         client, plan.id, entrypoint=profile.entrypoint, command=profile.agent, version_args=profile.version_probe.args
     )
@@ -145,7 +154,12 @@ def materialize(
             hint=f"pvisor-host build --agent {profile.agent}",
         )
     return ImageRef(
-        ref=plan.ref, id=plan.id, agent=profile.agent, agent_version=profile.version,
-        pvisor_version=PVISOR_VERSION, agent_entrypoint=found.agent_path, pvisor_path=found.pvisor_path,
+        ref=plan.ref,
+        id=plan.id,
+        agent=profile.agent,
+        agent_version=profile.version,
+        pvisor_version=PVISOR_VERSION,
+        agent_entrypoint=found.agent_path,
+        pvisor_path=found.pvisor_path,
         verified_by="probe",
-    ), None  # fmt: skip
+    ), None

@@ -124,7 +124,9 @@ class ReplaySpec(BaseModel):
     def _env(cls, names: list[str]) -> list[str]:
         for name in names:
             if "=" in name:
-                raise ValueError(f"{name.split('=')[0]}=...: pass only the name; the value is read from your environment")
+                raise ValueError(
+                    f"{name.split('=')[0]}=...: pass only the name; the value is read from your environment"
+                )
             if not _ENV_NAME.match(name):
                 raise ValueError(f"{name!r} is not a variable name")
         return list(dict.fromkeys(names))
@@ -183,8 +185,8 @@ def describe_validation_error(exc: ValidationError, *, flags: bool = True) -> st
     message = str(first["msg"]).removeprefix("Value error, ")
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, UsageError):
-        return cause.one_line()
-    if first["type"] == "missing":
+        message = cause.one_line()
+    elif first["type"] == "missing":
         message = "is required"
     elif first["type"] == "extra_forbidden":
         message = "is not a known option"

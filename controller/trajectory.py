@@ -82,7 +82,9 @@ def check_file(path: Path) -> TrajectoryInfo:
 def _check_text(path: Path, decoder: codecs.IncrementalDecoder, chunk: bytes, offset: int, final: bool = False) -> None:
     nul = chunk.find(b"\0")
     if nul >= 0:
-        raise _fail(path, f"is binary (NUL byte at offset {offset + nul})", "pass a native trajectory (JSON or JSONL text)")
+        raise _fail(
+            path, f"is binary (NUL byte at offset {offset + nul})", "pass a native trajectory (JSON or JSONL text)"
+        )
     try:
         decoder.decode(chunk, final)
     except UnicodeDecodeError as exc:

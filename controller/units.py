@@ -13,11 +13,12 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
 _SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
-def parse_duration(text: str, *, flag: str = "duration") -> float:
+def parse_duration(text: str, *, flag: str | None = None) -> float:
     """Parse ``30``, ``30s``, ``5m``, ``1h30m`` or ``250ms`` into seconds (> 0).
 
     A bare number means seconds.
     """
+    where = f"{flag}: " if flag else ""
     value = text.strip().lower()
     if re.fullmatch(r"\d+(?:\.\d+)?", value):
         seconds = float(value)
@@ -25,27 +26,28 @@ def parse_duration(text: str, *, flag: str = "duration") -> float:
         parts = _DURATION_PART.findall(value)
         if not parts or "".join(n + u for n, u in parts) != value:
             raise UsageError(
-                f"{flag}: {text!r} is not a duration",
+                f"{where}{text!r} is not a duration",
                 hint="use a number of seconds or units like 90s, 5m, 1h30m",
             )
         seconds = sum(float(n) * _DURATION_SECONDS[u] for n, u in parts)
     if seconds <= 0:
-        raise UsageError(f"{flag}: {text!r} must be greater than zero")
+        raise UsageError(f"{where}{text!r} must be greater than zero")
     return seconds
 
 
-def parse_size(text: str, *, flag: str = "size") -> int:
+def parse_size(text: str, *, flag: str | None = None) -> int:
     """Parse ``1073741824``, ``512m``, ``512MiB``, ``2g`` or ``2GB`` into bytes (> 0).
 
     Units are binary (k = 1024), as Docker's own ``--memory`` flag reads them.
     """
+    where = f"{flag}: " if flag else ""
     match = _SIZE.fullmatch(text.strip())
     if not match:
-        raise UsageError(f"{flag}: {text!r} is not a size", hint="use bytes or units like 512m, 2g, 1GiB")
+        raise UsageError(f"{where}{text!r} is not a size", hint="use bytes or units like 512m, 2g, 1GiB")
     number, unit, _ = match.groups()
     size = int(float(number) * 1024 ** _SIZE_POWER[unit.lower()])
     if size <= 0:
-        raise UsageError(f"{flag}: {text!r} must be greater than zero")
+        raise UsageError(f"{where}{text!r} must be greater than zero")
     return size
 
 

@@ -1,0 +1,53 @@
+# pvisor-host developer commands. `make demo` and `make test` set up everything they need on a fresh
+# Debian machine (virtualenv, package, Docker engine, images); see README.md.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.DEFAULT_GOAL := help
+.PHONY: help venv engine images demo test test-unit test-docker lint clean
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pvisor-host needs Python 3.11+")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP) ## Create .venv with pvisor-host and the dev tools
+
+engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap as root on Debian)
+	@scripts/ensure-engine.sh
+
+images: venv engine ## Build (or find) the Claude Code and Codex sandbox images
+	$(BIN)/pvisor-host build --agent claude-code
+	$(BIN)/pvisor-host build --agent codex
+
+demo: images ## Replay the shipped Claude Code example (replay-only) and show the result
+	@rm -rf pvisor-runs/demo
+	$(BIN)/pvisor-host replay --agent claude-code --trajectory examples/claude-code-demo.jsonl \
+		--after-step 3 --mode replay-only --workspace-dir examples/demo-workspace --out pvisor-runs/demo
+	@echo
+	@echo "Artifacts: pvisor-runs/demo/  (record.json, result.json, output/, state/, workspace/, logs/)"
+	@echo "Workspace after the replay:" && cat pvisor-runs/demo/workspace/greeting.txt
+
+test: venv engine ## Run the whole test suite against the real engine
+	$(BIN)/pytest
+
+test-unit: venv ## Run the tests that need no Docker engine
+	$(BIN)/pytest -m 'not docker'
+
+test-docker: venv engine ## Run only the tests that drive the real engine
+	$(BIN)/pytest -m docker
+
+lint: venv ## ruff and mypy
+	$(BIN)/ruff check controller tests
+	$(BIN)/ruff format --check controller tests
+	$(BIN)/mypy controller
+
+clean: ## Remove the virtualenv, caches and run directories (images stay: see `pvisor-host images`)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache pvisor-runs *.egg-info

@@ -1,0 +1,5 @@
+"""``python -m pvisor_host`` runs the CLI."""
+
+from .cli import main
+
+main()

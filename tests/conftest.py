@@ -1,0 +1,141 @@
+"""Shared fixtures: the real engine, the real sandbox images, and a CLI runner in a real subprocess.
+
+Tests marked ``docker`` drive a real Docker engine. Without one they are skipped locally, but when
+``CI=true`` they fail instead: CI must never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@dataclass
+class CliResult:
+    """A finished ``pvisor-host`` process."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+def run_cli(
+    *args: str | Path, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
+) -> CliResult:
+    """Run ``pvisor-host`` (``python -m pvisor_host``) as a real process."""
+    environment = {**os.environ, **(env or {})}
+    environment.pop("PVISOR_HOST_DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pvisor_host", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        cwd=cwd,
+        timeout=timeout,
+        check=False,
+    )
+    return CliResult(done.returncode, done.stdout, done.stderr)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A client for the real engine (skip locally, fail in CI, when there is none)."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        message = f"no Docker engine: {exc}"
+        if IN_CI:
+            pytest.fail(f"CI=true and {message}; `make test` starts one")
+        pytest.skip(message)
+    return client
+
+
+@pytest.fixture(scope="session")
+def claude_image(docker_client) -> str:
+    """The verified Claude Code 2.1.220 sandbox image (built once per machine)."""
+    from pvisor_host.build import build_agent_image
+    from pvisor_host.profiles import get_profile
+
+    return build_agent_image(docker_client, get_profile("claude-code")).tag
+
+
+@pytest.fixture(scope="session")
+def codex_image(docker_client) -> str:
+    """The verified Codex 0.149.0 sandbox image."""
+    from pvisor_host.build import build_agent_image
+    from pvisor_host.profiles import get_profile
+
+    return build_agent_image(docker_client, get_profile("codex")).tag
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_client, claude_image) -> str:
+    """The base the agent images were built on (no pvisor, no agent)."""
+    return docker_client.images.get(claude_image).labels["pvisor-host.base-image"]
+
+
+def _labelled(client, kind: str) -> list[str]:
+    filters = {"label": "pvisor-host.managed"}
+    if kind == "containers":
+        return [c.name for c in client.containers.list(all=True, filters=filters)]
+    if kind == "volumes":
+        return [v.name for v in client.volumes.list(filters=filters)]
+    return [n.name for n in client.networks.list(filters=filters)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(request) -> Iterator[None]:
+    """After the whole suite: no container, volume or network with our labels may remain."""
+    yield
+    if not any(item.get_closest_marker("docker") for item in request.session.items):
+        return
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+    except Exception:  # noqa: BLE001
+        return
+    deadline = time.monotonic() + 10
+    while True:
+        left = {kind: _labelled(client, kind) for kind in ("containers", "volumes", "networks")}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not any(left.values()), f"pvisor-host resources left behind: {left}"
+
+
+@pytest.fixture
+def containers_created(docker_client):
+    """Call with a start time: the labels of every container the engine created since then."""
+
+    def created(since: float) -> list[dict[str, str]]:
+        events = docker_client.events(
+            since=f"{since:.6f}",
+            until=f"{time.time() + 1:.6f}",
+            decode=True,
+            filters={"type": "container", "event": "create"},
+        )
+        return [event.get("Actor", {}).get("Attributes", {}) for event in events]
+
+    return created

@@ -1,0 +1,78 @@
+import pytest
+from pvisor_host.container import WaitOutcome
+from pvisor_host.errors import ExitCode, exit_code_for_status
+from pvisor_host.replay import classify
+from pvisor_host.result import ReplayResult
+
+OK = ReplayResult.model_validate(
+    {
+        "schema_version": "sandbox-playback.result/v3",
+        "phase": "replayed",
+        "quality": "verified",
+        "agent_status": "not_started",
+        "run_id": "r",
+        "artifacts": [],
+        "failure": None,
+        "retryable": False,
+    }
+)
+FAILED = ReplayResult.model_validate(
+    {**OK.model_dump(), "failure": {"category": "model_rate_limit", "message": "status 429"}, "retryable": True}
+)
+
+
+def decide(outcome, result=OK, **kw):
+    return classify(outcome, result, timeout=90.0, memory=256 * 2**20, **kw)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "result", "kw", "status", "category"),
+    [
+        (WaitOutcome(exit_code=0), OK, {}, "ok", None),
+        (WaitOutcome(exit_code=40), FAILED, {}, "replay_failed", "model_rate_limit"),
+        (WaitOutcome(exit_code=137, timed_out=True), None, {}, "timeout", "timeout"),
+        (WaitOutcome(exit_code=137, timed_out=True, oom_killed=True), None, {}, "timeout", "timeout"),
+        (WaitOutcome(exit_code=137, oom_killed=True), None, {}, "oom", "oom"),
+        (WaitOutcome(exit_code=0, oom_killed=True), OK, {}, "oom", "oom"),
+        (
+            WaitOutcome(exit_code=1),
+            None,
+            {"protocol_error": "pvisor's stdout is not JSON: 'Error'"},
+            "infra_error",
+            "infra_error",
+        ),
+        (WaitOutcome(exit_code=3), OK, {}, "infra_error", "infra_error"),
+        (WaitOutcome(exit_code=0), OK, {"infra_error": "could not collect"}, "infra_error", "infra_error"),
+        (WaitOutcome(exit_code=None), None, {"interrupted": True}, "interrupted", "interrupted"),
+    ],
+)
+def test_status(outcome, result, kw, status, category):
+    got, failure = decide(outcome, result, **kw)
+    assert got == status
+    assert (failure.category if failure else None) == category
+
+
+def test_messages_are_specific():
+    _, failure = decide(WaitOutcome(exit_code=137, timed_out=True), None)
+    assert failure.message == "the sandbox ran past --timeout 1m30s and was killed"
+    _, failure = decide(WaitOutcome(exit_code=137, oom_killed=True), None)
+    assert failure.message == "the sandbox ran out of memory (--memory 256.0 MiB); the kernel killed a process"
+    _, failure = decide(WaitOutcome(exit_code=40), FAILED)
+    assert failure.message == "status 429" and failure.retryable
+    _, failure = decide(WaitOutcome(exit_code=1), None, protocol_error="pvisor printed no result on stdout")
+    assert failure.message == "pvisor printed no result on stdout (exit code 1)"
+
+
+def test_every_status_has_a_distinct_exit_code():
+    codes = {
+        s: exit_code_for_status(s) for s in ("ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted")
+    }
+    assert codes == {
+        "ok": ExitCode.OK,
+        "replay_failed": 1,
+        "timeout": 4,
+        "oom": 5,
+        "infra_error": 6,
+        "interrupted": 130,
+    }
+    assert len(set(codes.values())) == len(codes)

@@ -1,0 +1,69 @@
+import pytest
+from pvisor_host.errors import UsageError
+from pvisor_host.spec import build_spec, check_workspace_path
+
+
+def spec(**overrides):
+    fields = {"trajectory": "t.jsonl", "agent": "claude-code", "after_step": 1} | overrides
+    return build_spec(**fields)
+
+
+def test_defaults_are_hardened():
+    s = spec()
+    assert (s.network, s.writable_rootfs, s.allow_privilege_escalation, s.cap_add) == ("none", False, False, [])
+    assert s.mode == "continue" and s.memory == 4 * 2**30 and s.timeout == 7200.0
+
+
+def test_strings_become_sizes_and_durations():
+    s = spec(memory="512m", timeout="90s", tmp_size="64m", collect_limit="1g")
+    assert (s.memory, s.timeout, s.tmp_size, s.collect_limit) == (512 * 2**20, 90.0, 64 * 2**20, 2**30)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        ({"after_step": 0}, "--after-step: Input should be greater than or equal to 1"),
+        ({"after_step": -3}, "--after-step: Input should be greater than or equal to 1"),
+        ({"max_steps": 0}, "--max-steps: Input should be greater than or equal to 1"),
+        ({"mode": "fast"}, "--mode: Input should be 'continue', 'replay-only' or 'prepare-only'"),
+        ({"network": "host"}, "--network: Input should be 'none' or 'bridge'"),
+        ({"run_id": "../evil"}, "--run-id: may contain only letters, digits, '-' and '_' (at most 100)"),
+        (
+            {"env": ["OPENAI_API_KEY=sk-123"]},
+            "--env: OPENAI_API_KEY=...: pass only the name; the value is read from your environment",
+        ),
+        ({"env": ["1BAD"]}, "--env: '1BAD' is not a variable name"),
+        ({"user": "bob"}, "--user: must be UID, UID:GID or root"),
+        ({"workspace_path": "relative/x"}, "--workspace-path: 'relative/x' must be an absolute path"),
+        (
+            {"workspace_path": "/usr"},
+            "--workspace-path: '/usr' would cover a system directory of the sandbox; choose e.g. /workspace",
+        ),
+        ({"workspace_path": "/app/../etc"}, "--workspace-path: '/app/../etc' must be a normalised path (try '/etc')"),
+        ({"boundary_user_prompt": "   "}, "--boundary-user-prompt: must contain a non-whitespace character"),
+        ({"memory": "lots"}, "--memory: 'lots' is not a size (use bytes or units like 512m, 2g, 1GiB)"),
+        (
+            {"timeout": "soon"},
+            "--timeout: 'soon' is not a duration (use a number of seconds or units like 90s, 5m, 1h30m)",
+        ),
+        ({"agent": None}, "pass --agent, --image, or both"),
+    ],
+)
+def test_bad_options_give_one_line_naming_the_flag(overrides, line):
+    with pytest.raises(UsageError) as caught:
+        spec(**overrides)
+    assert caught.value.one_line() == line
+
+
+def test_manifest_style_unknown_field_is_named():
+    with pytest.raises(UsageError, match="--afterstep: is not a known option"):
+        build_spec(trajectory="t", agent="codex", after_step=1, afterstep=2)
+
+
+def test_workspace_paths():
+    assert check_workspace_path("/app") == "/app"
+    assert check_workspace_path("/srv/task/") == "/srv/task"
+    assert check_workspace_path("/home/dev/project") == "/home/dev/project"
+    for bad in ("/", "/proc/x", "/pvisor-host/run", "/tmp"):
+        with pytest.raises(ValueError, match="system directory"):
+            check_workspace_path(bad)

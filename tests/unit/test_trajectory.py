@@ -1,0 +1,96 @@
+import json
+
+import pytest
+from pvisor_host import profiles
+from pvisor_host.errors import UsageError
+from pvisor_host.trajectory import MAX_TRAJECTORY_BYTES, check_agent, check_file, recorded_workspace, sniff
+from trajgen import claude_files_session, codex_files_session, write_jsonl
+
+
+def test_a_good_file_is_hashed(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", claude_files_session())
+    info = check_file(path)
+    import hashlib
+
+    assert info.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert info.size == path.stat().st_size
+    assert info.path.is_absolute()
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.mkdir(), "is a directory"),
+        (lambda p: p.write_bytes(b""), "is empty"),
+        (lambda p: p.write_bytes(b'{"a":1}\n\x00\x01\x02'), "is binary (NUL byte at offset 8)"),
+        (lambda p: p.write_bytes(b'{"a":"\xff\xfe"}\n'), "is not UTF-8 text (invalid byte near offset 6)"),
+    ],
+)
+def test_bad_files_say_what_is_wrong(tmp_path, setup, message):
+    path = tmp_path / "t.jsonl"
+    setup(path)
+    with pytest.raises(UsageError) as caught:
+        check_file(path)
+    assert caught.value.one_line().startswith(f"trajectory {path}: {message}")
+
+
+def test_oversize_file_is_refused_before_reading(tmp_path):
+    path = tmp_path / "big.jsonl"
+    with path.open("wb") as handle:  # sparse: costs no disk
+        handle.truncate(MAX_TRAJECTORY_BYTES + 1)
+    with pytest.raises(UsageError, match="is 256 MiB; pvisor accepts at most 256 MiB"):
+        check_file(path)
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    """A file the caller may not read (simulated: the suite runs as root, which reads everything)."""
+    import pathlib
+
+    path = write_jsonl(tmp_path / "s.jsonl", claude_files_session())
+    real_open = pathlib.Path.open
+
+    def denied(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", denied)
+    with pytest.raises(UsageError) as caught:
+        check_file(path)
+    assert caught.value.one_line() == f"trajectory {path}: is not readable (permission denied)"
+
+
+def test_sniff_recognises_each_format(tmp_path):
+    shipped = profiles.all_profiles()
+    claude = write_jsonl(tmp_path / "c.jsonl", claude_files_session())
+    codex = write_jsonl(tmp_path / "x.jsonl", codex_files_session())
+    other = tmp_path / "o.jsonl"
+    other.write_text(json.dumps({"type": "step_start", "sessionID": "s"}) + "\n")
+    assert sniff(claude, shipped) == {"claude-code"}
+    assert sniff(codex, shipped) == {"codex"}
+    assert sniff(other, shipped) == set()
+
+
+def test_wrong_agent_for_the_trajectory(tmp_path):
+    shipped = profiles.all_profiles()
+    codex = write_jsonl(tmp_path / "x.jsonl", codex_files_session())
+    with pytest.raises(UsageError) as caught:
+        check_agent(codex, shipped["claude-code"], shipped)
+    assert "looks like a codex trajectory, not claude-code" in caught.value.one_line()
+    assert caught.value.hint == "pass --agent codex"
+    check_agent(codex, shipped["codex"], shipped)  # the right agent passes
+
+
+def test_recorded_workspace(tmp_path):
+    shipped = profiles.all_profiles()
+    assert (
+        recorded_workspace(write_jsonl(tmp_path / "c.jsonl", claude_files_session("/srv/task")), shipped["claude-code"])
+        == "/srv/task"
+    )
+    assert (
+        recorded_workspace(write_jsonl(tmp_path / "x.jsonl", codex_files_session("/app")), shipped["codex"]) == "/app"
+    )
+    plain = tmp_path / "p.jsonl"
+    plain.write_text('{"type":"user"}\n')
+    assert recorded_workspace(plain, shipped["claude-code"]) is None
