@@ -31,10 +31,12 @@ from . import labels as L
 from ._version import PVISOR_VERSION
 from .engine import engine_failure
 from .errors import ImageBuildError, PrerequisiteError, UsageError
-from .probe import ProbeResult, probe_image
+from .probe import ProbeResult, probe_agent_image, version_problem
 from .profiles import AgentProfile, NpmInstall, PipInstall, UnavailableInstall
 
 DEFAULT_BASE = "debian:bookworm-slim"
+#: Where the sandbox recipe installs pvisor.
+DEFAULT_PVISOR_PATH = "/opt/pvisor/bin/pvisor"
 _RECIPE_DIR = "sandbox"
 _RECIPE_FILES = ("Dockerfile", "with-ca.sh", "ensure-os.sh", "fetch-npm.py", "install-agent.sh")
 _BUILD_TIMEOUT = 3600
@@ -125,7 +127,7 @@ class Recipe(BaseModel):
             L.AGENT_VERSION: self.profile.version,
             L.AGENT_ENTRYPOINT: self.profile.entrypoint,
             L.PVISOR_VERSION: PVISOR_VERSION,
-            L.PVISOR_PATH: "/opt/pvisor/bin/pvisor",
+            L.PVISOR_PATH: DEFAULT_PVISOR_PATH,
             L.BASE_IMAGE: self.base.ref,
         }
 
@@ -332,20 +334,10 @@ def _docker_build(client: docker.DockerClient, recipe: Recipe) -> Image:
 
 def verify(client: docker.DockerClient, image: str, profile: AgentProfile) -> ProbeResult:
     """Check inside ``image``, with no network, that pvisor and the agent print the pinned versions."""
-    found = probe_image(
-        client,
-        image,
-        entrypoint=profile.entrypoint,
-        command=profile.agent,
-        version_args=profile.version_probe.args,
-    )
-    if found.pvisor_version != f"pvisor {PVISOR_VERSION}":
-        raise ImageBuildError(f"image {image[:19]} has pvisor {found.pvisor_version!r}, not pvisor {PVISOR_VERSION}")
-    if found.agent_output is None or not profile.version_probe.matches(found.agent_output):
-        raise ImageBuildError(
-            f"image {image[:19]}: {profile.entrypoint} {' '.join(profile.version_probe.args)} printed "
-            f"{found.agent_output!r}; {profile.agent} must be exactly {profile.version}"
-        )
+    found = probe_agent_image(client, image, profile)
+    problem = version_problem(found, profile)
+    if problem is not None:
+        raise ImageBuildError(f"the image just built for {profile.agent} {problem}")
     return found
 
 

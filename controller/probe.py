@@ -16,7 +16,9 @@ import docker
 from pydantic import BaseModel
 
 from . import labels as L
+from ._version import PVISOR_VERSION
 from .container import ContainerSpec, sandbox_container, save_logs, start, wait
+from .profiles import AgentProfile
 from .spec import default_user
 
 _PROBE_TIMEOUT = 120.0
@@ -93,3 +95,27 @@ def probe_image(
         log = Path(scratch) / "probe.out"
         save_logs(container, stdout=True, dest=log, limit=1024 * 1024)
         return parse_probe(log.read_text(encoding="utf-8", errors="replace"))
+
+
+def probe_agent_image(client: docker.DockerClient, image: str, profile: AgentProfile) -> ProbeResult:
+    """Probe ``image`` for pvisor and ``profile``'s agent (its entrypoint, else its name on PATH)."""
+    return probe_image(
+        client, image, entrypoint=profile.entrypoint, command=profile.agent, version_args=profile.version_probe.args
+    )
+
+
+def version_problem(found: ProbeResult, profile: AgentProfile) -> str | None:
+    """What is wrong with a probed image for ``profile`` (completing "image X ..."), or None."""
+    if found.pvisor_path is None:
+        return f"has no pvisor; pvisor-host needs pvisor {PVISOR_VERSION} in the image"
+    if found.pvisor_version != f"pvisor {PVISOR_VERSION}":
+        return f"has {found.pvisor_version!r}; pvisor-host needs pvisor {PVISOR_VERSION} in the image"
+    if found.agent_path is None:
+        return f"has no {profile.agent} executable at {profile.entrypoint} or on PATH"
+    if found.agent_output is None or not profile.version_probe.matches(found.agent_output):
+        args = " ".join(profile.version_probe.args)
+        return (
+            f"has {found.agent_path} {args} printing {found.agent_output!r}; "
+            f"{profile.agent} must be exactly {profile.version}"
+        )
+    return None

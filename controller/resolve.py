@@ -20,9 +20,9 @@ from pydantic import BaseModel
 
 from . import labels as L
 from ._version import PVISOR_VERSION
-from .build import BuiltImage, build_agent_image, find_image
+from .build import DEFAULT_PVISOR_PATH, BuiltImage, build_agent_image, find_image
 from .errors import UsageError
-from .probe import probe_image
+from .probe import probe_agent_image, version_problem
 from .profiles import AgentProfile, get_profile
 from .record import ImageRef
 
@@ -115,51 +115,34 @@ def materialize(
     profile = get_profile(plan.agent)
     if plan.action == "build":
         built = build_agent_image(client, profile, base=base, ca_bundle=ca_bundle)
-        ref = ImageRef(
-            ref=built.tag,
-            id=built.id,
-            agent=profile.agent,
-            agent_version=profile.version,
-            pvisor_version=PVISOR_VERSION,
-            agent_entrypoint=profile.entrypoint,
-            pvisor_path="/opt/pvisor/bin/pvisor",
-            verified_by="build",
-        )
-        return ref, built
-    assert plan.ref is not None and plan.id is not None
+        return _ref(built.tag, built.id, profile, "build"), built
+    assert plan.ref is not None
+    assert plan.id is not None
     if plan.action == "labels":
-        return ImageRef(
-            ref=plan.ref,
-            id=plan.id,
-            agent=profile.agent,
-            agent_version=profile.version,
-            pvisor_version=PVISOR_VERSION,
-            agent_entrypoint=plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint),
-            pvisor_path=plan.labels.get(L.PVISOR_PATH, "/opt/pvisor/bin/pvisor"),
-            verified_by="labels",
-        ), None
-    found = probe_image(
-        client, plan.id, entrypoint=profile.entrypoint, command=profile.agent, version_args=profile.version_probe.args
-    )
-    if found.pvisor_path is None or found.pvisor_version != f"pvisor {PVISOR_VERSION}":
-        what = "no pvisor" if found.pvisor_path is None else f"{found.pvisor_version!r}"
-        raise UsageError(
-            f"image {plan.ref} has {what}; pvisor-host needs pvisor {PVISOR_VERSION} in the image",
-            hint=f"pvisor-host build --agent {profile.agent}",
-        )
-    if found.agent_path is None or found.agent_output is None or not profile.version_probe.matches(found.agent_output):
-        seen = "no agent executable" if found.agent_path is None else f"{found.agent_output!r} from {found.agent_path}"
-        raise UsageError(
-            f"image {plan.ref} has {seen}; {profile.agent} must be exactly {profile.version}",
-            hint=f"pvisor-host build --agent {profile.agent}",
-        )
+        entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
+        return _ref(plan.ref, plan.id, profile, "labels", entrypoint, plan.labels.get(L.PVISOR_PATH)), None
+    found = probe_agent_image(client, plan.id, profile)
+    problem = version_problem(found, profile)
+    if problem is not None:
+        raise UsageError(f"image {plan.ref} {problem}", hint=f"pvisor-host build --agent {profile.agent}")
+    return _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path), None
+
+
+def _ref(
+    ref: str,
+    image_id: str,
+    profile: AgentProfile,
+    verified_by: Literal["build", "labels", "probe"],
+    entrypoint: str | None = None,
+    pvisor_path: str | None = None,
+) -> ImageRef:
     return ImageRef(
-        ref=plan.ref,
-        id=plan.id,
+        ref=ref,
+        id=image_id,
         agent=profile.agent,
         agent_version=profile.version,
         pvisor_version=PVISOR_VERSION,
-        agent_entrypoint=found.agent_path,
-        pvisor_path=found.pvisor_path,
-        verified_by="probe",
-    ), None
+        agent_entrypoint=entrypoint or profile.entrypoint,
+        pvisor_path=pvisor_path or DEFAULT_PVISOR_PATH,
+        verified_by=verified_by,
+    )

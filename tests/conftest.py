@@ -54,6 +54,30 @@ def run_cli(
     return CliResult(done.returncode, done.stdout, done.stderr)
 
 
+def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``pvisor-host`` as a real process in the background (for signals and live inspection)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pvisor_host", *map(str, args)],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeout: float = 90):
+    """The running replay container of ``run_id`` (fails if the CLI exits or nothing appears in time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = client.containers.list(filters={"label": f"pvisor-host.run={run_id}"})
+        if running:
+            return running[0]
+        if process.poll() is not None or time.monotonic() > deadline:
+            _, stderr = process.communicate(timeout=30)
+            pytest.fail(f"no running container for run {run_id}: exit {process.returncode}: {stderr}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     """A client for the real engine (skip locally, fail in CI, when there is none)."""

@@ -58,7 +58,10 @@ def test_an_image_without_the_pinned_version_is_refused_and_removed(docker_clien
     with pytest.raises(ImageBuildError) as caught:
         build_agent_image(docker_client, wrong)
     message = caught.value.one_line()
-    assert "/usr/local/bin/node --version printed 'v22.23.5'; claude-code must be exactly 2.1.220" in message
+    assert message == (
+        "the image just built for claude-code has /usr/local/bin/node --version printing 'v22.23.5'; "
+        "claude-code must be exactly 2.1.220"
+    )
     assert docker_client.images.list(filters={"label": f"{L.AGENT_ENTRYPOINT}=/usr/local/bin/node"}) == []
     assert docker_client.images.get(claude_image)  # the good image is untouched
 
@@ -164,9 +167,9 @@ def test_image_with_the_wrong_agent_version_is_refused_after_a_probe(tmp_path, f
     result, out = _replay(tmp_path, "--image", fake_claude_image, "--agent", "claude-code")
     line = _one_line(result, 2)
     assert line == (
-        f"image {fake_claude_image} has '2.1.219 (Claude Code)' from "
-        "/usr/local/lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe; claude-code must be exactly "
-        "2.1.220 (pvisor-host build --agent claude-code)"
+        f"image {fake_claude_image} has /usr/local/lib/node_modules/@anthropic-ai/claude-code/bin/claude.exe "
+        "--version printing '2.1.219 (Claude Code)'; claude-code must be exactly 2.1.220 "
+        "(pvisor-host build --agent claude-code)"
     )
     assert [c.get("pvisor-host.role") for c in containers_created(started)] == ["probe"]
     assert not out.exists()

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_cli, wait_for_running
 from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 
 pytestmark = pytest.mark.docker
+
+REPLAY_ONLY = ("replay", "--agent", "claude-code", "--after-step", "1", "--mode", "replay-only")
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -196,6 +199,11 @@ def test_codex_replay_only_and_prepare_only(tmp_path, codex_image):
     assert sha(trajectory) == before
 
 
+def replay_only(trajectory: Path, out: Path, *extra: str):
+    """``pvisor-host replay --agent claude-code --after-step 1 --mode replay-only`` with ``extra`` options."""
+    return run_cli(*REPLAY_ONLY, "--trajectory", trajectory, "--out", out, *extra)
+
+
 def _probe_session(command: str, cwd: str = "/workspace") -> list[dict]:
     return claude_session(
         "Probe the sandbox.", [Turn([Call("Bash", {"command": command, "description": "probe"})])], cwd=cwd
@@ -211,19 +219,7 @@ def test_trajectory_is_read_only_inside_the_sandbox(tmp_path, claude_image):
     trajectory = write_jsonl(tmp_path / name, _probe_session(command))
     before = sha(trajectory)
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
-        out,
-    )
+    result = replay_only(trajectory, out)
     assert result.code == 0, result.stderr
     assert (out / "workspace" / "verdict.txt").read_text() == "REFUSED\n"
     assert int((out / "workspace" / "lines.txt").read_text()) == len(trajectory.read_text().splitlines())
@@ -254,25 +250,7 @@ def _read(out: Path, name: str) -> str:
 def test_hardened_defaults_are_really_applied(tmp_path, claude_image):
     trajectory = write_jsonl(tmp_path / "probe.jsonl", _probe_session(HARDENING_PROBE))
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
-        out,
-        "--memory",
-        "768m",
-        "--pids",
-        "300",
-        "--cpus",
-        "1.5",
-    )
+    result = replay_only(trajectory, out, "--memory", "768m", "--pids", "300", "--cpus", "1.5")
     assert result.code == 0, result.stderr
     assert _read(out, "uid.txt") == "65532" and _read(out, "gid.txt") == "65532"
     status = dict(line.split(":\t") for line in _read(out, "proc-status.txt").splitlines())
@@ -305,17 +283,8 @@ def test_hardened_defaults_are_really_applied(tmp_path, claude_image):
 def test_each_relaxation_has_its_flag(tmp_path, claude_image):
     trajectory = write_jsonl(tmp_path / "probe.jsonl", _probe_session(HARDENING_PROBE))
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
+    result = replay_only(
         trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
         out,
         "--network",
         "bridge",
@@ -340,53 +309,22 @@ def test_only_named_env_enters_and_never_the_container_config(tmp_path, claude_i
     command = 'echo "$PVISOR_HOST_TEST_VALUE" > value.txt; env | cut -d= -f1 | sort > names.txt; sleep 4'
     trajectory = write_jsonl(tmp_path / "env.jsonl", _probe_session(command))
     out = tmp_path / "run"
-    import subprocess
-    import sys
-
-    env = {"PVISOR_HOST_TEST_VALUE": secret, "PVISOR_HOST_NOT_PASSED": "x"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pvisor_host",
-            "replay",
-            "--agent",
-            "claude-code",
-            "--trajectory",
-            str(trajectory),
-            "--after-step",
-            "1",
-            "--mode",
-            "replay-only",
-            "--out",
-            str(out),
-            "--run-id",
-            "env-check",
-            "--env",
-            "PVISOR_HOST_TEST_VALUE",
-        ],
-        env={**__import__("os").environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    inspected = None
-    deadline = time.monotonic() + 60
-    while inspected is None and time.monotonic() < deadline:
-        running = docker_client.containers.list(filters={"label": "pvisor-host.run=env-check"})
-        if running:
-            inspected = running[0].attrs
-        time.sleep(0.1)
+    process = start_cli(
+        *REPLAY_ONLY, "--trajectory", trajectory, "--out", out, "--run-id", "env-check",
+        "--env", "PVISOR_HOST_TEST_VALUE",
+        env={"PVISOR_HOST_TEST_VALUE": secret, "PVISOR_HOST_NOT_PASSED": "x"},
+    )  # fmt: skip
+    inspected = wait_for_running(docker_client, "env-check", process).attrs
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr
-    assert inspected is not None
     assert secret not in json.dumps(inspected)
     assert not any(e.startswith("PVISOR_HOST_TEST_VALUE") for e in inspected["Config"]["Env"])
     assert (out / "workspace" / "value.txt").read_text() == secret + "\n"
     names = (out / "workspace" / "names.txt").read_text().split()
-    assert "PVISOR_HOST_TEST_VALUE" in names and "PVISOR_HOST_NOT_PASSED" not in names
-    record_text = (out / "record.json").read_text()
-    assert secret not in record_text and secret not in stdout + stderr
+    assert "PVISOR_HOST_TEST_VALUE" in names
+    assert "PVISOR_HOST_NOT_PASSED" not in names
+    assert secret not in (out / "record.json").read_text()
+    assert secret not in stdout + stderr
     assert record_of(out)["inputs"]["env_names"] == ["PVISOR_HOST_TEST_VALUE"]
 
 
@@ -435,23 +373,7 @@ def test_oom_is_reported_as_oom(tmp_path, claude_image):
     hog = "python3 -c 'b = bytearray(1 << 30); print(len(b))'"
     trajectory = write_jsonl(tmp_path / "hog.jsonl", _probe_session(hog))
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
-        out,
-        "--memory",
-        "200m",
-        "--tmp-size",
-        "16m",
-    )
+    result = replay_only(trajectory, out, "--memory", "200m", "--tmp-size", "16m")
     assert result.code == 5, result.stderr
     record = record_of(out)
     assert record["status"] == "oom" and record["container"]["oom_killed"]
@@ -464,19 +386,7 @@ def test_pvisor_failure_inside_the_sandbox_is_replay_failed(tmp_path, claude_ima
     session = claude_session("Escape.", [Turn([Call("Write", {"file_path": "/etc/escape.txt", "content": "x"})])])
     trajectory = write_jsonl(tmp_path / "escape.jsonl", session)
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
-        out,
-    )
+    result = replay_only(trajectory, out)
     assert result.code == 1, result.stderr
     record = record_of(out)
     assert record["status"] == "replay_failed"
@@ -500,25 +410,7 @@ def test_hostile_sandbox_output_stays_inside_the_run_directory(tmp_path, claude_
     )
     trajectory = write_jsonl(tmp_path / "hostile.jsonl", _probe_session(command))
     out = tmp_path / "run"
-    result = run_cli(
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        trajectory,
-        "--after-step",
-        "1",
-        "--mode",
-        "replay-only",
-        "--out",
-        out,
-        "--user",
-        "root",
-        "--cap-add",
-        "MKNOD",
-        "--collect-limit",
-        "1m",
-    )
+    result = replay_only(trajectory, out, "--user", "root", "--cap-add", "MKNOD", "--collect-limit", "1m")
     assert result.code == 0, result.stderr
     record = record_of(out)
     skipped = {s["path"]: s["reason"] for s in record["collection"]["skipped"]}
@@ -537,90 +429,19 @@ def test_hostile_sandbox_output_stays_inside_the_run_directory(tmp_path, claude_
     assert sum(a["size"] for a in record["artifacts"] if not a["path"].startswith("logs/")) <= 2**20 + 100_000
 
 
-def test_ctrl_c_removes_the_container_and_records_interrupted(tmp_path, claude_image, docker_client):
-    import os
-    import signal
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupt_removes_the_container_and_records_interrupted(tmp_path, claude_image, docker_client, signal_number):
     trajectory = write_jsonl(tmp_path / "slow.jsonl", _probe_session("sleep 60"))
     out = tmp_path / "run"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pvisor_host",
-            "replay",
-            "--agent",
-            "claude-code",
-            "--trajectory",
-            str(trajectory),
-            "--after-step",
-            "1",
-            "--mode",
-            "replay-only",
-            "--out",
-            str(out),
-            "--run-id",
-            "ctrl-c",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ),
-    )
-    deadline = time.monotonic() + 60
-    while not docker_client.containers.list(filters={"label": "pvisor-host.run=ctrl-c"}):
-        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read() if process.stderr else ""
-        time.sleep(0.1)
-    time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
+    run_id = f"interrupt-{signal_number}"
+    process = start_cli(*REPLAY_ONLY, "--trajectory", trajectory, "--out", out, "--run-id", run_id)
+    wait_for_running(docker_client, run_id, process)
+    time.sleep(0.5)  # let pvisor start the sleeping tool
+    process.send_signal(signal_number)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("pvisor-host: interrupted")
-    assert docker_client.containers.list(all=True, filters={"label": "pvisor-host.run=ctrl-c"}) == []
-    record = record_of(out)
-    assert record["status"] == "interrupted"
+    assert docker_client.containers.list(all=True, filters={"label": f"pvisor-host.run={run_id}"}) == []
+    assert record_of(out)["status"] == "interrupted"
     assert not (out / ".pvisor-host-staging").exists()
-
-
-def test_sigterm_is_handled_like_ctrl_c(tmp_path, claude_image, docker_client):
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    trajectory = write_jsonl(tmp_path / "slow.jsonl", _probe_session("sleep 60"))
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pvisor_host",
-            "replay",
-            "--agent",
-            "claude-code",
-            "--trajectory",
-            str(trajectory),
-            "--after-step",
-            "1",
-            "--mode",
-            "replay-only",
-            "--out",
-            str(tmp_path / "run"),
-            "--run-id",
-            "sigterm",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ),
-    )
-    deadline = time.monotonic() + 60
-    while not docker_client.containers.list(filters={"label": "pvisor-host.run=sigterm"}):
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.1)
-    process.send_signal(signal.SIGTERM)
-    process.communicate(timeout=60)
-    assert process.returncode == 130
-    assert docker_client.containers.list(all=True, filters={"label": "pvisor-host.run=sigterm"}) == []
