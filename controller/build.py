@@ -157,13 +157,21 @@ def render(profile: AgentProfile, base: BaseImage, ca_bundle: Path | None) -> Re
     files = {name: root.joinpath(name).read_bytes() for name in _RECIPE_FILES}
     files["build-ca.pem"] = _read_ca(ca_bundle) if ca_bundle else b""
     install = profile.install
-    args = {"BASE_IMAGE": base.id, "PVISOR_VERSION": PVISOR_VERSION, "AGENT_VERSION": profile.version}
+    assert not isinstance(install, UnavailableInstall)
+    files["agent-fragment.sh"] = root.joinpath("fragments", install.fragment).read_bytes() if install.fragment else b""
+    args = {
+        "BASE_IMAGE": base.id,
+        "PVISOR_VERSION": PVISOR_VERSION,
+        "AGENT_VERSION": profile.version,
+        "AGENT_INSTALL": install.kind,
+        "AGENT_PACKAGE": install.package,
+    }
     if isinstance(install, NpmInstall):
-        args |= {"AGENT_INSTALL": "npm", "AGENT_PACKAGE": install.package}
+        args["AGENT_TARGET"] = install.prefix or ""
         if install.node:
             args |= {"NODE_SPEC": _runtimes()["node"].spec, "NPM_SPEC": _runtimes()["npm"].spec}
     elif isinstance(install, PipInstall):
-        args |= {"AGENT_INSTALL": "pip", "AGENT_PACKAGE": install.package}
+        args["AGENT_TARGET"] = install.venv
     return Recipe(profile=profile, base=base, files=files, build_args=args)
 
 
@@ -218,11 +226,9 @@ def resolve_base(client: docker.DockerClient, base: str | None = None, *, force_
             raise UsageError("--bootstrap builds the default Debian base; drop --base or --bootstrap")
         return _bootstrapped(client, reuse=True)
     ref = base or DEFAULT_BASE
-    local = find_image(client, ref)
-    if local is not None:
-        return BaseImage(ref=ref, id=local.id, source="local")
-    if base is None and (earlier := bootstrap.find_bootstrapped(client)) is not None:
-        return BaseImage(ref=bootstrap.recipe().tag, id=earlier.id, source="bootstrapped-earlier")
+    offline = resolve_base_offline(client, base)
+    if offline is not None:
+        return offline
     logger.info("pulling base image {}", ref)
     try:
         pulled = _pull(client, ref)
@@ -238,6 +244,24 @@ def resolve_base(client: docker.DockerClient, base: str | None = None, *, force_
         logger.info("no registry is reachable ({}); bootstrapping a local Debian base instead", detail)
         return _bootstrapped(client, reuse=False)
     return BaseImage(ref=ref, id=pulled.id, source="pulled")
+
+
+def resolve_base_offline(client: docker.DockerClient, base: str | None = None) -> BaseImage | None:
+    """The base :func:`resolve_base` would pick without pulling or bootstrapping, or None."""
+    ref = base or DEFAULT_BASE
+    local = find_image(client, ref)
+    if local is not None:
+        return BaseImage(ref=ref, id=local.id, source="local")
+    earlier = bootstrap.find_bootstrapped(client) if base is None else None
+    if earlier is not None:
+        return BaseImage(ref=bootstrap.recipe().tag, id=earlier.id, source="bootstrapped-earlier")
+    return None
+
+
+def expected_tag(client: docker.DockerClient, profile: AgentProfile) -> str | None:
+    """The tag ``build`` would produce for ``profile`` right now, without building (None: no base yet)."""
+    base = resolve_base_offline(client)
+    return render(profile, base, default_ca_bundle()).tag if base is not None and profile.installable else None
 
 
 def _bootstrapped(client: docker.DockerClient, *, reuse: bool) -> BaseImage:

@@ -7,6 +7,7 @@ and tracebacks appear only with ``--debug``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -30,7 +31,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-_out = Console()
+# Wide enough for tables when stdout is a file or a CI log (rich would otherwise wrap at 80 columns).
+_out = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _version(value: bool) -> None:
@@ -80,6 +82,108 @@ def build(
     return ExitCode.OK
 
 
+@app.command()
+def agents(json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> int:
+    """List the agents pvisor replays: pinned versions, install sources, images and continuation needs."""
+    from .catalog import agent_statuses
+    from .engine import connect
+    from .errors import PrerequisiteError
+
+    try:
+        client = connect(timeout=10)
+    except PrerequisiteError:
+        client = None  # still list the agents; image status is unknown
+    statuses = agent_statuses(client)
+    if json_output:
+        typer.echo(json.dumps([s.model_dump() for s in statuses], indent=2))
+        return ExitCode.OK
+    rows = []
+    for s in statuses:
+        if not s.installable:
+            image = "unavailable (below)"
+        elif client is None:
+            image = "unknown (no engine)"
+        else:
+            image = s.image or "not built"
+        needs = s.continuation_api + ": " + ", ".join(group[0] for group in s.continuation_env)
+        rows.append(
+            {
+                "agent": s.agent,
+                "version": s.version,
+                "install_source": s.install_source,
+                "image": image,
+                "inject": "yes" if s.injectable else "no",
+                "needs": needs,
+            }
+        )
+    notes = [f"{s.agent}: {s.unavailable_reason}" for s in statuses if s.unavailable_reason]
+    render.agents_table(_out, rows, notes)
+    return ExitCode.OK
+
+
+images_app = typer.Typer(help="List and prune the images and runtime volumes pvisor-host built.", no_args_is_help=False)
+app.add_typer(images_app, name="images")
+
+
+@images_app.callback(invoke_without_command=True)
+def images(ctx: typer.Context, json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> int:
+    """List pvisor-host's images and runtime volumes, least recently used first."""
+    if ctx.invoked_subcommand is not None:
+        return ExitCode.OK
+    from .catalog import list_catalog
+    from .engine import connect
+
+    entries = list_catalog(connect())
+    if json_output:
+        typer.echo(json.dumps([e.model_dump(mode="json") for e in entries], indent=2))
+    else:
+        render.catalog_table(_out, entries)
+    return ExitCode.OK
+
+
+@images_app.command("prune")
+def images_prune(
+    keep_bytes: Annotated[
+        str | None, typer.Option(help="Remove least recently used items until at most SIZE remain.")
+    ] = None,
+    older_than: Annotated[str | None, typer.Option(help="Remove items not used for DURATION (e.g. 7d, 12h).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only say what would be removed.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> int:
+    """Remove pvisor-host images and runtime volumes (never one in use), least recently used first.
+
+    Without --keep-bytes or --older-than, only build-cache layers are removed.
+    """
+    from .catalog import prune
+    from .engine import connect
+    from .units import parse_duration, parse_size
+
+    result = prune(
+        connect(),
+        keep_bytes=parse_size(keep_bytes, flag="--keep-bytes") if keep_bytes is not None else None,
+        older_than=parse_duration(older_than, flag="--older-than") if older_than is not None else None,
+        dry_run=dry_run,
+    )
+    if json_output:
+        typer.echo(result.model_dump_json(indent=2))
+    else:
+        render.prune_result(_out, result, dry_run=dry_run)
+    return ExitCode.OK
+
+
+@app.command()
+def doctor(json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> int:
+    """Check this host: engine, architecture, disk, registry, base and agent images, pvisor."""
+    from .doctor import diagnose
+
+    report = diagnose()
+    if json_output:
+        typer.echo(json.dumps({"ok": report.ok, **report.model_dump()}, indent=2))
+    else:
+        render.doctor_report(_out, report)
+    return ExitCode.OK if report.ok else ExitCode.PREREQUISITE
+
+
 _MODE_HELP = "continue (replay, then the live agent), replay-only or prepare-only."
 
 
@@ -89,6 +193,9 @@ def replay(
     after_step: Annotated[int, typer.Option(help="Complete tool batch after which live execution resumes (1-based).")],
     agent: Annotated[str | None, typer.Option(help="Agent name; default: the image's label.")] = None,
     image: Annotated[str | None, typer.Option(help="Sandbox image; default: the one `build --agent` makes.")] = None,
+    inject: Annotated[
+        bool, typer.Option(help="Run in --image unchanged; pvisor and the agent come from a read-only runtime volume.")
+    ] = False,
     mode: Annotated[str, typer.Option(help=_MODE_HELP)] = "continue",
     max_steps: Annotated[int | None, typer.Option(help="Total action budget including the prefix.")] = None,
     boundary_user_prompt: Annotated[
@@ -104,6 +211,9 @@ def replay(
     workspace_path: Annotated[
         str | None, typer.Option(help="Workspace path in the sandbox (default: the recorded cwd, else /workspace).")
     ] = None,
+    image_workspace: Annotated[
+        bool, typer.Option(help="Start from a copy of the image's own directory at the workspace path.")
+    ] = False,
     no_workspace: Annotated[bool, typer.Option("--no-workspace", help="Do not collect the final workspace.")] = False,
     out: Annotated[
         Path | None, typer.Option(help="Run directory (new or empty); default ./pvisor-runs/<run-id>.")
@@ -134,6 +244,7 @@ def replay(
         trajectory=trajectory,
         agent=agent,
         image=image,
+        inject=inject,
         after_step=after_step,
         mode=mode,
         max_steps=max_steps,
@@ -144,6 +255,7 @@ def replay(
         run_id=run_id,
         workspace_dir=workspace_dir,
         workspace_path=workspace_path,
+        image_workspace=image_workspace,
         no_workspace=no_workspace,
         out=out,
         timeout=timeout,

@@ -9,9 +9,12 @@ further interrupts deferred until the removal is done.
 from __future__ import annotations
 
 import contextlib
+import io
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import docker
 import requests
@@ -25,6 +28,7 @@ from . import labels as L
 from .engine import engine_failure, retrying
 from .errors import InfrastructureError, UsageError
 from .signals import deferred_interrupts
+from .spec import default_user
 
 #: Logs beyond this many bytes per stream are cut (the record says so).
 LOG_LIMIT = 64 * 1024 * 1024
@@ -32,13 +36,31 @@ _WAIT_SLICE = 30.0
 
 
 class BindMount(BaseModel):
-    """A host directory or file bound into the container."""
+    """A host directory bound into the container."""
 
     model_config = ConfigDict(frozen=True)
 
     source: Path
     target: str
     read_only: bool = False
+
+    def mount(self) -> Mount:
+        """The docker-py mount."""
+        return Mount(self.target, str(self.source), type="bind", read_only=self.read_only)
+
+
+class VolumeMount(BaseModel):
+    """A named Docker volume mounted into the container."""
+
+    model_config = ConfigDict(frozen=True)
+
+    volume: str
+    target: str
+    read_only: bool = True
+
+    def mount(self) -> Mount:
+        """The docker-py mount."""
+        return Mount(self.target, self.volume, type="volume", read_only=self.read_only)
 
 
 class ContainerSpec(BaseModel):
@@ -55,7 +77,7 @@ class ContainerSpec(BaseModel):
     working_dir: str | None = None
     environment: dict[str, str] = {}
     """Non-secret variables only: this mapping is visible in ``docker inspect``."""
-    mounts: list[BindMount] = []
+    mounts: list[BindMount | VolumeMount] = []
     network: str = "none"
     read_only_rootfs: bool = True
     tmpfs_size: int = 1024**3
@@ -76,7 +98,7 @@ class ContainerSpec(BaseModel):
             "user": self.user,
             "working_dir": self.working_dir,
             "environment": self.environment,
-            "mounts": [Mount(m.target, str(m.source), type="bind", read_only=m.read_only) for m in self.mounts],
+            "mounts": [m.mount() for m in self.mounts],
             "network_mode": self.network,
             "read_only": self.read_only_rootfs,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=1777"},
@@ -226,19 +248,45 @@ def inspect_state(container: Container) -> dict[str, object]:
 
 def save_logs(container: Container, *, stdout: bool, dest: Path, limit: int = LOG_LIMIT) -> bool:
     """Write one of the container's output streams to ``dest``; True when cut at ``limit`` bytes."""
+    with dest.open("wb") as sink:
+        return _copy_logs(container, stdout=stdout, sink=sink, limit=limit)
+
+
+def logs_text(container: Container, *, stdout: bool, limit: int = 1024 * 1024) -> str:
+    """One of the container's (small) output streams as text."""
+    buffer = io.BytesIO()
+    _copy_logs(container, stdout=stdout, sink=buffer, limit=limit)
+    return buffer.getvalue().decode("utf-8", errors="replace")
+
+
+def _copy_logs(container: Container, *, stdout: bool, sink: IO[bytes], limit: int) -> bool:
     written = 0
     truncated = False
     try:
-        chunks = container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False)
-        with dest.open("wb") as sink:
-            for chunk in chunks:
-                room = limit - written
-                if room <= 0:
-                    truncated = True
-                    break
-                sink.write(chunk[:room])
-                written += min(len(chunk), room)
-                truncated = len(chunk) > room
+        for chunk in container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False):
+            room = limit - written
+            if room <= 0:
+                return True
+            sink.write(chunk[:room])
+            written += min(len(chunk), room)
+            truncated = len(chunk) > room
     except (APIError, requests.exceptions.RequestException) as exc:
         raise InfrastructureError(f"could not read the logs of container {container.short_id}: {exc}") from exc
     return truncated
+
+
+@contextlib.contextmanager
+def stopped_container(
+    client: docker.DockerClient, image: str, *, role: str, mounts: list[BindMount | VolumeMount] | None = None
+) -> Iterator[Container]:
+    """A container that is created but never started, to read files out of an image (and its volumes)."""
+    spec = ContainerSpec(
+        image=image,
+        command=["/nonexistent/never-started"],
+        name=f"pvisor-host-{role}-{uuid.uuid4().hex[:12]}",
+        labels=L.resource_labels(role),
+        user=default_user(),
+        mounts=mounts or [],
+    )
+    with sandbox_container(client, spec) as container:
+        yield container

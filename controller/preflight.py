@@ -251,7 +251,7 @@ def prepare(
     """
     started = time.monotonic()
     spec = checked.spec
-    plan = plan_image(client, image=spec.image, agent=spec.agent)
+    plan = plan_image(client, image=spec.image, agent=spec.agent, inject=spec.inject)
     agent = checked.agent or _agent_checks(spec, checked.trajectory, checked.run_id, get_profile(plan.agent))
     create_out_dir(checked.out_dir)
     checked_at = time.monotonic()

@@ -8,16 +8,14 @@ container that is removed afterwards.
 from __future__ import annotations
 
 import re
-import tempfile
 import uuid
-from pathlib import Path
 
 import docker
 from pydantic import BaseModel
 
 from . import labels as L
 from ._version import PVISOR_VERSION
-from .container import ContainerSpec, sandbox_container, save_logs, start, wait
+from .container import ContainerSpec, logs_text, sandbox_container, start, wait
 from .profiles import AgentProfile
 from .spec import default_user
 
@@ -89,12 +87,10 @@ def probe_image(
         pids=256,
         tmpfs_size=256 * 1024**2,
     )
-    with sandbox_container(client, spec) as container, tempfile.TemporaryDirectory() as scratch:
+    with sandbox_container(client, spec) as container:
         start(container)
         wait(container, _PROBE_TIMEOUT)
-        log = Path(scratch) / "probe.out"
-        save_logs(container, stdout=True, dest=log, limit=1024 * 1024)
-        return parse_probe(log.read_text(encoding="utf-8", errors="replace"))
+        return parse_probe(logs_text(container, stdout=True))
 
 
 def probe_agent_image(client: docker.DockerClient, image: str, profile: AgentProfile) -> ProbeResult:

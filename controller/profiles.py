@@ -26,13 +26,17 @@ class _Model(BaseModel):
 
 
 class NpmInstall(_Model):
-    """The runtime is an npm package installed globally at the pinned version."""
+    """The runtime is an npm package installed at the pinned version."""
 
     kind: Literal["npm"] = "npm"
     package: str
     """npm package name, e.g. ``@anthropic-ai/claude-code``; the version is the profile's ``version``."""
     node: bool = True
     """Whether the image needs node (pinned in ``images/runtimes.toml``) for the install or at run time."""
+    prefix: str | None = None
+    """``npm --prefix`` for the install; default: the global prefix ``/usr/local``."""
+    fragment: str | None = None
+    """A script in ``images/sandbox/fragments/`` run after the install (e.g. to lay out a runtime root)."""
 
 
 class PipInstall(_Model):
@@ -41,6 +45,10 @@ class PipInstall(_Model):
     kind: Literal["pip"] = "pip"
     package: str
     """PyPI distribution name; the version is the profile's ``version``."""
+    venv: str = "/opt/agent"
+    """Where the virtual environment is created."""
+    fragment: str | None = None
+    """A script in ``images/sandbox/fragments/`` run after the install."""
 
 
 class UnavailableInstall(_Model):
@@ -48,10 +56,36 @@ class UnavailableInstall(_Model):
 
     kind: Literal["unavailable"] = "unavailable"
     reason: str
-    """One sentence saying why the pinned version cannot be had."""
+    """Precisely why the pinned version cannot be had (where it is published, what is missing)."""
 
 
 Install = Annotated[NpmInstall | PipInstall | UnavailableInstall, Field(discriminator="kind")]
+
+
+class InjectSpec(_Model):
+    """How ``--inject`` carries the agent's runtime into a task image that does not have it.
+
+    The runtime is copied out of the verified agent image into a read-only volume once per
+    (agent, version, pvisor version) and mounted at ``/pvisor-host/runtime``; pvisor then runs it
+    through a ``sandbox-playback-agent.json`` manifest (``--agent-runtime``).
+    """
+
+    paths: dict[str, str]
+    """Destination (relative to the runtime root, ``.`` for the root itself) → absolute source path in the
+    agent image. Directories are copied recursively; symlinks are followed."""
+    entrypoint: str
+    """The agent executable, relative to the runtime root."""
+    requires: list[str] = []
+    """Paths the task image must provide (e.g. ``/bin/bash`` for Claude's Bash tool)."""
+    libraries: list[str] = []
+    """Shared libraries the task image must provide (e.g. ``libstdc++.so.6`` for node)."""
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _relative(cls, value: str) -> str:
+        if not value or value.startswith("/") or ".." in value.split("/"):
+            raise ValueError("inject.entrypoint must be a relative path without '..'")
+        return value
 
 
 class VersionProbe(_Model):
@@ -60,11 +94,12 @@ class VersionProbe(_Model):
     args: list[str] = ["--version"]
     """Arguments given to the entrypoint."""
     expect: str
-    """Regular expression the stripped output must match in full."""
+    """Regular expression searched in the output (stdout, or stderr when stdout is empty), as pvisor reads it;
+    anchor it (``\\A...\\Z``, ``^...$``) to demand an exact answer."""
 
     def matches(self, output: str) -> bool:
         """True when ``output`` is the pinned version's answer."""
-        return re.fullmatch(self.expect, output.strip()) is not None
+        return re.search(self.expect, output.strip(), re.MULTILINE) is not None
 
 
 class ContinuationNeeds(_Model):
@@ -111,7 +146,13 @@ class AgentProfile(_Model):
     entrypoint: str
     """Absolute path of the agent executable inside images built by pvisor-host."""
     install: Install
+    inject: InjectSpec | None = None
+    """How ``--inject`` carries the runtime into task images; absent: the agent cannot be injected."""
+    inject_unsupported: str | None = None
+    """Why the agent cannot be injected (shown when ``inject`` is absent)."""
     version_probe: VersionProbe
+    sandbox_env: dict[str, str] = {}
+    """Non-secret variables set in every sandbox of this agent (they show in ``docker inspect``)."""
     continuation: ContinuationNeeds
     trajectory: TrajectoryFormat
     artifacts: NativeArtifacts
@@ -122,6 +163,16 @@ class AgentProfile(_Model):
         if not value.startswith("/"):
             raise ValueError("entrypoint must be an absolute path")
         return value
+
+    @property
+    def install_source(self) -> str:
+        """Where the pinned runtime comes from, for listings."""
+        install = self.install
+        if isinstance(install, NpmInstall):
+            return f"npm {install.package}@{self.version}"
+        if isinstance(install, PipInstall):
+            return f"PyPI {install.package}=={self.version}"
+        return "unavailable"
 
     @property
     def installable(self) -> bool:

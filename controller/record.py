@@ -46,6 +46,7 @@ class Inputs(BaseModel):
     allow_stale_observations: bool
     session_id: str | None
     workspace_dir: str | None
+    workspace_from_image: bool = False
     workspace_path: str
     collect_workspace: bool
     env_names: list[str]
@@ -61,8 +62,20 @@ class ImageRef(BaseModel):
     agent_version: str
     pvisor_version: str
     agent_entrypoint: str
+    """The agent executable inside the sandbox (under the runtime volume for ``inject``)."""
     pvisor_path: str
-    verified_by: Literal["labels", "probe", "build"]
+    verified_by: Literal["labels", "probe", "build", "inject"]
+    """How the versions were established: built and probed, the image's labels, a probe, or injected from a
+    verified agent image."""
+    runtime_volume: str | None = None
+    """``--inject``: the read-only runtime volume mounted at /pvisor-host/runtime."""
+    agent_image: str | None = None
+    """``--inject``: the verified agent image the runtime volume was filled from."""
+
+    @property
+    def runtime_root(self) -> str | None:
+        """pvisor's ``--agent-runtime`` directory when the agent is injected."""
+        return "/pvisor-host/runtime/agent" if self.runtime_volume else None
 
 
 class Limits(BaseModel):

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .build import BuiltImage
+from .catalog import CatalogEntry, PruneResult
+from .doctor import Report
 from .record import ReplayRecord
 from .units import format_duration, format_size
 
@@ -59,3 +61,57 @@ def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> Non
     table.add_row("time", format_duration(record.timings.get("total", 0.0)))
     table.add_row("artifacts", f"{_relative(out_dir)}/ ({len(record.artifacts)} files, record.json)")
     console.print(table)
+
+
+def agents_table(console: Console, rows: list[dict[str, str]], notes: list[str]) -> None:
+    """``pvisor-host agents``: one row per agent, then why the unavailable ones are."""
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for column in ("agent", "version", "install source", "image", "inject", "continuation needs"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["agent"], row["version"], row["install_source"], row["image"], row["inject"], row["needs"])
+    console.print(table)
+    for note in notes:
+        console.print(f"\n[bold]{note.split(':')[0]}[/bold]:{note.split(':', 1)[1]}", highlight=False)
+
+
+def catalog_table(console: Console, entries: list[CatalogEntry]) -> None:
+    """``pvisor-host images``."""
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for column in ("name", "kind", "agent", "pvisor", "size", "created", "last used", "in use"):
+        table.add_column(column, overflow="fold")
+    for e in entries:
+        table.add_row(
+            e.name if e.name != "<none>" else f"<none> {e.id[7:19]}",
+            e.role,
+            f"{e.agent} {e.agent_version}" if e.agent else "",
+            e.pvisor_version or "",
+            format_size(e.size),
+            e.created.strftime("%Y-%m-%d %H:%M"),
+            e.last_used.strftime("%Y-%m-%d %H:%M") if e.last_used else "never",
+            "yes" if e.in_use else "",
+        )
+    console.print(table)
+    console.print(
+        f"{len(entries)} items, {format_size(sum(e.size for e in entries))} (shared layers counted per image)"
+    )
+
+
+def prune_result(console: Console, result: PruneResult, *, dry_run: bool) -> None:
+    """``pvisor-host images prune``."""
+    verb = "would remove" if dry_run else "removed"
+    for entry in result.removed:
+        console.print(f"{verb} {entry.name} ({entry.kind}, {format_size(entry.size)})")
+    for name, reason in result.kept.items():
+        console.print(f"kept {name}: {reason}")
+    console.print(f"{verb} {len(result.removed)} items, {format_size(result.freed)}")
+
+
+def doctor_report(console: Console, report: Report) -> None:
+    """``pvisor-host doctor``: one line per check, with the fix where one is needed."""
+    marks = {"ok": "[green]ok[/green]  ", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
+    for check in report.checks:
+        line = f"{marks[check.status]} {check.name}: {check.detail}"
+        if check.fix and check.status != "ok":
+            line += f" [dim]→ {check.fix}[/dim]"
+        console.print(line, highlight=False, soft_wrap=True)

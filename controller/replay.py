@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,9 +23,11 @@ from loguru import logger
 
 from . import container as sandbox
 from . import labels as L
+from . import usage
 from ._version import __version__
-from .collect import Budget, ExtractReport, diff_trees, extract_tar, hash_file, tar_stream
-from .errors import InfrastructureError, Interrupted
+from .collect import Budget, Entry, ExtractReport, diff_trees, extract_tar, hash_file, tar_stream
+from .errors import InfrastructureError, Interrupted, UsageError
+from .inject import RUNTIME_MOUNT
 from .preflight import PreparedReplay, release_out_dir, staging_root
 from .record import (
     Artifact,
@@ -40,6 +43,7 @@ from .record import (
     write_atomic,
 )
 from .result import ReplayResult, parse_result
+from .seed import seed_from_image
 from .signals import deferred_interrupts
 from .stage import INPUT_MOUNT, RUN_MOUNT, Staging, remove_staging, stage
 from .units import format_duration, format_size
@@ -71,7 +75,9 @@ def pvisor_command(prepared: PreparedReplay, trajectory_in_sandbox: str) -> list
         "--run-id",
         prepared.run_id,
     ]
-    if spec.mode != "prepare-only":
+    if prepared.image.runtime_root and spec.mode != "prepare-only":
+        command += ["--agent-runtime", prepared.image.runtime_root]
+    elif spec.mode != "prepare-only":
         command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
     if spec.max_steps is not None:
         command += ["--max-steps", str(spec.max_steps)]
@@ -96,11 +102,12 @@ def container_spec(prepared: PreparedReplay, staging: Staging) -> sandbox.Contai
         labels=L.resource_labels("replay", prepared.run_id),
         user=prepared.user,
         working_dir=prepared.workspace_path,
-        environment={"HOME": "/tmp", "TMPDIR": "/tmp"},
+        environment={**prepared.profile.sandbox_env, "HOME": "/tmp", "TMPDIR": "/tmp"},
         mounts=[
             sandbox.BindMount(source=staging.input_dir, target=INPUT_MOUNT, read_only=True),
             sandbox.BindMount(source=staging.workspace_dir, target=prepared.workspace_path),
             sandbox.BindMount(source=staging.run_dir, target=RUN_MOUNT),
+            *_runtime_mount(prepared),
         ],
         network=spec.network,
         read_only_rootfs=not spec.writable_rootfs,
@@ -111,6 +118,11 @@ def container_spec(prepared: PreparedReplay, staging: Staging) -> sandbox.Contai
         cpus=spec.cpus,
         pids=spec.pids,
     )
+
+
+def _runtime_mount(prepared: PreparedReplay) -> list[sandbox.VolumeMount]:
+    volume = prepared.image.runtime_volume
+    return [sandbox.VolumeMount(volume=volume, target=RUNTIME_MOUNT, read_only=True)] if volume else []
 
 
 def _limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
@@ -143,6 +155,7 @@ def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
         allow_stale_observations=spec.allow_stale_observations,
         session_id=spec.session_id,
         workspace_dir=str(spec.workspace_dir.absolute()) if spec.workspace_dir else None,
+        workspace_from_image=spec.image_workspace,
         workspace_path=prepared.workspace_path,
         collect_workspace=not spec.no_workspace,
         env_names=list(spec.env),
@@ -153,6 +166,13 @@ def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
             mounted_at=staging_path,
         ),
     )
+
+
+def _image_seed(client: docker.DockerClient, prepared: PreparedReplay) -> Callable[[Path], list[Entry]] | None:
+    if not prepared.spec.image_workspace:
+        return None
+    budget = Budget(prepared.spec.collect_limit)
+    return lambda dest: seed_from_image(client, prepared.image.id, prepared.workspace_path, dest, budget)
 
 
 class _Run:
@@ -196,6 +216,7 @@ def execute(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayReco
             workspace_source=prepared.spec.workspace_dir,
             user=prepared.user,
             env={name: os.environ[name] for name in prepared.spec.env},
+            workspace_seed=_image_seed(client, prepared),
         )
         clock = run.phase("stage", clock)
         cspec = container_spec(prepared, staging)
@@ -205,6 +226,11 @@ def execute(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayReco
         run.interrupted = True
     except InfrastructureError as exc:
         run.infra_error = exc.one_line()
+    except UsageError:
+        if staging is None:  # the staging itself was refused (e.g. --image-workspace): nothing ran
+            remove_staging(staging_root(out))
+            release_out_dir(out)
+        raise
     finally:
         if staging is not None:
             with deferred_interrupts():
@@ -231,6 +257,8 @@ def _run_container(
     out = run.prepared.out_dir
     with sandbox.sandbox_container(client, cspec) as box:
         info.id = box.id
+        built = run.prepared.built
+        usage.record_use(run.prepared.image.id, run.prepared.image.runtime_volume, built.id if built else None)
         clock = run.phase("create", clock)
         sandbox.start(box)
         logger.info(

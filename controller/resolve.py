@@ -22,6 +22,7 @@ from . import labels as L
 from ._version import PVISOR_VERSION
 from .build import DEFAULT_PVISOR_PATH, BuiltImage, build_agent_image, find_image
 from .errors import UsageError
+from .inject import check_task_image, check_task_image_metadata, ensure_runtime_volume, inject_spec
 from .probe import probe_agent_image, version_problem
 from .profiles import AgentProfile, get_profile
 from .record import ImageRef
@@ -30,25 +31,32 @@ from .record import ImageRef
 class ImagePlan(BaseModel):
     """The image decision before anything runs: use as labelled, probe it, or build it."""
 
-    action: Literal["labels", "probe", "build"]
+    action: Literal["labels", "probe", "build", "inject"]
     agent: str
     ref: str | None = None
     id: str | None = None
     labels: dict[str, str] = {}
 
 
-def plan_image(client: docker.DockerClient, *, image: str | None, agent: str | None) -> ImagePlan:
+def plan_image(client: docker.DockerClient, *, image: str | None, agent: str | None, inject: bool = False) -> ImagePlan:
     """Inspect ``image`` (no container): which agent, and whether its labels already vouch for it.
 
     Raises:
-        UsageError: unknown image, an image of another agent or version, or an unlabelled image without
-            ``--agent``.
+        UsageError: unknown image, an image of another agent or version, an unlabelled image without
+            ``--agent``, or a task image ``--inject`` cannot use (not linux/amd64, an agent without
+            an inject profile).
     """
     if image is None:
         assert agent is not None
         get_profile(agent)
         return ImagePlan(action="build", agent=agent)
     found = _local_or_pulled(client, image)
+    if inject:
+        assert agent is not None
+        profile = get_profile(agent)
+        inject_spec(profile)
+        check_task_image_metadata(found, image)
+        return ImagePlan(action="inject", agent=agent, ref=image, id=found.id, labels=dict(found.labels or {}))
     labels = dict(found.labels or {})
     labelled_agent = labels.get(L.AGENT) or None
     if labelled_agent is None:
@@ -118,6 +126,8 @@ def materialize(
         return _ref(built.tag, built.id, profile, "build"), built
     assert plan.ref is not None
     assert plan.id is not None
+    if plan.action == "inject":
+        return _inject(client, plan, profile, base=base, ca_bundle=ca_bundle)
     if plan.action == "labels":
         entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
         return _ref(plan.ref, plan.id, profile, "labels", entrypoint, plan.labels.get(L.PVISOR_PATH)), None
@@ -128,11 +138,24 @@ def materialize(
     return _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path), None
 
 
+def _inject(
+    client: docker.DockerClient, plan: ImagePlan, profile: AgentProfile, *, base: str | None, ca_bundle: Path | None
+) -> tuple[ImageRef, BuiltImage | None]:
+    assert plan.ref is not None
+    assert plan.id is not None
+    check_task_image(client, plan.id, plan.ref, profile)
+    built = build_agent_image(client, profile, base=base, ca_bundle=ca_bundle)
+    volume = ensure_runtime_volume(client, profile, built.id)
+    spec = inject_spec(profile)
+    ref = _ref(plan.ref, plan.id, profile, "inject", f"{volume.runtime_root}/{spec.entrypoint}", volume.pvisor_path)
+    return ref.model_copy(update={"runtime_volume": volume.name, "agent_image": built.tag}), built
+
+
 def _ref(
     ref: str,
     image_id: str,
     profile: AgentProfile,
-    verified_by: Literal["build", "labels", "probe"],
+    verified_by: Literal["build", "labels", "probe", "inject"],
     entrypoint: str | None = None,
     pvisor_path: str | None = None,
 ) -> ImageRef:

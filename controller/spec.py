@@ -53,6 +53,9 @@ class ReplaySpec(BaseModel):
     """pvisor agent name; with ``image`` it defaults to the image's ``pvisor-host.agent`` label."""
     image: str | None = None
     """Sandbox image; without it, the image ``pvisor-host build --agent`` makes (built when missing)."""
+    inject: bool = False
+    """Run in ``image`` unchanged (a task image without pvisor or the agent): both come from a read-only
+    runtime volume built from the verified agent image."""
     after_step: int = Field(ge=1)
     """1-based ordinal of the complete tool batch after which live execution resumes."""
     mode: Mode = "continue"
@@ -71,6 +74,8 @@ class ReplaySpec(BaseModel):
     """Host directory copied fresh into the sandbox as the workspace (empty when absent)."""
     workspace_path: str | None = None
     """Absolute workspace path in the sandbox; default: the recording's cwd, else ``/workspace``."""
+    image_workspace: bool = False
+    """Start from a copy of the image's own directory at the workspace path (a task checkout, say)."""
     no_workspace: bool = False
     """Do not collect the final workspace."""
     out: Path | None = None
@@ -155,6 +160,10 @@ class ReplaySpec(BaseModel):
     def _image_or_agent(self) -> ReplaySpec:
         if not self.image and not self.agent:
             raise ValueError("pass --agent, --image, or both")
+        if self.inject and not (self.image and self.agent):
+            raise ValueError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
+        if self.image_workspace and self.workspace_dir is not None:
+            raise ValueError("--image-workspace and --workspace-dir both set the starting workspace; pass one")
         return self
 
 

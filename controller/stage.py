@@ -4,7 +4,8 @@ Layout under ``<out>/.pvisor-host-staging/`` (removed on every path when the run
 
     input/       bound read-only at /pvisor-host/input: the trajectory copy (0444), entry.sh,
                  env.sh (0400, the sandbox user's: values of --env variables)
-    workspace/   bound read-write at the workspace path: a fresh copy of --workspace-dir
+    workspace/   bound read-write at the workspace path: a fresh copy of --workspace-dir, or of the
+                 image's own directory there (--image-workspace), or empty
     run/         bound read-write at /pvisor-host/run: pvisor's --state-dir and --output-dir roots
 
 The trajectory is copied (and hashed while copying) so the sandbox reads exactly the bytes the record
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -65,6 +67,7 @@ def stage(
     workspace_source: Path | None,
     user: str,
     env: dict[str, str],
+    workspace_seed: Callable[[Path], list[Entry]] | None = None,
 ) -> Staging:
     """Create the staging directory under ``root`` for one run (see the module docstring)."""
     uid, gid = parse_user(user)
@@ -95,9 +98,9 @@ def stage(
         before = copy_tree(workspace_source, workspace, uid=owner_uid, gid=owner_gid)
     else:
         workspace.mkdir(mode=0o755)
-        before = []
+        before = workspace_seed(workspace) if workspace_seed is not None else []
         if owner_uid is not None:
-            os.chown(workspace, owner_uid, owner_gid or owner_uid)
+            _chown_tree(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
     run_dir = root / "run"
     run_dir.mkdir(mode=0o700)
     if owner_uid is not None:
@@ -110,6 +113,13 @@ def stage(
         trajectory_in_sandbox=f"{INPUT_MOUNT}/{name}",
         workspace_before=before,
     )
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid)
+    for directory, children, files in os.walk(root):
+        for name in (*children, *files):
+            os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
 
 def _sandbox_name(name: str) -> str:

@@ -127,22 +127,33 @@ def _labelled(client, kind: str) -> list[str]:
     return [n.name for n in client.networks.list(filters=filters)]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind(request) -> Iterator[None]:
-    """After the whole suite: no container, volume or network with our labels may remain."""
-    yield
-    if not any(item.get_closest_marker("docker") for item in request.session.items):
-        return
+def _engine_or_none():
     try:
         import docker
 
         client = docker.from_env()
         client.ping()
     except Exception:  # noqa: BLE001
+        return None
+    return client
+
+
+def labelled_resources(client) -> dict[str, set[str]]:
+    """Names of every container, volume and network carrying pvisor-host labels."""
+    return {kind: set(_labelled(client, kind)) for kind in ("containers", "volumes", "networks")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(request) -> Iterator[None]:
+    """After the whole suite: no container, volume or network with our labels that the suite created remains."""
+    client = _engine_or_none()
+    before = labelled_resources(client) if client is not None else {}
+    yield
+    if client is None or not any(item.get_closest_marker("docker") for item in request.session.items):
         return
     deadline = time.monotonic() + 10
     while True:
-        left = {kind: _labelled(client, kind) for kind in ("containers", "volumes", "networks")}
+        left = {kind: sorted(names - before.get(kind, set())) for kind, names in labelled_resources(client).items()}
         if not any(left.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -163,3 +174,27 @@ def containers_created(docker_client):
         return [event.get("Actor", {}).get("Attributes", {}) for event in events]
 
     return created
+
+
+def build_test_image(client, tag: str, dockerfile: str, **kwargs) -> str:
+    """Build a small labelled test image from a Dockerfile text (classic builder, as docker-py uses)."""
+    import io
+
+    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True, forcerm=True, **kwargs)
+    return tag
+
+
+@pytest.fixture(scope="session")
+def agent_image(docker_client):
+    """Build (or find) the verified image of any agent, once per session: ``agent_image("pi-agent")``."""
+    from pvisor_host.build import build_agent_image
+    from pvisor_host.profiles import get_profile
+
+    built: dict[str, str] = {}
+
+    def image(agent: str) -> str:
+        if agent not in built:
+            built[agent] = build_agent_image(docker_client, get_profile(agent)).tag
+        return built[agent]
+
+    return image

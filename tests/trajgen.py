@@ -219,6 +219,154 @@ def _message(role: str, text: str) -> dict[str, Any]:
     return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
 
 
+PI_VERSION = "0.83.0"
+MINI_VERSION = "2.4.6"
+
+
+def pi_session(task: str, turns: list[Turn], *, model: str = "stub-model") -> list[dict[str, Any]]:
+    """A Pi RPC event stream: the user's ``message_end``, then one ``turn_end`` per assistant turn with the
+    assistant message (text and ``toolCall`` parts) and its ``toolResults``."""
+    clock = _Clock()
+    stamp = int(clock.now.timestamp() * 1000)
+
+    def ms() -> int:
+        nonlocal stamp
+        stamp += 1000
+        return stamp
+
+    user = {"role": "user", "content": [{"type": "text", "text": task}], "timestamp": ms()}
+    events: list[dict[str, Any]] = [
+        {"type": "agent_start"},
+        {"type": "turn_start"},
+        {"type": "message_start", "message": user},
+        {"type": "message_end", "message": user},
+    ]
+    usage = {
+        "input": 10,
+        "output": 5,
+        "cacheRead": 0,
+        "cacheWrite": 0,
+        "totalTokens": 15,
+        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "total": 0},
+    }
+    for index, turn in enumerate(turns, start=1):
+        content: list[dict[str, Any]] = [{"type": "text", "text": turn.text}] if turn.text else []
+        calls = [(f"call_{index}{chr(ord('a') + n)}", call) for n, call in enumerate(turn.calls)]
+        content += [{"type": "toolCall", "id": cid, "name": call.name, "arguments": call.input} for cid, call in calls]
+        assistant = {
+            "role": "assistant",
+            "content": content,
+            "api": "openai-completions",
+            "provider": "sweeval",
+            "model": model,
+            "usage": usage,
+            "stopReason": "toolUse" if calls else "stop",
+            "timestamp": ms(),
+        }
+        results = [
+            {
+                "role": "toolResult",
+                "toolCallId": cid,
+                "toolName": call.name,
+                "content": [{"type": "text", "text": call.result}],
+                "details": {},
+                "isError": call.is_error,
+                "timestamp": ms(),
+            }
+            for cid, call in calls
+        ]
+        events += [
+            {"type": "message_end", "message": assistant},
+            {"type": "turn_end", "message": assistant, "toolResults": results},
+        ]
+        if index < len(turns):
+            events.append({"type": "turn_start"})
+    events.append({"type": "agent_end"})
+    return events
+
+
+def mini_trajectory(task: str, turns: list[Turn], *, cwd: str = "/workspace") -> dict[str, Any]:
+    """A mini-swe-agent 2.4.6 trajectory (``trajectory_format`` mini-swe-agent-1.1) recorded with the
+    text-based litellm model: one bash action per assistant message, each followed by its observation."""
+    observation = "<returncode>{{output.returncode}}</returncode>\n<output>\n{{ output.output -}}\n</output>"
+    config = {
+        "agent": {
+            "system_template": "You are a helpful assistant that can interact with a computer.",
+            "instance_template": "Please solve this issue: {{task}}",
+            "step_limit": 0,
+            "cost_limit": 3.0,
+            "wall_time_limit_seconds": 0,
+            "max_consecutive_format_errors": 3,
+            "output_path": None,
+        },
+        "agent_type": "minisweagent.agents.default.DefaultAgent",
+        "model": {
+            "model_name": "openai/stub-model",
+            "model_kwargs": {"drop_params": True},
+            "observation_template": observation,
+            "format_error_template": "Please always provide EXACTLY ONE action.",
+            "cost_tracking": "ignore_errors",
+        },
+        "model_type": "minisweagent.models.litellm_textbased_model.LitellmTextbasedModel",
+        "environment": {"cwd": cwd, "env": {}, "timeout": 30},
+        "environment_type": "minisweagent.environments.local.LocalEnvironment",
+    }
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": config["agent"]["system_template"]},
+        {"role": "user", "content": f"Please solve this issue: {task}"},
+    ]
+    stamp = 1795000000.0
+    for index, turn in enumerate(turns, start=1):
+        for call in turn.calls:
+            command = call.input["command"]
+            text = f"THOUGHT: {turn.text or 'Next step.'}\n\n```mswea_bash_command\n{command}\n```"
+            response = {
+                "id": f"chatcmpl-{index}",
+                "object": "chat.completion",
+                "model": "stub-model",
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+            stamp += 1
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "extra": {"actions": [{"command": command}], "response": response, "cost": 0.0, "timestamp": stamp},
+                }
+            )
+            code = 1 if call.is_error else 0
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"<returncode>{code}</returncode>\n<output>\n{call.result}</output>",
+                    "extra": {
+                        "raw_output": call.result,
+                        "returncode": code,
+                        "timestamp": stamp + 0.5,
+                        "exception_info": "",
+                    },
+                }
+            )
+    return {
+        "info": {
+            "model_stats": {"instance_cost": 0.0, "api_calls": len(turns)},
+            "config": config,
+            "mini_version": MINI_VERSION,
+            "exit_status": "",
+            "submission": "",
+        },
+        "messages": messages,
+        "trajectory_format": "mini-swe-agent-1.1",
+    }
+
+
+def write_json(path: Path, document: dict[str, Any]) -> Path:
+    """Write a JSON document."""
+    path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
 def write_jsonl(path: Path, events: list[dict[str, Any]]) -> Path:
     """Write events as JSONL (one compact object per line)."""
     path.write_text("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events), encoding="utf-8")
@@ -260,6 +408,37 @@ def codex_files_session(cwd: str = "/workspace") -> list[dict[str, Any]]:
             Turn([Call("exec_command", {"cmd": "cat f.txt"}, "hi\n"), Call("exec_command", {"cmd": "ls"}, "f.txt\n")]),
             Turn([Call("write", {"path": "g.txt", "content": "hello from codex\n"}, "ok")]),
             Turn([Call("edit", {"path": "g.txt", "old_str": "hello", "new_str": "bye"}, "ok")]),
+        ],
+        cwd=cwd,
+    )
+
+
+def pi_files_session() -> list[dict[str, Any]]:
+    """3 batches: bash, write + read in parallel, edit."""
+    return pi_session(
+        "Create f.txt with hi, write g.txt and read f.txt back, then edit g.txt.",
+        [
+            Turn([Call("bash", {"command": "echo hi > f.txt"}, "")], "Creating f.txt."),
+            Turn(
+                [
+                    Call("write", {"path": "g.txt", "content": "hello from pi\n"}, "Successfully wrote 14 bytes"),
+                    Call("read", {"path": "f.txt"}, "hi\n"),
+                ]
+            ),
+            Turn([Call("edit", {"path": "g.txt", "edits": [{"oldText": "hello", "newText": "bye"}]}, "edited")]),
+            Turn(text="Done."),
+        ],
+    )
+
+
+def mini_files_session(cwd: str = "/workspace") -> dict[str, Any]:
+    """3 batches of one bash action each."""
+    return mini_trajectory(
+        "Create f.txt with hi, copy it to g.txt and change the copy.",
+        [
+            Turn([Call("bash", {"command": "echo hi > f.txt"}, "")]),
+            Turn([Call("bash", {"command": "cp f.txt g.txt && cat g.txt"}, "hi\n")]),
+            Turn([Call("bash", {"command": "sed -i 's/hi/bye from mini/' g.txt"}, "")]),
         ],
         cwd=cwd,
     )

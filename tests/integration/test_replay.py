@@ -310,10 +310,17 @@ def test_only_named_env_enters_and_never_the_container_config(tmp_path, claude_i
     trajectory = write_jsonl(tmp_path / "env.jsonl", _probe_session(command))
     out = tmp_path / "run"
     process = start_cli(
-        *REPLAY_ONLY, "--trajectory", trajectory, "--out", out, "--run-id", "env-check",
-        "--env", "PVISOR_HOST_TEST_VALUE",
+        *REPLAY_ONLY,
+        "--trajectory",
+        trajectory,
+        "--out",
+        out,
+        "--run-id",
+        "env-check",
+        "--env",
+        "PVISOR_HOST_TEST_VALUE",
         env={"PVISOR_HOST_TEST_VALUE": secret, "PVISOR_HOST_NOT_PASSED": "x"},
-    )  # fmt: skip
+    )
     inspected = wait_for_running(docker_client, "env-check", process).attrs
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr

@@ -130,7 +130,11 @@ def test_max_steps_below_the_prefix(tmp_path, claude, mode, steps, line):
 
 def test_unknown_agent(tmp_path, claude):
     result, _ = replay(tmp_path, "--agent", "gemini", "--trajectory", claude, "--after-step", "1")
-    assert_one_line(result, 2, "unknown agent 'gemini' (known agents: claude-code, codex)")
+    assert_one_line(
+        result,
+        2,
+        "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, pi-agent, swe-agent)",
+    )
 
 
 def test_out_not_empty(tmp_path, claude):

@@ -33,13 +33,21 @@ def test_version_probe(agent, output, ok):
 def test_unknown_agent_names_the_known_ones():
     with pytest.raises(UsageError) as caught:
         profiles.get_profile("gemini")
-    assert caught.value.one_line() == "unknown agent 'gemini' (known agents: claude-code, codex)"
+    assert (
+        caught.value.one_line()
+        == "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, pi-agent, swe-agent)"
+    )
 
 
 def test_profile_file_must_match_its_agent():
-    good = profiles.all_profiles()["codex"].model_dump()
-    with pytest.raises(UsageError, match="must be named after it"):
-        profiles._load("other.toml", _toml(good))
+    from importlib import resources
+
+    text = resources.files("pvisor_host.adapters").joinpath("codex.toml").read_text()
+    assert profiles._load("codex.toml", text).agent == "codex"
+    with pytest.raises(UsageError, match="declares agent 'codex'; the file must be named after it"):
+        profiles._load("other.toml", text)
+    with pytest.raises(UsageError, match="agent profile broken.toml is invalid"):
+        profiles._load("broken.toml", text.replace('version = "0.149.0"', "version = [1]"))
 
 
 def test_install_kind_is_a_discriminated_union():
@@ -58,17 +66,3 @@ def test_relative_entrypoint_is_rejected():
     data["entrypoint"] = "bin/codex"
     with pytest.raises(ValueError, match="absolute"):
         AgentProfile.model_validate(data)
-
-
-def _toml(data):
-    import json
-
-    lines = []
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
-    for key, value in data.items():
-        if not isinstance(value, dict):
-            lines.append(f"{key} = {json.dumps(value)}")
-    for name, table in tables.items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items())
-    return "\n".join(lines)

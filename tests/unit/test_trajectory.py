@@ -4,7 +4,14 @@ import pytest
 from pvisor_host import profiles
 from pvisor_host.errors import UsageError
 from pvisor_host.trajectory import MAX_TRAJECTORY_BYTES, check_agent, check_file, recorded_workspace, sniff
-from trajgen import claude_files_session, codex_files_session, write_jsonl
+from trajgen import (
+    claude_files_session,
+    codex_files_session,
+    mini_files_session,
+    pi_files_session,
+    write_json,
+    write_jsonl,
+)
 
 
 def test_a_good_file_is_hashed(tmp_path):
@@ -63,13 +70,20 @@ def test_unreadable_file(tmp_path, monkeypatch):
 
 def test_sniff_recognises_each_format(tmp_path):
     shipped = profiles.all_profiles()
-    claude = write_jsonl(tmp_path / "c.jsonl", claude_files_session())
-    codex = write_jsonl(tmp_path / "x.jsonl", codex_files_session())
-    other = tmp_path / "o.jsonl"
-    other.write_text(json.dumps({"type": "step_start", "sessionID": "s"}) + "\n")
-    assert sniff(claude, shipped) == {"claude-code"}
-    assert sniff(codex, shipped) == {"codex"}
-    assert sniff(other, shipped) == set()
+    cases = {
+        "claude-code": write_jsonl(tmp_path / "c.jsonl", claude_files_session()),
+        "codex": write_jsonl(tmp_path / "x.jsonl", codex_files_session()),
+        "pi-agent": write_jsonl(tmp_path / "p.jsonl", pi_files_session()),
+        "mini-swe-agent": write_json(tmp_path / "m.json", mini_files_session()),
+    }
+    opencode = tmp_path / "o.jsonl"
+    opencode.write_text(json.dumps({"type": "step_start", "sessionID": "s"}) + "\n")
+    cases["opencode"] = opencode
+    for agent, path in cases.items():
+        assert sniff(path, shipped) == {agent}, agent
+    unrelated = tmp_path / "u.jsonl"
+    unrelated.write_text('{"hello": "world"}\n')
+    assert sniff(unrelated, shipped) == set()
 
 
 def test_wrong_agent_for_the_trajectory(tmp_path):
