@@ -65,21 +65,21 @@ class BootstrapRecipe(BaseModel):
 
 
 @cache
-def recipe() -> BootstrapRecipe:
-    """The shipped bootstrap recipe."""
+def recipe(suite: str = "bookworm") -> BootstrapRecipe:
+    """The shipped bootstrap recipe, for Debian ``suite`` (the recipe's packages exist in each release)."""
     text = resources.files("pvisor_host.images").joinpath("base/bootstrap.toml").read_text(encoding="utf-8")
-    return BootstrapRecipe.model_validate(tomllib.loads(text))
+    return BootstrapRecipe.model_validate(tomllib.loads(text) | {"suite": suite})
 
 
-def find_bootstrapped(client: docker.DockerClient) -> Image | None:
+def find_bootstrapped(client: docker.DockerClient, suite: str = "bookworm") -> Image | None:
     """The base a previous bootstrap made with the current recipe, if any."""
     try:
-        return client.images.get(recipe().tag)
+        return client.images.get(recipe(suite).tag)
     except ImageNotFound:
         return None
 
 
-def bootstrap(client: docker.DockerClient) -> Image:
+def bootstrap(client: docker.DockerClient, suite: str = "bookworm") -> Image:
     """Build the base with mmdebstrap and import it into the engine (about 20–40 s).
 
     Raises:
@@ -92,7 +92,7 @@ def bootstrap(client: docker.DockerClient) -> Image:
             "no registry is reachable and mmdebstrap is not installed to build a base image locally",
             hint="apt-get install mmdebstrap, or load a base with docker load and pass --base",
         )
-    plan = recipe()
+    plan = recipe(suite)
     repository, tag = plan.tag.split(":")
     logger.info("bootstrapping base image {} with mmdebstrap ({})", plan.tag, plan.suite)
     started = time.monotonic()

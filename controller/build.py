@@ -214,7 +214,14 @@ def _pull(client: docker.DockerClient, ref: str) -> Image:
     return client.images.pull(repository, tag=tag)
 
 
-def resolve_base(client: docker.DockerClient, base: str | None = None, *, force_bootstrap: bool = False) -> BaseImage:
+def default_base(suite: str = "bookworm") -> str:
+    """The registry base for a Debian release: ``debian:<suite>-slim``."""
+    return f"debian:{suite}-slim"
+
+
+def resolve_base(
+    client: docker.DockerClient, base: str | None = None, *, force_bootstrap: bool = False, suite: str = "bookworm"
+) -> BaseImage:
     """Find the base image: local, else pulled (retried), else — for the default base — bootstrapped.
 
     Raises:
@@ -222,11 +229,11 @@ def resolve_base(client: docker.DockerClient, base: str | None = None, *, force_
         PrerequisiteError: the registry is unreachable for an explicit ``--base``.
     """
     if force_bootstrap:
-        if base not in (None, DEFAULT_BASE):
+        if base not in (None, default_base(suite)):
             raise UsageError("--bootstrap builds the default Debian base; drop --base or --bootstrap")
-        return _bootstrapped(client, reuse=True)
-    ref = base or DEFAULT_BASE
-    offline = resolve_base_offline(client, base)
+        return _bootstrapped(client, suite, reuse=True)
+    ref = base or default_base(suite)
+    offline = resolve_base_offline(client, base, suite)
     if offline is not None:
         return offline
     logger.info("pulling base image {}", ref)
@@ -242,34 +249,36 @@ def resolve_base(client: docker.DockerClient, base: str | None = None, *, force_
                 hint="docker load it, or omit --base to bootstrap a Debian base",
             ) from exc
         logger.info("no registry is reachable ({}); bootstrapping a local Debian base instead", detail)
-        return _bootstrapped(client, reuse=False)
+        return _bootstrapped(client, suite, reuse=False)
     return BaseImage(ref=ref, id=pulled.id, source="pulled")
 
 
-def resolve_base_offline(client: docker.DockerClient, base: str | None = None) -> BaseImage | None:
+def resolve_base_offline(
+    client: docker.DockerClient, base: str | None = None, suite: str = "bookworm"
+) -> BaseImage | None:
     """The base :func:`resolve_base` would pick without pulling or bootstrapping, or None."""
-    ref = base or DEFAULT_BASE
+    ref = base or default_base(suite)
     local = find_image(client, ref)
     if local is not None:
         return BaseImage(ref=ref, id=local.id, source="local")
-    earlier = bootstrap.find_bootstrapped(client) if base is None else None
+    earlier = bootstrap.find_bootstrapped(client, suite) if base is None else None
     if earlier is not None:
-        return BaseImage(ref=bootstrap.recipe().tag, id=earlier.id, source="bootstrapped-earlier")
+        return BaseImage(ref=bootstrap.recipe(suite).tag, id=earlier.id, source="bootstrapped-earlier")
     return None
 
 
 def expected_tag(client: docker.DockerClient, profile: AgentProfile) -> str | None:
     """The tag ``build`` would produce for ``profile`` right now, without building (None: no base yet)."""
-    base = resolve_base_offline(client)
+    base = resolve_base_offline(client, suite=profile.suite)
     return render(profile, base, default_ca_bundle()).tag if base is not None and profile.installable else None
 
 
-def _bootstrapped(client: docker.DockerClient, *, reuse: bool) -> BaseImage:
-    existing = bootstrap.find_bootstrapped(client) if reuse else None
+def _bootstrapped(client: docker.DockerClient, suite: str, *, reuse: bool) -> BaseImage:
+    existing = bootstrap.find_bootstrapped(client, suite) if reuse else None
     if existing is not None:
-        return BaseImage(ref=bootstrap.recipe().tag, id=existing.id, source="bootstrapped-earlier")
-    image = bootstrap.bootstrap(client)
-    return BaseImage(ref=bootstrap.recipe().tag, id=image.id, source="bootstrapped")
+        return BaseImage(ref=bootstrap.recipe(suite).tag, id=existing.id, source="bootstrapped-earlier")
+    image = bootstrap.bootstrap(client, suite)
+    return BaseImage(ref=bootstrap.recipe(suite).tag, id=image.id, source="bootstrapped")
 
 
 def build_agent_image(
@@ -289,7 +298,7 @@ def build_agent_image(
     if isinstance(profile.install, UnavailableInstall):
         raise UsageError(f"cannot build {profile.agent} {profile.version}: {profile.install.reason}")
     started = time.monotonic()
-    resolved = resolve_base(client, base, force_bootstrap=force_bootstrap)
+    resolved = resolve_base(client, base, force_bootstrap=force_bootstrap, suite=profile.suite)
     recipe = render(profile, resolved, ca_bundle if ca_bundle is not None else default_ca_bundle())
     existing = find_image(client, recipe.tag)
     if existing is not None:

@@ -32,9 +32,10 @@ done
 entry="$1"
 [ -x "$entry" ] || entry="$(command -v "$2" 2>/dev/null || true)"
 if [ -n "$entry" ] && [ -x "$entry" ]; then
-  echo "AGENT_PATH=$(readlink -f "$entry")"
+  # Like pvisor's own probe: the canonical path (symlinks resolved), stdout or else stderr.
+  entry="$(readlink -f "$entry")"
+  echo "AGENT_PATH=$entry"
   shift 2
-  # Like pvisor's own probe: stdout, or stderr when stdout is empty.
   out="$("$entry" "$@" 2>/tmp/.pvisor-host-probe.err)"; code=$?
   [ -n "$out" ] || out="$(cat /tmp/.pvisor-host-probe.err)"
   echo "AGENT_EXIT=$code"

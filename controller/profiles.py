@@ -145,6 +145,8 @@ class AgentProfile(_Model):
     """pvisor's own profile id, e.g. ``claude-code/2.1.220/native-resume-v1``."""
     entrypoint: str
     """Absolute path of the agent executable inside images built by pvisor-host."""
+    suite: Literal["bookworm", "trixie"] = "bookworm"
+    """Debian release of the default base (an agent may need a newer Python than bookworm's 3.11)."""
     install: Install
     inject: InjectSpec | None = None
     """How ``--inject`` carries the runtime into task images; absent: the agent cannot be injected."""

@@ -367,6 +367,53 @@ def write_json(path: Path, document: dict[str, Any]) -> Path:
     return path
 
 
+OPENHANDS_VERSION = "0.53.0"
+
+
+def openhands_events(task: str, turns: list[Turn], *, cwd: str = "/workspace") -> list[dict[str, Any]]:
+    """An OpenHands 0.53.0 event array: the user's message, then per turn one ``run`` action (the first call's
+    ``command``) and its ``run`` observation, linked by ``cause``."""
+    clock = _Clock()
+    events: list[dict[str, Any]] = [
+        {"id": 0, "timestamp": clock.tick(), "source": "user", "message": task, "action": "message",
+         "args": {"content": task, "file_urls": None, "image_urls": None, "wait_for_response": False}},
+    ]  # fmt: skip
+    for turn in turns:
+        call = turn.calls[0]
+        command = call.input["command"]
+        action_id, observation_id = len(events), len(events) + 1
+        events.append(
+            {"id": action_id, "timestamp": clock.tick(), "source": "agent", "message": f"Running command: {command}",
+             "action": "run",
+             "args": {"command": command, "is_input": False, "thought": turn.text or "", "blocking": False,
+                      "is_static": False, "cwd": None, "hidden": False, "confirmation_state": "confirmed",
+                      "security_risk": -1}}
+        )  # fmt: skip
+        events.append(
+            {"id": observation_id, "timestamp": clock.tick(), "source": "agent",
+             "message": f"Command `{command}` executed with exit code 0.", "cause": action_id, "observation": "run",
+             "content": call.result,
+             "extras": {"command": command, "hidden": False,
+                        "metadata": {"exit_code": 1 if call.is_error else 0, "pid": -1, "username": "root",
+                                     "hostname": "sandbox", "working_dir": cwd, "py_interpreter_path": None,
+                                     "prefix": "", "suffix": ""}},
+             "success": not call.is_error}
+        )  # fmt: skip
+    return events
+
+
+def openhands_files_session() -> list[dict[str, Any]]:
+    """3 batches of one run action each."""
+    return openhands_events(
+        "Create f.txt with hi, copy it to g.txt and change the copy.",
+        [
+            Turn([Call("run", {"command": "echo hi > f.txt"}, "")]),
+            Turn([Call("run", {"command": "cp f.txt g.txt && cat g.txt"}, "hi")]),
+            Turn([Call("run", {"command": "sed -i 's/hi/bye from openhands/' g.txt"}, "")]),
+        ],
+    )
+
+
 def write_jsonl(path: Path, events: list[dict[str, Any]]) -> Path:
     """Write events as JSONL (one compact object per line)."""
     path.write_text("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events), encoding="utf-8")

@@ -15,7 +15,8 @@ npm)
     rm -rf /root/.npm /tmp/*
     ;;
 pip)
-    python3 -m venv "$target"
+    # --copies: pvisor canonicalises the entrypoint, and a symlinked venv python resolves to the system one.
+    python3 -m venv --copies "$target"
     "$target/bin/pip" install --no-cache-dir --disable-pip-version-check "$package==$version"
     ;;
 *)

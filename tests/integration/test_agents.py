@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from trajgen import mini_files_session, pi_files_session, write_json, write_jsonl
+from trajgen import mini_files_session, openhands_files_session, pi_files_session, write_json, write_jsonl
 
 pytestmark = pytest.mark.docker
 
@@ -18,30 +18,19 @@ def _record(out: Path) -> dict:
     return json.loads((out / "record.json").read_text())
 
 
-@pytest.mark.parametrize(
-    ("agent", "version", "make", "after", "calls", "turns", "files"),
-    [
-        (
-            "pi-agent",
-            "0.83.0",
-            lambda p: write_jsonl(p / "pi.jsonl", pi_files_session()),
-            3,
-            4,
-            3,
-            {"f.txt": "hi\n", "g.txt": "bye from pi\n"},
-        ),
-        (
-            "mini-swe-agent",
-            "2.4.6",
-            lambda p: write_json(p / "mini.json", mini_files_session()),
-            3,
-            3,
-            3,
-            {"f.txt": "hi\n", "g.txt": "bye from mini\n"},
-        ),
-    ],
-)
-def test_sdk_agents_replay_for_real(tmp_path, agent_image, agent, version, make, after, calls, turns, files):
+# agent -> (pinned version, trajectory writer, tool calls in its 3-batch prefix, g.txt after the replay)
+SDK_AGENTS = {
+    "pi-agent": ("0.83.0", lambda p: write_jsonl(p / "pi.jsonl", pi_files_session()), 4, "bye from pi\n"),
+    "mini-swe-agent": ("2.4.6", lambda p: write_json(p / "mini.json", mini_files_session()), 3, "bye from mini\n"),
+    "openhands": ("0.53.0", lambda p: write_json(p / "oh.json", openhands_files_session()), 3, "bye from openhands\n"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent", sorted(SDK_AGENTS))
+def test_sdk_agents_replay_for_real(tmp_path, agent_image, agent):
+    version, make, calls, g_txt = SDK_AGENTS[agent]
+    after, turns, files = 3, 3, {"f.txt": "hi\n", "g.txt": g_txt}
     image = agent_image(agent)
     trajectory = make(tmp_path)
     replayed = tmp_path / "replayed"
@@ -115,6 +104,7 @@ def test_agents_lists_every_agent(claude_image, codex_image):
         "claude-code": "2.1.220",
         "codex": "0.149.0",
         "mini-swe-agent": "2.4.6",
+        "openhands": "0.53.0",
         "opencode": "1.17.7",
         "pi-agent": "0.83.0",
         "swe-agent": "1.1.0",
