@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build_test_image, run_cli
-from trajgen import Call, Turn, claude_session, codex_files_session, write_jsonl
+from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 
 pytestmark = pytest.mark.docker
 
@@ -75,12 +75,31 @@ def _comparable(record: dict) -> dict:
     }
 
 
-def test_codex_injected_into_a_python_only_image_matches_the_baked_image(
-    tmp_path, docker_client, task_images, codex_image
+# agent -> (trajectory, after-step, runtime entrypoint inside the volume)
+INJECTED = {
+    "codex": (lambda: codex_files_session("/workspace"), 4, "bin/codex"),
+    "claude-code": (lambda: claude_files_session("/workspace"), 5, "bin/claude"),
+}
+
+
+@pytest.mark.parametrize("agent", sorted(INJECTED))
+def test_injected_into_a_python_only_image_matches_the_baked_image(
+    tmp_path, docker_client, task_images, agent_image, agent
 ):
+    make, after, entrypoint = INJECTED[agent]
     _assert_has_neither_pvisor_nor_node(docker_client, task_images["python"])
-    trajectory = write_jsonl(tmp_path / "codex.jsonl", codex_files_session("/workspace"))
-    common = ("replay", "--agent", "codex", "--trajectory", trajectory, "--after-step", "4", "--mode", "replay-only")
+    trajectory = write_jsonl(tmp_path / "t.jsonl", make())
+    common = (
+        "replay",
+        "--agent",
+        agent,
+        "--trajectory",
+        trajectory,
+        "--after-step",
+        str(after),
+        "--mode",
+        "replay-only",
+    )
     injected, baked = tmp_path / "injected", tmp_path / "baked"
     result = run_cli(*common, "--image", task_images["python"], "--inject", "--out", injected)
     assert result.code == 0, result.stderr
@@ -89,10 +108,10 @@ def test_codex_injected_into_a_python_only_image_matches_the_baked_image(
     assert _comparable(record) == _comparable(_record(baked))
     assert record["image"]["verified_by"] == "inject"
     assert record["image"]["ref"] == task_images["python"]
-    assert record["image"]["agent_image"] == codex_image
-    assert record["image"]["runtime_volume"].startswith("pvisor-host-runtime-codex-0.149.0-pvisor0.3.1-")
+    assert record["image"]["agent_image"] == agent_image(agent)
+    assert record["image"]["runtime_volume"].startswith(f"pvisor-host-runtime-{agent}-")
     assert record["result"]["agent"]["launch_source"] == "runtime_manifest"
-    assert record["result"]["agent"]["entrypoint"] == "/pvisor-host/runtime/agent/bin/codex"
+    assert record["result"]["agent"]["entrypoint"] == f"/pvisor-host/runtime/agent/{entrypoint}"
     assert "--agent-runtime" in record["container"]["command"]
     assert (injected / "workspace" / "g.txt").read_text() == (baked / "workspace" / "g.txt").read_text()
     assert record["workspace_changes"] == _record(baked)["workspace_changes"]

@@ -133,7 +133,8 @@ def test_unknown_agent(tmp_path, claude):
     assert_one_line(
         result,
         2,
-        "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, openhands, pi-agent, swe-agent)",
+        "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, openhands, pi-agent, "
+        "swe-agent)",
     )
 
 

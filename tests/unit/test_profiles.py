@@ -35,7 +35,8 @@ def test_unknown_agent_names_the_known_ones():
         profiles.get_profile("gemini")
     assert (
         caught.value.one_line()
-        == "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, openhands, pi-agent, swe-agent)"
+        == "unknown agent 'gemini' (known agents: claude-code, codex, mini-swe-agent, opencode, openhands, pi-agent, "
+        "swe-agent)"
     )
 
 
