@@ -37,8 +37,10 @@ from .profiles import AgentProfile, NpmInstall, PipInstall, UnavailableInstall
 DEFAULT_BASE = "debian:bookworm-slim"
 #: Where the sandbox recipe installs pvisor.
 DEFAULT_PVISOR_PATH = "/opt/pvisor/bin/pvisor"
+#: Where the sandbox recipe installs the model-gateway relay.
+RELAY_PATH = "/usr/local/lib/pvisor-host/relay"
 _RECIPE_DIR = "sandbox"
-_RECIPE_FILES = ("Dockerfile", "with-ca.sh", "ensure-os.sh", "fetch-npm.py", "install-agent.sh")
+_RECIPE_FILES = ("Dockerfile", "with-ca.sh", "ensure-os.sh", "fetch-npm.py", "install-agent.sh", "relay.c")
 _BUILD_TIMEOUT = 3600
 # Registry errors that mean "cannot reach it" (retried a little, then we bootstrap), not "no such image".
 _UNREACHABLE = (

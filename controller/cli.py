@@ -230,14 +230,29 @@ def replay(
     cap_add: Annotated[list[str] | None, typer.Option(help="Keep this capability (repeat).")] = None,
     writable_rootfs: Annotated[bool, typer.Option(help="Do not make the root filesystem read-only.")] = False,
     allow_privilege_escalation: Annotated[bool, typer.Option(help="Do not set no-new-privileges.")] = False,
+    model_base_url: Annotated[
+        str | None, typer.Option(help="The real OpenAI-compatible endpoint; a host-side gateway forwards to it.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Model name for the agent (MODEL_NAME).")] = None,
+    model_api_key_env: Annotated[
+        str | None, typer.Option(help="Name of the host variable holding the real key (never the key itself).")
+    ] = None,
+    model_network: Annotated[
+        str, typer.Option(help="unix (default: no network, a mounted socket), internal, or pass-through.")
+    ] = "unix",
+    model_body_limit: Annotated[str, typer.Option(help="Bytes of each body kept in model-traffic.jsonl.")] = "64k",
+    no_model_bodies: Annotated[bool, typer.Option(help="Keep no bodies in model-traffic.jsonl.")] = False,
+    model_timeout: Annotated[str, typer.Option(help="How long the gateway waits for the upstream.")] = "5m",
+    attempts: Annotated[int, typer.Option(help="Attempts for failures pvisor marks retryable.")] = 3,
+    retry_backoff: Annotated[str, typer.Option(help="Wait before the first retry (doubles each time).")] = "5s",
     base: Annotated[str | None, typer.Option(help="Base image when the agent image must be built.")] = None,
     ca_bundle: Annotated[Path | None, typer.Option(help="CA bundle when the agent image must be built.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
 ) -> int:
     """Replay a trajectory up to --after-step in a fresh hardened container and collect the result."""
+    from .attempts import run_replay
     from .engine import connect
     from .preflight import check_inputs, prepare
-    from .replay import execute
     from .spec import build_spec
 
     spec = build_spec(
@@ -270,11 +285,20 @@ def replay(
         cap_add=cap_add or [],
         writable_rootfs=writable_rootfs,
         allow_privilege_escalation=allow_privilege_escalation,
+        model_base_url=model_base_url,
+        model=model,
+        model_api_key_env=model_api_key_env,
+        model_network=model_network,
+        model_body_limit=model_body_limit,
+        no_model_bodies=no_model_bodies,
+        model_timeout=model_timeout,
+        attempts=attempts,
+        retry_backoff=retry_backoff,
     )
     checked = check_inputs(spec)
     client = connect()
     prepared = prepare(checked, client, base=base, ca_bundle=ca_bundle)
-    record = execute(prepared, client)
+    record = run_replay(prepared, client)
     if json_output:
         typer.echo(record.model_dump_json(indent=2))
     else:

@@ -3,6 +3,7 @@
 The runtime comes from a read-only Docker volume mounted at ``/pvisor-host/runtime``::
 
     pvisor/pvisor, pvisor/pvisor-replay     pvisor's static binaries (root-owned, not group/world writable)
+    relay                                   the static model-gateway relay
     agent/sandbox-playback-agent.json       pvisor's runtime manifest (``--agent-runtime``)
     agent/...                               the agent runtime, laid out by the profile's ``[inject]`` paths
     .pvisor-host-runtime.json               written last: what the volume holds (its completion marker)
@@ -29,7 +30,7 @@ from pydantic import BaseModel
 
 from . import labels as L
 from ._version import PVISOR_VERSION
-from .build import DEFAULT_PVISOR_PATH
+from .build import DEFAULT_PVISOR_PATH, RELAY_PATH
 from .container import ContainerSpec, VolumeMount, logs_text, sandbox_container, start, stopped_container, wait
 from .engine import engine_failure
 from .errors import ImageBuildError, InfrastructureError, UsageError
@@ -45,6 +46,7 @@ umask 022
 R=/pvisor-host/runtime
 mkdir -p "$R/pvisor" "$R/agent"
 cp -L "$PVISOR_DIR/pvisor" "$PVISOR_DIR/pvisor-replay" "$R/pvisor/"
+cp -L "$RELAY" "$R/relay"
 while [ "$#" -gt 1 ]; do
   dest="$R/agent/$1" src="$2"; shift 2
   if [ -d "$src" ]; then mkdir -p "$dest" && cp -RL "$src/." "$dest/"
@@ -169,6 +171,7 @@ def _populate(
         user="0:0",  # the volume starts root-owned; the files must be root's for pvisor's trust check
         environment={
             "PVISOR_DIR": DEFAULT_PVISOR_PATH.rsplit("/", 1)[0],
+            "RELAY": RELAY_PATH,
             "MANIFEST": json.dumps(manifest),
             "MARKER_JSON": json.dumps(_marker(profile, agent_image_id)),
         },

@@ -105,20 +105,40 @@ def _env_values(spec: ReplaySpec) -> None:
         raise UsageError(f"--env {missing[0]}: {missing[0]} is not set in this environment")
 
 
+_GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
+
+
 def _continuation(spec: ReplaySpec, profile: AgentProfile) -> None:
     if spec.mode != "continue":
         return
+    if spec.uses_gateway:
+        _gateway_inputs(spec, profile)
+        return
+    # Without a gateway the user brings the endpoint: the sandbox needs a network and the variables.
     if spec.network == "none":
         raise UsageError(
-            "--mode continue lets the agent call its model, which --network none cannot reach",
-            hint="pass --network bridge and the model endpoint with --env, or use --mode replay-only",
+            "--mode continue lets the agent call its model, which --network none cannot reach", hint=_GATEWAY_HINT
         )
     for group in profile.continuation.env:
         if not any(name in spec.env for name in group):
             raise UsageError(
                 f"--mode continue: {profile.agent} needs one of {', '.join(group)} passed with --env",
-                hint=f"its bridge speaks the OpenAI {profile.continuation.api} API",
+                hint=_GATEWAY_HINT,
             )
+
+
+def _gateway_inputs(spec: ReplaySpec, profile: AgentProfile) -> None:
+    assert spec.model_api_key_env is not None
+    if not os.environ.get(spec.model_api_key_env):
+        raise UsageError(f"--model-api-key-env {spec.model_api_key_env}: {spec.model_api_key_env} is not set or empty")
+    if spec.model_network != "pass-through" and spec.network != "none":
+        raise UsageError(
+            f"--network {spec.network}: with --model-network {spec.model_network} the sandbox reaches only the gateway",
+            hint="drop --network",
+        )
+    clash = sorted(set(spec.env) & set(profile.continuation.gateway_env))
+    if clash:
+        raise UsageError(f"--env {clash[0]}: the model gateway sets {clash[0]} for {profile.agent}; drop it")
 
 
 def _workspace_dir(spec: ReplaySpec) -> None:

@@ -111,6 +111,17 @@ class ContinuationNeeds(_Model):
     """Groups of variable names; one name of every group must be set."""
     optional_env: list[str] = []
     """Variables the agent reads when present."""
+    gateway_env: dict[str, str] = {
+        "OPENAI_BASE_URL": "{base_url}",
+        "OPENAI_API_KEY": "{api_key}",
+        "MODEL_NAME": "{model}",
+    }
+    """What the sandbox gets with a model gateway: ``{base_url}`` (the gateway), ``{api_key}`` (the per-run
+    token) and ``{model}`` are filled in."""
+
+    def sandbox_model_env(self, *, base_url: str, api_key: str, model: str) -> dict[str, str]:
+        """The variables that point this agent at its model."""
+        return {k: v.format(base_url=base_url, api_key=api_key, model=model) for k, v in self.gateway_env.items()}
 
 
 class TrajectoryFormat(_Model):

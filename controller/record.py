@@ -138,6 +138,34 @@ class Failure(BaseModel):
     retryable: bool = False
 
 
+class ModelInfo(BaseModel):
+    """The live continuation's model, as the gateway saw it (never the key)."""
+
+    upstream: str
+    model: str
+    network: str
+    """``unix``, ``internal`` or ``pass-through``."""
+    api_key_env: str
+    """The name of the host variable the key came from."""
+    journal: str | None = None
+    """``model-traffic.jsonl`` (relative to the run directory); none with ``pass-through``."""
+    requests: int = 0
+
+
+class AttemptSummary(BaseModel):
+    """One attempt of a replay that was retried (each in a fresh sandbox with a new run id)."""
+
+    attempt: int
+    run_id: str
+    status: ReplayStatus
+    failure: Failure | None = None
+    started_at: datetime
+    finished_at: datetime
+    container_id: str | None = None
+    path: str
+    """Where the attempt's files are, relative to the run directory (``.`` for the final attempt)."""
+
+
 class ReplayRecord(BaseModel):
     """Everything about one replay; ``record.json`` in the run directory."""
 
@@ -159,6 +187,11 @@ class ReplayRecord(BaseModel):
     artifacts: list[Artifact] = []
     workspace_changes: WorkspaceChanges | None = None
     collection: Collection = Collection()
+    model: ModelInfo | None = None
+    attempt: int = 1
+    """Which attempt this record is (pvisor's retryable failures are retried in fresh sandboxes)."""
+    attempts: list[AttemptSummary] = []
+    """Every attempt of the replay, this one last (in the top-level record only)."""
     host: dict[str, str] = {}
 
     @property

@@ -23,19 +23,19 @@ from loguru import logger
 
 from . import container as sandbox
 from . import labels as L
-from . import usage
+from . import launch, usage
 from ._version import __version__
 from .collect import Budget, Entry, ExtractReport, diff_trees, extract_tar, hash_file, tar_stream
 from .errors import InfrastructureError, Interrupted, UsageError
-from .inject import RUNTIME_MOUNT
-from .preflight import PreparedReplay, release_out_dir, staging_root
+from .launch import Attempt
+from .preflight import PreparedReplay, staging_root
 from .record import (
     Artifact,
     Collection,
     ContainerInfo,
     Failure,
     Inputs,
-    Limits,
+    ModelInfo,
     ReplayRecord,
     ReplayStatus,
     TrajectoryRef,
@@ -45,102 +45,8 @@ from .record import (
 from .result import ReplayResult, parse_result
 from .seed import seed_from_image
 from .signals import deferred_interrupts
-from .stage import INPUT_MOUNT, RUN_MOUNT, Staging, remove_staging, stage
+from .stage import RUN_MOUNT, Staging, remove_staging, stage
 from .units import format_duration, format_size
-
-_MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
-
-
-def pvisor_command(prepared: PreparedReplay, trajectory_in_sandbox: str) -> list[str]:
-    """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
-    spec = prepared.spec
-    command = [
-        "/bin/sh",
-        f"{INPUT_MOUNT}/entry.sh",
-        prepared.image.pvisor_path,
-        "replay",
-        "--agent",
-        prepared.profile.agent,
-        "--trajectory",
-        trajectory_in_sandbox,
-        "--after-step",
-        str(spec.after_step),
-        *_MODE_FLAGS[spec.mode],
-        "--workspace",
-        prepared.workspace_path,
-        "--state-dir",
-        f"{RUN_MOUNT}/state",
-        "--output-dir",
-        f"{RUN_MOUNT}/output",
-        "--run-id",
-        prepared.run_id,
-    ]
-    if prepared.image.runtime_root and spec.mode != "prepare-only":
-        command += ["--agent-runtime", prepared.image.runtime_root]
-    elif spec.mode != "prepare-only":
-        command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
-    if spec.max_steps is not None:
-        command += ["--max-steps", str(spec.max_steps)]
-    if spec.session_id:
-        command += ["--session-id", spec.session_id]
-    if spec.boundary_user_prompt:
-        command += ["--boundary-user-prompt", spec.boundary_user_prompt]
-    if spec.disable_thinking:
-        command.append("--disable-thinking")
-    if spec.allow_stale_observations:
-        command.append("--allow-stale-observations")
-    return command
-
-
-def container_spec(prepared: PreparedReplay, staging: Staging) -> sandbox.ContainerSpec:
-    """The hardened container for ``prepared`` (every relaxation comes from an explicit flag)."""
-    spec = prepared.spec
-    return sandbox.ContainerSpec(
-        image=prepared.image.id,
-        command=pvisor_command(prepared, staging.trajectory_in_sandbox),
-        name=f"pvisor-host-{prepared.run_id}",
-        labels=L.resource_labels("replay", prepared.run_id),
-        user=prepared.user,
-        working_dir=prepared.workspace_path,
-        environment={**prepared.profile.sandbox_env, "HOME": "/tmp", "TMPDIR": "/tmp"},
-        mounts=[
-            sandbox.BindMount(source=staging.input_dir, target=INPUT_MOUNT, read_only=True),
-            sandbox.BindMount(source=staging.workspace_dir, target=prepared.workspace_path),
-            sandbox.BindMount(source=staging.run_dir, target=RUN_MOUNT),
-            *_runtime_mount(prepared),
-        ],
-        network=spec.network,
-        read_only_rootfs=not spec.writable_rootfs,
-        tmpfs_size=spec.tmp_size,
-        cap_add=spec.cap_add,
-        no_new_privileges=not spec.allow_privilege_escalation,
-        memory=spec.memory,
-        cpus=spec.cpus,
-        pids=spec.pids,
-    )
-
-
-def _runtime_mount(prepared: PreparedReplay) -> list[sandbox.VolumeMount]:
-    volume = prepared.image.runtime_volume
-    return [sandbox.VolumeMount(volume=volume, target=RUNTIME_MOUNT, read_only=True)] if volume else []
-
-
-def _limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
-    spec = prepared.spec
-    return Limits(
-        user=cspec.user,
-        network=cspec.network,
-        read_only_rootfs=cspec.read_only_rootfs,
-        cap_drop=["ALL"],
-        cap_add=cspec.cap_add,
-        no_new_privileges=cspec.no_new_privileges,
-        memory=cspec.memory,
-        cpus=cspec.cpus,
-        pids=cspec.pids,
-        tmp_size=cspec.tmpfs_size,
-        timeout=spec.timeout,
-        collect_limit=spec.collect_limit,
-    )
 
 
 def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
@@ -176,11 +82,13 @@ def _image_seed(client: docker.DockerClient, prepared: PreparedReplay) -> Callab
 
 
 class _Run:
-    """Mutable state of one execution, turned into a :class:`ReplayRecord` at the end."""
+    """Mutable state of one attempt, turned into a :class:`ReplayRecord` at the end."""
 
-    def __init__(self, prepared: PreparedReplay) -> None:
+    def __init__(self, prepared: PreparedReplay, attempt: Attempt) -> None:
         self.prepared = prepared
-        self.timings = dict(prepared.timings)
+        self.attempt = attempt
+        self.dir: Path = attempt.run_dir
+        self.timings = dict(prepared.timings) if attempt.number == 1 else {}
         self.started_at = datetime.now(UTC)
         self.outcome = sandbox.WaitOutcome(exit_code=None)
         self.result: ReplayResult | None = None
@@ -196,14 +104,15 @@ class _Run:
         return now
 
 
-def execute(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayRecord:
-    """Run the prepared replay and return its record (also written to ``<out>/record.json``).
+def run_attempt(prepared: PreparedReplay, client: docker.DockerClient, attempt: Attempt) -> ReplayRecord:
+    """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
-    A replay that ran always yields a record, whatever its status. Ctrl-C removes the container,
+    An attempt that ran always yields a record, whatever its status. Ctrl-C removes the container,
     writes a record with status ``interrupted`` and raises :class:`Interrupted`.
     """
-    run = _Run(prepared)
-    out = prepared.out_dir
+    run = _Run(prepared, attempt)
+    out = attempt.run_dir
+    out.mkdir(parents=True, exist_ok=True)
     clock = time.monotonic()
     staging: Staging | None = None
     cspec: sandbox.ContainerSpec | None = None
@@ -215,11 +124,11 @@ def execute(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayReco
             trajectory_sha256=prepared.trajectory.sha256,
             workspace_source=prepared.spec.workspace_dir,
             user=prepared.user,
-            env={name: os.environ[name] for name in prepared.spec.env},
+            env=launch.secret_env(prepared, attempt, {name: os.environ[name] for name in prepared.spec.env}),
             workspace_seed=_image_seed(client, prepared),
         )
         clock = run.phase("stage", clock)
-        cspec = container_spec(prepared, staging)
+        cspec = launch.container_spec(prepared, attempt, staging)
         info = ContainerInfo(name=cspec.name, command=cspec.command)
         _run_container(client, run, cspec, info, staging, clock)
     except KeyboardInterrupt:
@@ -229,14 +138,12 @@ def execute(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayReco
     except UsageError:
         if staging is None:  # the staging itself was refused (e.g. --image-workspace): nothing ran
             remove_staging(staging_root(out))
-            release_out_dir(out)
         raise
     finally:
         if staging is not None:
             with deferred_interrupts():
                 remove_staging(staging.root)
     if staging is None or cspec is None or info is None:
-        release_out_dir(out)
         raise Interrupted("interrupted before the sandbox started; nothing ran")
     record = _record(run, staging, cspec, info)
     save_record(record, out)
@@ -254,7 +161,7 @@ def _run_container(
     clock: float,
 ) -> None:
     spec = run.prepared.spec
-    out = run.prepared.out_dir
+    out = run.dir
     with sandbox.sandbox_container(client, cspec) as box:
         info.id = box.id
         built = run.prepared.built
@@ -286,20 +193,20 @@ def _parse(run: _Run, stdout: Path) -> None:
     except Exception as exc:  # ResultProtocolError, or an unreadable log
         run.protocol_error = str(exc)
         return
-    write_atomic(run.prepared.out_dir / "result.json", raw + b"\n")
+    write_atomic(run.dir / "result.json", raw + b"\n")
 
 
 def _collect(box: Container, run: _Run, staging: Staging) -> None:
     prepared = run.prepared
     budget = Budget(prepared.spec.collect_limit)
     trees = {
-        "output": f"{RUN_MOUNT}/output/{prepared.run_id}",
-        "state": f"{RUN_MOUNT}/state/{prepared.run_id}",
+        "output": f"{RUN_MOUNT}/output/{run.attempt.run_id}",
+        "state": f"{RUN_MOUNT}/state/{run.attempt.run_id}",
     }
     if not prepared.spec.no_workspace:
         trees["workspace"] = prepared.workspace_path
     for name, path in trees.items():
-        dest = prepared.out_dir / name
+        dest = run.dir / name
         try:
             chunks, _ = box.get_archive(path)
         except NotFound:
@@ -358,10 +265,10 @@ def classify(
 
 
 def _artifacts(run: _Run) -> list[Artifact]:
-    out = run.prepared.out_dir
+    out = run.dir
     roles = _result_roles(run)
     artifacts: list[Artifact] = []
-    for name in ("result.json", "logs/stdout.log", "logs/stderr.log"):
+    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", MODEL_JOURNAL):
         path = out / name
         if path.is_file():
             size, digest = hash_file(path)
@@ -416,7 +323,7 @@ def _record(run: _Run, staging: Staging, cspec: sandbox.ContainerSpec, info: Con
     run.timings["total"] = round(sum(v for k, v in run.timings.items() if k != "total"), 4)
     return ReplayRecord(
         pvisor_host_version=__version__,
-        run_id=prepared.run_id,
+        run_id=run.attempt.run_id,
         status=status,
         failure=failure,
         started_at=run.started_at,
@@ -424,7 +331,7 @@ def _record(run: _Run, staging: Staging, cspec: sandbox.ContainerSpec, info: Con
         timings=run.timings,
         inputs=_inputs(prepared, staging.trajectory_in_sandbox),
         image=prepared.image,
-        limits=_limits(prepared, cspec),
+        limits=launch.limits(prepared, cspec),
         container=info,
         result=run.result,
         artifacts=_artifacts(run),
@@ -435,5 +342,29 @@ def _record(run: _Run, staging: Staging, cspec: sandbox.ContainerSpec, info: Con
             skipped=[s for r in reports for s in r.skipped],
             logs_truncated=run.logs_truncated,
         ),
+        model=_model_info(run),
+        attempt=run.attempt.number,
         host={"hostname": socket.gethostname(), "owner": L.owner()},
+    )
+
+
+MODEL_JOURNAL = "model-traffic.jsonl"
+
+
+def _model_info(run: _Run) -> ModelInfo | None:
+    spec = run.prepared.spec
+    if not spec.uses_gateway or run.attempt.model is None:
+        return None
+    assert spec.model_base_url is not None
+    assert spec.model is not None
+    assert spec.model_api_key_env is not None
+    journal = run.dir / MODEL_JOURNAL
+    requests_seen = len(journal.read_text(encoding="utf-8").splitlines()) if journal.is_file() else 0
+    return ModelInfo(
+        upstream=spec.model_base_url,
+        model=spec.model,
+        network=spec.model_network,
+        api_key_env=spec.model_api_key_env,
+        journal=MODEL_JOURNAL if spec.model_network != "pass-through" else None,
+        requests=requests_seen,
     )

@@ -102,6 +102,25 @@ class ReplaySpec(BaseModel):
     """Relax the read-only root filesystem."""
     allow_privilege_escalation: bool = False
     """Relax ``no-new-privileges``."""
+    model_base_url: str | None = None
+    """The real OpenAI-compatible endpoint; a host-side gateway forwards the continuation's requests to it."""
+    model: str | None = None
+    """Model name given to the agent (``MODEL_NAME``)."""
+    model_api_key_env: str | None = None
+    """Name of the host variable holding the real key (the key never goes on a command line)."""
+    model_network: Literal["unix", "internal", "pass-through"] = "unix"
+    """How the sandbox reaches the gateway: a mounted unix socket (no network), an internal Docker network, or
+    straight to the upstream with the real key (``pass-through``)."""
+    model_body_limit: Bytes = 64 * 1024
+    """Bytes of each request and response body kept in ``model-traffic.jsonl``."""
+    no_model_bodies: bool = False
+    """Keep no bodies in ``model-traffic.jsonl`` (metadata only)."""
+    model_timeout: Seconds = 300.0
+    """Seconds the gateway waits for the upstream before answering 504."""
+    attempts: int = Field(default=3, ge=1, le=20)
+    """Attempts for results pvisor marks retryable (model rate limits, 5xx, connection errors)."""
+    retry_backoff: Seconds = 5.0
+    """Seconds before the first retry; doubled for each further one."""
 
     @field_validator("run_id")
     @classmethod
@@ -136,6 +155,20 @@ class ReplaySpec(BaseModel):
                 raise ValueError(f"{name!r} is not a variable name")
         return list(dict.fromkeys(names))
 
+    @field_validator("model_base_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @field_validator("model_api_key_env")
+    @classmethod
+    def _key_env(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.match(value):
+            raise ValueError(f"{value!r} is not a variable name (pass the name of the variable holding the key)")
+        return value
+
     @field_validator("user")
     @classmethod
     def _user(cls, value: str | None) -> str | None:
@@ -164,7 +197,23 @@ class ReplaySpec(BaseModel):
             raise ValueError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
         if self.image_workspace and self.workspace_dir is not None:
             raise ValueError("--image-workspace and --workspace-dir both set the starting workspace; pass one")
+        model = {
+            "--model-base-url": self.model_base_url,
+            "--model": self.model,
+            "--model-api-key-env": self.model_api_key_env,
+        }
+        given = [flag for flag, value in model.items() if value]
+        if given and len(given) != len(model):
+            missing = ", ".join(flag for flag in model if flag not in given)
+            raise ValueError(
+                f"a model gateway needs --model-base-url, --model and --model-api-key-env; missing {missing}"
+            )
         return self
+
+    @property
+    def uses_gateway(self) -> bool:
+        """A live continuation through the host-side model gateway."""
+        return self.mode == "continue" and self.model_base_url is not None
 
 
 def check_workspace_path(value: str) -> str:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import run_cli
 from trajgen import mini_files_session, openhands_files_session, pi_files_session, write_json, write_jsonl
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import docker
 import pytest
+
 from conftest import run_cli
 
 pytestmark = pytest.mark.docker

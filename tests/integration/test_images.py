@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
+
 from pvisor_host import labels as L
 from pvisor_host.build import build_agent_image, find_image
 from pvisor_host.errors import ImageBuildError
 from pvisor_host.profiles import get_profile
+
+from conftest import ROOT, run_cli
 from trajgen import claude_files_session, write_jsonl
 
 pytestmark = pytest.mark.docker

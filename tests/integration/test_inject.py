@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import build_test_image, run_cli
 from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import run_cli, start_cli, wait_for_running
 from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pvisor_host.container import WaitOutcome
 from pvisor_host.errors import ExitCode, exit_code_for_status
 from pvisor_host.replay import classify

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import run_cli
 from trajgen import claude_files_session, codex_files_session, write_jsonl
 

@@ -13,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
 from pvisor_host.collect import (
     Budget,
     Entry,

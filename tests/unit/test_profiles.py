@@ -1,4 +1,5 @@
 import pytest
+
 from pvisor_host import profiles
 from pvisor_host.errors import UsageError
 from pvisor_host.profiles import AgentProfile, NpmInstall, UnavailableInstall

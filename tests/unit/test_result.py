@@ -4,9 +4,11 @@ import json
 import subprocess
 
 import pytest
+
 from pvisor_host.errors import ResultProtocolError
 from pvisor_host.hostpvisor import pvisor_binary
 from pvisor_host.result import parse_result
+
 from trajgen import claude_files_session, write_jsonl
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pvisor_host.errors import UsageError
 from pvisor_host.spec import build_spec, check_workspace_path
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pvisor_host.errors import UsageError
 from pvisor_host.units import format_duration, format_size, parse_duration, parse_size
 

@@ -1,0 +1,119 @@
+"""The model gateway over a real unix socket, in front of the stub model server (no engine needed)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from pvisor_host.gateway import Gateway, GatewayConfig
+
+from modelserver import StubServer
+
+REAL_KEY = "sk-real-upstream-key-0123456789"
+
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("gateway", timeout=10)
+        self.path_ = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path_)
+
+
+def post(gateway: Gateway, path: str, body: dict, token: str | None) -> tuple[int, bytes]:
+    connection = UnixConnection(gateway.address)
+    headers = {"Content-Type": "application/json", "X-LiteLLM-Session-ID": "run-1"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    connection.request("POST", path, json.dumps(body), headers)
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
+@pytest.fixture
+def stub():
+    with StubServer() as server:
+        yield server
+
+
+def gateway_for(stub: StubServer, **overrides) -> Gateway:
+    config = GatewayConfig(upstream=stub.base_url, model="stub-model", api_key_env="X", network="unix", **overrides)
+    return Gateway(config, REAL_KEY)
+
+
+def test_only_the_run_token_passes_and_the_upstream_gets_the_real_key(stub, tmp_path):
+    journal = tmp_path / "model-traffic.jsonl"
+    with gateway_for(stub) as gateway:
+        access = gateway.access("run-1", journal)
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "tools": []}
+        assert post(gateway, "/v1/chat/completions", body, "wrong-token")[0] == 401
+        assert post(gateway, "/v1/chat/completions", body, None)[0] == 401
+        assert stub.model.requests == []  # refused requests never reach the upstream
+        status, answer = post(gateway, "/v1/chat/completions", body, access.api_key)
+        assert status == 200
+        assert json.loads(answer)["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "bash"
+        gateway.release(access.token)
+        assert post(gateway, "/v1/chat/completions", body, access.api_key)[0] == 401
+    (seen,) = stub.model.requests
+    assert seen["headers"]["Authorization"] == f"Bearer {REAL_KEY}"
+    assert seen["headers"]["X-LiteLLM-Session-ID"] == "run-1"
+    assert access.api_key.startswith("pvh-") and REAL_KEY not in access.model_dump_json()
+    (entry,) = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions" and entry["session_id"] == "run-1"
+    assert entry["usage"] == {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
+    assert entry["request_bytes"] == len(json.dumps(body)) and entry["stream"] is False
+    assert REAL_KEY not in journal.read_text() and access.api_key not in journal.read_text()
+    assert not Path(gateway.address or "/nonexistent").exists()  # the socket directory is gone
+
+
+def test_streams_pass_through_and_usage_is_read_from_the_last_event(stub, tmp_path):
+    journal = tmp_path / "j.jsonl"
+    with gateway_for(stub, body_limit=200) as gateway:
+        access = gateway.access("run-2", journal)
+        body = {
+            "model": "stub-model",
+            "stream": True,
+            "input": [{"type": "message", "role": "user", "content": "x"}],
+            "tools": [{"type": "function", "name": "exec_command", "parameters": {"properties": {"cmd": {}}}}],
+        }
+        status, answer = post(gateway, "/v1/responses", body, access.api_key)
+    assert status == 200
+    events = [json.loads(line[5:]) for line in answer.decode().splitlines() if line.startswith("data:")]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["name"] == "exec_command"
+    entry = json.loads(journal.read_text())
+    assert entry["stream"] is True and entry["usage"] == {"input_tokens": 100, "output_tokens": 10, "total_tokens": 110}
+    assert len(entry["response_body"]) == 200 and entry["response_body_truncated"] is True
+    assert entry["response_bytes"] == len(answer)
+
+
+def test_upstream_failures_become_gateway_answers(tmp_path):
+    config = GatewayConfig(upstream="http://127.0.0.1:9/v1", model="m", api_key_env="X", network="unix")
+    journal = tmp_path / "j.jsonl"
+    with Gateway(config, REAL_KEY) as gateway:
+        access = gateway.access("run-3", journal)
+        status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+        assert status == 502
+        assert (
+            json.loads(answer)["error"]["message"]
+            == "pvisor-host gateway: upstream connection error: connection refused"
+        )
+        assert post(gateway, "/v1/files", {}, access.api_key)[0] == 404
+    statuses = [json.loads(line)["status"] for line in journal.read_text().splitlines()]
+    assert statuses == [502, 404]
+
+
+def test_upstream_errors_pass_through_with_their_status(stub, tmp_path):
+    stub.model.fail_next(429)
+    with gateway_for(stub, body_limit=0) as gateway:
+        access = gateway.access("run-4", tmp_path / "j.jsonl")
+        status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+    assert status == 429 and json.loads(answer)["error"]["message"] == "stub failure 429"
+    entry = json.loads((tmp_path / "j.jsonl").read_text())
+    assert "request_body" not in entry and "response_body" not in entry  # bodies omitted
