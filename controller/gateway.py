@@ -5,7 +5,9 @@ environment variable. So the sandbox never gets the real key: it gets the gatewa
 and a random per-run token as ``OPENAI_API_KEY``. The gateway accepts only registered tokens, swaps in the
 real key, forwards to the upstream (streaming passed through as it arrives), and journals every exchange
 per run (``model-traffic.jsonl``: time, path, status, latency, sizes, token usage, the session header; no
-authorization; bodies up to a cap).
+authorization; bodies up to a cap). An upstream error is answered with the same status and a message that
+names it in words pvisor classifies (``status 429 (rate limit...)``, ``internal server error``), so the run
+ends in pvisor's retryable ``model_*`` categories.
 
 Where the gateway listens depends on ``--model-network``:
 
@@ -196,7 +198,7 @@ class Gateway:
                 self.config.api_key_env,
             )
             return ModelAccess(base_url=self.config.upstream, api_key=self._api_key, model=model, network="bridge")
-        token = f"pvh-{secrets.token_urlsafe(24)}"
+        token = f"pvhtok-{secrets.token_urlsafe(24)}"
         with self._lock:
             self._runs[token] = _Run(run_id=run_id, journal=journal)
         if self.config.network == "unix":
@@ -337,6 +339,10 @@ class _Handler(BaseHTTPRequestHandler):
         )
         with upstream:
             stream = "text/event-stream" in upstream.headers.get("Content-Type", "")
+            if upstream.status_code >= 400 and not stream:
+                original = upstream.content[: max(gateway.config.body_limit, 4096)]
+                sent = self._error(upstream.status_code, _upstream_failure(upstream.status_code, original))
+                return upstream.status_code, len(sent), original[: gateway.config.body_limit], original, False
             self.send_response(upstream.status_code)
             for key in ("Content-Type", "Cache-Control", "x-request-id", "retry-after"):
                 if key in upstream.headers:
@@ -354,6 +360,25 @@ class _Handler(BaseHTTPRequestHandler):
                     head += chunk[: limit - len(head)]
                 tail = (tail + chunk)[-_USAGE_TAIL:]
         return upstream.status_code, sent, bytes(head), bytes(tail), stream
+
+
+_STATUS_WORDS = {
+    429: "rate limit: too many requests",
+    500: "internal server error",
+    502: "bad gateway",
+    503: "service unavailable",
+    504: "gateway timeout",
+}
+
+
+def _upstream_failure(status: int, body: bytes) -> str:
+    """An error message for the agent that names the status in words pvisor classifies (rate limit, 5xx)."""
+    try:
+        detail = json.loads(body).get("error", {}).get("message", "")
+    except (ValueError, AttributeError):
+        detail = body.decode("utf-8", errors="replace")
+    words = _STATUS_WORDS.get(status, "error")
+    return f"upstream returned status {status} ({words}): {str(detail)[:300]}".rstrip(": ")
 
 
 def _reason(exc: BaseException) -> str:

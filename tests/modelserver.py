@@ -7,9 +7,9 @@ Its answer depends only on the request, so one server can serve many runs at onc
   shell tool (Claude's ``Bash``, Codex's ``exec_command``, ...) running :attr:`StubModel.command`;
 * otherwise → a final text.
 
-Every request is recorded (path, headers, JSON body). :meth:`StubModel.fail_next` makes the next requests
-fail, :meth:`StubModel.fail_sessions` every request of chosen runs: an HTTP status (429, 500, ...),
-``"hang"`` (no answer) or ``"close"`` (drop the connection).
+Every request is recorded (path, headers with lower-case names, JSON body). :meth:`StubModel.fail_next`
+makes the next requests fail, :meth:`StubModel.fail_sessions` every request of chosen runs: with an HTTP
+status (429, 500, ...), ``"hang"`` (no answer) or ``"close"`` (drop the connection).
 Run as a script to serve on a port or a unix socket.
 """
 
@@ -104,8 +104,11 @@ def chat_answer(body: dict[str, Any], command: str) -> dict[str, Any]:
     if _answered([m for m in messages if m.get("role") == "tool"], "tool_call_id"):
         return {"role": "assistant", "content": FINAL_TEXT}
     name, style = _tool_name(body.get("tools") or [])
-    call = {"id": f"call_stub_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(_arguments(style, command))}}  # fmt: skip
+    call = {
+        "id": f"call_stub_{uuid.uuid4().hex[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(_arguments(style, command))},
+    }
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
@@ -114,12 +117,27 @@ def responses_answer(body: dict[str, Any], command: str) -> dict[str, Any]:
     items = body.get("input") or []
     items = items if isinstance(items, list) else []
     if _answered([i for i in items if i.get("type") == "function_call_output"], "call_id"):
-        return {"type": "message", "id": f"msg_{uuid.uuid4().hex[:12]}", "role": "assistant", "status": "completed",
-                "content": [{"type": "output_text", "text": FINAL_TEXT, "annotations": []}]}  # fmt: skip
+        return {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex[:12]}",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": FINAL_TEXT, "annotations": []}],
+        }
     name, style = _tool_name(body.get("tools") or [])
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:12]}", "status": "completed",
-            "call_id": f"call_stub_{uuid.uuid4().hex[:12]}", "name": name,
-            "arguments": json.dumps(_arguments(style, command))}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex[:12]}",
+        "status": "completed",
+        "call_id": f"call_stub_{uuid.uuid4().hex[:12]}",
+        "name": name,
+        "arguments": json.dumps(_arguments(style, command)),
+    }
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    """Header names lower-cased (HTTP header names are case-insensitive; clients differ)."""
+    return {name.lower(): value for name, value in headers.items()}
 
 
 USAGE = {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
@@ -141,7 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802
-        self.server.model.record({"path": self.path, "method": "GET", "headers": dict(self.headers), "body": None})
+        self.server.model.record({"path": self.path, "method": "GET", "headers": _lower(self.headers), "body": None})
         if self.path.rstrip("/").endswith("/models"):
             self._json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
         else:
@@ -155,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = {}
         model: StubModel = self.server.model
-        model.record({"path": self.path, "method": "POST", "headers": dict(self.headers), "body": body})
+        model.record({"path": self.path, "method": "POST", "headers": _lower(self.headers), "body": body})
         failure = model.take_failure(self.headers.get("X-LiteLLM-Session-ID") or "")
         if failure == "hang":
             time.sleep(3600)
@@ -180,10 +198,17 @@ class _Handler(BaseHTTPRequestHandler):
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         ident = f"chatcmpl-stub-{uuid.uuid4().hex[:8]}"
         if not body.get("stream"):
-            self._json(200, {"id": ident, "object": "chat.completion", "created": int(time.time()),
-                             "model": body.get("model", "stub-model"),
-                             "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                             "usage": USAGE})  # fmt: skip
+            self._json(
+                200,
+                {
+                    "id": ident,
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": body.get("model", "stub-model"),
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": USAGE,
+                },
+            )
             return
         delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
         if message.get("tool_calls"):
@@ -198,8 +223,15 @@ class _Handler(BaseHTTPRequestHandler):
         item = responses_answer(body, model.command)
         ident = f"resp_{uuid.uuid4().hex[:12]}"
         usage = {"input_tokens": 100, "output_tokens": 10, "total_tokens": 110}
-        response = {"id": ident, "object": "response", "created_at": int(time.time()), "status": "completed",
-                    "model": body.get("model", "stub-model"), "output": [item], "usage": usage}  # fmt: skip
+        response = {
+            "id": ident,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "completed",
+            "model": body.get("model", "stub-model"),
+            "output": [item],
+            "usage": usage,
+        }
         if not body.get("stream"):
             self._json(200, response)
             return
@@ -211,24 +243,52 @@ class _Handler(BaseHTTPRequestHandler):
         ]
         if item["type"] == "function_call":
             events += [
-                {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": 0,
-                 "delta": item["arguments"]},
-                {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": 0,
-                 "arguments": item["arguments"]},
-            ]  # fmt: skip
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "delta": item["arguments"],
+                },
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "arguments": item["arguments"],
+                },
+            ]
         else:
             text = item["content"][0]["text"]
             part = {"type": "output_text", "text": "", "annotations": []}
             events += [
-                {"type": "response.content_part.added", "item_id": item["id"], "output_index": 0, "content_index": 0,
-                 "part": part},
-                {"type": "response.output_text.delta", "item_id": item["id"], "output_index": 0, "content_index": 0,
-                 "delta": text},
-                {"type": "response.output_text.done", "item_id": item["id"], "output_index": 0, "content_index": 0,
-                 "text": text},
-                {"type": "response.content_part.done", "item_id": item["id"], "output_index": 0, "content_index": 0,
-                 "part": dict(part, text=text)},
-            ]  # fmt: skip
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": part,
+                },
+                {
+                    "type": "response.output_text.delta",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "content_index": 0,
+                    "delta": text,
+                },
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "content_index": 0,
+                    "text": text,
+                },
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": dict(part, text=text),
+                },
+            ]
         events += [
             {"type": "response.output_item.done", "output_index": 0, "item": item},
             {"type": "response.completed", "response": response},

@@ -375,30 +375,65 @@ def openhands_events(task: str, turns: list[Turn], *, cwd: str = "/workspace") -
     ``command``) and its ``run`` observation, linked by ``cause``."""
     clock = _Clock()
     events: list[dict[str, Any]] = [
-        {"id": 0, "timestamp": clock.tick(), "source": "user", "message": task, "action": "message",
-         "args": {"content": task, "file_urls": None, "image_urls": None, "wait_for_response": False}},
-    ]  # fmt: skip
+        {
+            "id": 0,
+            "timestamp": clock.tick(),
+            "source": "user",
+            "message": task,
+            "action": "message",
+            "args": {"content": task, "file_urls": None, "image_urls": None, "wait_for_response": False},
+        },
+    ]
     for turn in turns:
         call = turn.calls[0]
         command = call.input["command"]
         action_id, observation_id = len(events), len(events) + 1
         events.append(
-            {"id": action_id, "timestamp": clock.tick(), "source": "agent", "message": f"Running command: {command}",
-             "action": "run",
-             "args": {"command": command, "is_input": False, "thought": turn.text or "", "blocking": False,
-                      "is_static": False, "cwd": None, "hidden": False, "confirmation_state": "confirmed",
-                      "security_risk": -1}}
-        )  # fmt: skip
+            {
+                "id": action_id,
+                "timestamp": clock.tick(),
+                "source": "agent",
+                "message": f"Running command: {command}",
+                "action": "run",
+                "args": {
+                    "command": command,
+                    "is_input": False,
+                    "thought": turn.text or "",
+                    "blocking": False,
+                    "is_static": False,
+                    "cwd": None,
+                    "hidden": False,
+                    "confirmation_state": "confirmed",
+                    "security_risk": -1,
+                },
+            }
+        )
         events.append(
-            {"id": observation_id, "timestamp": clock.tick(), "source": "agent",
-             "message": f"Command `{command}` executed with exit code 0.", "cause": action_id, "observation": "run",
-             "content": call.result,
-             "extras": {"command": command, "hidden": False,
-                        "metadata": {"exit_code": 1 if call.is_error else 0, "pid": -1, "username": "root",
-                                     "hostname": "sandbox", "working_dir": cwd, "py_interpreter_path": None,
-                                     "prefix": "", "suffix": ""}},
-             "success": not call.is_error}
-        )  # fmt: skip
+            {
+                "id": observation_id,
+                "timestamp": clock.tick(),
+                "source": "agent",
+                "message": f"Command `{command}` executed with exit code 0.",
+                "cause": action_id,
+                "observation": "run",
+                "content": call.result,
+                "extras": {
+                    "command": command,
+                    "hidden": False,
+                    "metadata": {
+                        "exit_code": 1 if call.is_error else 0,
+                        "pid": -1,
+                        "username": "root",
+                        "hostname": "sandbox",
+                        "working_dir": cwd,
+                        "py_interpreter_path": None,
+                        "prefix": "",
+                        "suffix": "",
+                    },
+                },
+                "success": not call.is_error,
+            }
+        )
     return events
 
 

@@ -237,23 +237,52 @@ def test_env_must_be_set_and_named_only(tmp_path, claude):
     assert "sk-secret" not in result.stderr
 
 
-def test_continue_mode_needs_a_network_and_a_model(tmp_path, claude):
-    result, _ = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1")
+GATEWAY_HINT = "(pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key)"
+
+
+def test_continue_mode_needs_a_model(tmp_path, claude):
+    base = ("--agent", "claude-code", "--trajectory", claude, "--after-step", "1")
+    result, _ = replay(tmp_path, *base)
     assert_one_line(
-        result,
-        2,
-        "--mode continue lets the agent call its model, which --network none cannot reach "
-        "(pass --network bridge and the model endpoint with --env, or use --mode replay-only)",
+        result, 2, f"--mode continue lets the agent call its model, which --network none cannot reach {GATEWAY_HINT}"
     )
-    result, _ = replay(
-        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", "--network", "bridge"
-    )
+    result, _ = replay(tmp_path, *base, "--network", "bridge")
     assert_one_line(
         result,
         2,
         "--mode continue: claude-code needs one of OPENAI_BASE_URL, OPENAI_API_BASE, LLM_BASE_URL passed with --env "
-        "(its bridge speaks the OpenAI chat-completions API)",
+        + GATEWAY_HINT,
     )
+
+
+MODEL = ("--model-base-url", "http://127.0.0.1:9/v1", "--model", "m", "--model-api-key-env", "PVH_TEST_KEY")
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "line"),
+    [
+        (MODEL[:4], {}, "a model gateway needs --model-base-url, --model and --model-api-key-env; missing "
+                        "--model-api-key-env"),
+        (("--model-base-url", "ftp://x", *MODEL[2:]), {}, "--model-base-url: 'ftp://x' is not an http(s) URL"),
+        (("--model-api-key-env", "sk-123abc", *MODEL[:4]), {},
+         "--model-api-key-env: 'sk-123abc' is not a variable name (pass the name of the variable holding the key)"),
+        (MODEL, {}, "--model-api-key-env PVH_TEST_KEY: PVH_TEST_KEY is not set or empty"),
+        ((*MODEL, "--network", "bridge"), {"PVH_TEST_KEY": "k"},
+         "--network bridge: with --model-network unix the sandbox reaches only the gateway (drop --network)"),
+        ((*MODEL, "--env", "OPENAI_API_KEY"), {"PVH_TEST_KEY": "k", "OPENAI_API_KEY": "x"},
+         "--env OPENAI_API_KEY: the model gateway sets OPENAI_API_KEY for claude-code; drop it"),
+        ((*MODEL, "--model-network", "wifi"), {"PVH_TEST_KEY": "k"},
+         "--model-network: Input should be 'unix', 'internal' or 'pass-through'"),
+        ((*MODEL, "--attempts", "0"), {"PVH_TEST_KEY": "k"}, "--attempts: Input should be greater than or equal to 1"),
+    ],
+)  # fmt: skip
+def test_bad_model_gateway_options(tmp_path, claude, extra, env, line):
+    result, out = replay(
+        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *extra, env=env
+    )
+    assert_one_line(result, 2, line)
+    assert not out.exists()
+    assert "sk-123abc" not in result.stderr or "sk-123abc" in line
 
 
 def test_engine_unreachable_is_a_missing_prerequisite(tmp_path, claude):

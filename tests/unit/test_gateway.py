@@ -61,9 +61,9 @@ def test_only_the_run_token_passes_and_the_upstream_gets_the_real_key(stub, tmp_
         gateway.release(access.token)
         assert post(gateway, "/v1/chat/completions", body, access.api_key)[0] == 401
     (seen,) = stub.model.requests
-    assert seen["headers"]["Authorization"] == f"Bearer {REAL_KEY}"
-    assert seen["headers"]["X-LiteLLM-Session-ID"] == "run-1"
-    assert access.api_key.startswith("pvh-") and REAL_KEY not in access.model_dump_json()
+    assert seen["headers"]["authorization"] == f"Bearer {REAL_KEY}"
+    assert seen["headers"]["x-litellm-session-id"] == "run-1"
+    assert access.api_key.startswith("pvhtok-") and REAL_KEY not in access.model_dump_json()
     (entry,) = [json.loads(line) for line in journal.read_text().splitlines()]
     assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions" and entry["session_id"] == "run-1"
     assert entry["usage"] == {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
@@ -114,6 +114,9 @@ def test_upstream_errors_pass_through_with_their_status(stub, tmp_path):
     with gateway_for(stub, body_limit=0) as gateway:
         access = gateway.access("run-4", tmp_path / "j.jsonl")
         status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
-    assert status == 429 and json.loads(answer)["error"]["message"] == "stub failure 429"
+    assert status == 429
+    assert json.loads(answer)["error"]["message"] == (
+        "pvisor-host gateway: upstream returned status 429 (rate limit: too many requests): stub failure 429"
+    )
     entry = json.loads((tmp_path / "j.jsonl").read_text())
     assert "request_body" not in entry and "response_body" not in entry  # bodies omitted
