@@ -1,9 +1,10 @@
-"""A whole replay: the model gateway around it, and retries of what pvisor marks retryable.
+"""A whole replay: the model gateway around it, and retries of what is worth retrying.
 
 pvisor marks model rate limits, 5xx answers and connection errors ``retryable``. Such an attempt is retried
-with exponential backoff in a fresh sandbox with a new run id (pvisor refuses to reuse state), up to
-``--attempts``. Attempts run in ``<out>/attempts/<n>/``; the last one is moved up to ``<out>/`` and its
-record lists every attempt, while earlier ones keep their own files and records under ``attempts/``.
+(tenacity, exponential backoff) in a fresh sandbox with a new run id (pvisor refuses to reuse state), up to
+``--attempts``; batches also retry infrastructure errors (:class:`RetryPolicy`). Attempts run in
+``<out>/attempts/<n>/``; the last one is moved up to ``<out>/`` and its record lists every attempt, while
+earlier ones keep their own files and records under ``attempts/``.
 """
 
 from __future__ import annotations
@@ -11,26 +12,29 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import docker
 from loguru import logger
+from pydantic import BaseModel
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
 
 from .errors import Interrupted
 from .gateway import Gateway, GatewayConfig
 from .launch import Attempt
 from .preflight import PreparedReplay, release_out_dir
-from .record import AttemptSummary, ReplayRecord, load_record, save_record
+from .record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
 from .replay import MODEL_JOURNAL, run_attempt
+from .spec import ReplaySpec
 from .stage import parse_user
 from .units import format_duration
 
 
-def gateway_config(prepared: PreparedReplay) -> GatewayConfig | None:
+def gateway_config(spec: ReplaySpec) -> GatewayConfig | None:
     """The gateway a replay needs (a live continuation with ``--model-base-url``), or None."""
-    spec = prepared.spec
     if not spec.uses_gateway:
         return None
     assert spec.model_base_url is not None
@@ -46,76 +50,137 @@ def gateway_config(prepared: PreparedReplay) -> GatewayConfig | None:
     )
 
 
+def start_gateway(config: GatewayConfig, client: docker.DockerClient, user: str) -> Gateway:
+    """A started gateway for sandboxes running as ``user`` (close it when done)."""
+    uid, _ = parse_user(user)
+    return Gateway(config, os.environ[config.api_key_env], client=client, sandbox_uid=uid).__enter__()
+
+
 @contextlib.contextmanager
 def model_gateway(prepared: PreparedReplay, client: docker.DockerClient) -> Iterator[Gateway | None]:
     """The running gateway for ``prepared`` (stopped, and its socket or network removed, on every path)."""
-    config = gateway_config(prepared)
+    config = gateway_config(prepared.spec)
     if config is None:
         yield None
         return
-    uid, _ = parse_user(prepared.user)
-    with Gateway(config, os.environ[config.api_key_env], client=client, sandbox_uid=uid) as gateway:
+    gateway = start_gateway(config, client, prepared.user)
+    try:
         yield gateway
+    finally:
+        gateway.close()
+
+
+class RetryPolicy(BaseModel):
+    """Which failed attempts are worth another attempt in a fresh sandbox."""
+
+    attempts: int = 3
+    backoff: float = 5.0
+    """Seconds before the first retry; doubled for each further one."""
+    infra: bool = False
+    """Also retry ``infra_error`` (engine errors, failed container starts) — batches do."""
+    oom: bool = False
+    """Also retry ``oom``."""
+
+    def wants(self, record: ReplayRecord) -> bool:
+        """Whether ``record``'s outcome should be retried. Never a trajectory, configuration or version error."""
+        if record.failure is not None and record.failure.retryable:
+            return True
+        return (self.infra and record.status == "infra_error") or (self.oom and record.status == "oom")
+
+    @classmethod
+    def for_spec(cls, spec: ReplaySpec, **extra: bool) -> RetryPolicy:
+        return cls(attempts=spec.attempts, backoff=spec.retry_backoff, **extra)
 
 
 def run_replay(prepared: PreparedReplay, client: docker.DockerClient) -> ReplayRecord:
     """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
     with model_gateway(prepared, client) as gateway:
-        return _attempts(prepared, client, gateway)
+        return run_attempts(prepared, client, gateway=gateway, policy=RetryPolicy.for_spec(prepared.spec))
 
 
-def _attempts(prepared: PreparedReplay, client: docker.DockerClient, gateway: Gateway | None) -> ReplayRecord:
+def run_attempts(
+    prepared: PreparedReplay,
+    client: docker.DockerClient,
+    *,
+    gateway: Gateway | None,
+    policy: RetryPolicy,
+    cancel: threading.Event | None = None,
+    batch: BatchInfo | None = None,
+) -> ReplayRecord:
+    """Attempt ``prepared`` until it succeeds or ``policy`` gives up; return the top-level record.
+
+    ``cancel`` (batches) stops a running attempt (its container is killed by the batch) and any retry.
+    """
     out = prepared.out_dir
-    spec = prepared.spec
     records: list[ReplayRecord] = []
+
+    def attempt() -> ReplayRecord:
+        records.append(_one(prepared, client, gateway, len(records) + 1, cancel))
+        return records[-1]
+
+    def pause(seconds: float) -> None:
+        if cancel is None:
+            try:
+                time.sleep(seconds)
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted between attempts; the records of finished attempts are kept") from None
+        elif cancel.wait(seconds):
+            raise Interrupted("cancelled between attempts")
+
+    retrying = Retrying(
+        stop=stop_after_attempt(policy.attempts),
+        wait=wait_exponential(multiplier=policy.backoff, max=600),
+        retry=retry_if_result(policy.wants),
+        before_sleep=_log_retry,
+        sleep=pause,
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+    )
     try:
-        for number in range(1, spec.attempts + 1):
-            if number > 1:
-                _back_off(number - 1, records[-1], spec.retry_backoff)
-            records.append(_one(prepared, client, gateway, number))
-            failure = records[-1].failure
-            if failure is None or not failure.retryable:
-                break
+        retrying(attempt)
     except Interrupted:
         attempted = out / "attempts" / str(len(records) + 1) / "record.json"
         if attempted.exists():  # the interrupted attempt ran: its record says so
             records.append(load_record(attempted))
         if records:
-            _finish(out, records)
+            _finish(out, records, batch)
         else:
             shutil.rmtree(out / "attempts", ignore_errors=True)
             release_out_dir(out)
         raise
-    return _finish(out, records)
+    return _finish(out, records, batch)
 
 
-def _one(prepared: PreparedReplay, client: docker.DockerClient, gateway: Gateway | None, number: int) -> ReplayRecord:
+def _one(
+    prepared: PreparedReplay,
+    client: docker.DockerClient,
+    gateway: Gateway | None,
+    number: int,
+    cancel: threading.Event | None,
+) -> ReplayRecord:
     run_id = prepared.run_id if number == 1 else f"{prepared.run_id}-a{number}"
     run_dir = prepared.out_dir / "attempts" / str(number)
     access = gateway.access(run_id, run_dir / MODEL_JOURNAL) if gateway is not None else None
     try:
-        return run_attempt(prepared, client, Attempt(number=number, run_id=run_id, run_dir=run_dir, model=access))
+        attempt = Attempt(number=number, run_id=run_id, run_dir=run_dir, model=access)
+        return run_attempt(prepared, client, attempt, cancel=cancel)
     finally:
         if gateway is not None and access is not None:
             gateway.release(access.token)
 
 
-def _back_off(done: int, last: ReplayRecord, base: float) -> None:
-    delay = base * 2 ** (done - 1)
-    category = last.failure.category if last.failure else "?"
+def _log_retry(state: RetryCallState) -> None:
+    record = state.outcome.result() if state.outcome and not state.outcome.failed else None
+    what = record.failure.category if record is not None and record.failure else "a retryable failure"
+    delay = state.next_action.sleep if state.next_action else 0.0
     logger.warning(
-        "attempt {} failed with {} (retryable); retrying in a fresh sandbox in {}",
-        done,
-        category,
+        "attempt {} ended with {}; retrying in a fresh sandbox in {}",
+        state.attempt_number,
+        what,
         format_duration(delay),
     )
-    try:
-        time.sleep(delay)
-    except KeyboardInterrupt:
-        raise Interrupted("interrupted between attempts; the records of finished attempts are kept") from None
 
 
-def _finish(out: Path, records: list[ReplayRecord]) -> ReplayRecord:
+def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = None) -> ReplayRecord:
     """Move the last attempt up to ``out`` and write the top-level record listing every attempt."""
     last = records[-1]
     last_dir = out / "attempts" / str(last.attempt)
@@ -138,6 +203,6 @@ def _finish(out: Path, records: list[ReplayRecord]) -> ReplayRecord:
         )
         for r in records
     ]
-    final = last.model_copy(update={"attempts": summaries if len(records) > 1 else []})
+    final = last.model_copy(update={"attempts": summaries if len(records) > 1 else [], "batch": batch})
     save_record(final, out)
     return final

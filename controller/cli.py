@@ -18,9 +18,10 @@ import typer
 from rich.console import Console
 from typer.exceptions import TyperException
 
+from . import options as opt
 from . import render
 from ._version import PVISOR_VERSION, __version__
-from .errors import ExitCode, PvisorHostError, exit_code_for_status
+from .errors import ExitCode, PvisorHostError, UsageError, exit_code_for_status
 from .signals import install_sigterm_as_interrupt
 
 app = typer.Typer(
@@ -184,69 +185,57 @@ def doctor(json_output: Annotated[bool, typer.Option("--json", help="Print JSON.
     return ExitCode.OK if report.ok else ExitCode.PREREQUISITE
 
 
-_MODE_HELP = "continue (replay, then the live agent), replay-only or prepare-only."
+def _spec_fields(values: dict[str, object]) -> dict[str, object]:
+    """The replay options among a command's parameters (``locals()``), leaving out the ones not given."""
+    from .spec import ReplaySpec
+
+    return {name: value for name, value in values.items() if name in ReplaySpec.model_fields and value is not None}
 
 
 @app.command()
 def replay(
     trajectory: Annotated[Path, typer.Option(help="The agent's native trajectory file.")],
     after_step: Annotated[int, typer.Option(help="Complete tool batch after which live execution resumes (1-based).")],
-    agent: Annotated[str | None, typer.Option(help="Agent name; default: the image's label.")] = None,
-    image: Annotated[str | None, typer.Option(help="Sandbox image; default: the one `build --agent` makes.")] = None,
-    inject: Annotated[
-        bool, typer.Option(help="Run in --image unchanged; pvisor and the agent come from a read-only runtime volume.")
-    ] = False,
-    mode: Annotated[str, typer.Option(help=_MODE_HELP)] = "continue",
-    max_steps: Annotated[int | None, typer.Option(help="Total action budget including the prefix.")] = None,
-    boundary_user_prompt: Annotated[
-        str | None, typer.Option(help="User message appended after the boundary observation.")
-    ] = None,
-    disable_thinking: Annotated[bool, typer.Option(help="Disable thinking in live model requests.")] = False,
-    allow_stale_observations: Annotated[
-        bool, typer.Option(help="Let Claude reuse source observations it cannot reproduce (degraded).")
-    ] = False,
+    agent: opt.Agent = None,
+    image: opt.Image = None,
+    inject: opt.Inject = False,
+    mode: opt.Mode = "continue",
+    max_steps: opt.MaxSteps = None,
+    boundary_user_prompt: opt.BoundaryUserPrompt = None,
+    disable_thinking: opt.DisableThinking = False,
+    allow_stale_observations: opt.AllowStaleObservations = False,
     session_id: Annotated[str | None, typer.Option(help="Model-router session key.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Run id ([A-Za-z0-9_-]); generated when absent.")] = None,
-    workspace_dir: Annotated[Path | None, typer.Option(help="Host directory copied in as the workspace.")] = None,
-    workspace_path: Annotated[
-        str | None, typer.Option(help="Workspace path in the sandbox (default: the recorded cwd, else /workspace).")
-    ] = None,
-    image_workspace: Annotated[
-        bool, typer.Option(help="Start from a copy of the image's own directory at the workspace path.")
-    ] = False,
-    no_workspace: Annotated[bool, typer.Option("--no-workspace", help="Do not collect the final workspace.")] = False,
+    workspace_dir: opt.WorkspaceDir = None,
+    workspace_path: opt.WorkspacePath = None,
+    image_workspace: opt.ImageWorkspace = False,
+    no_workspace: opt.NoWorkspace = False,
     out: Annotated[
         Path | None, typer.Option(help="Run directory (new or empty); default ./pvisor-runs/<run-id>.")
     ] = None,
-    timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 90s, 30m, 2h.")] = "2h",
-    memory: Annotated[str, typer.Option(help="Memory limit, e.g. 2g.")] = "4g",
-    cpus: Annotated[float, typer.Option(help="CPU limit.")] = 2.0,
-    pids: Annotated[int, typer.Option(help="Process limit.")] = 1024,
-    tmp_size: Annotated[str, typer.Option(help="Size of the /tmp tmpfs.")] = "1g",
-    collect_limit: Annotated[str, typer.Option(help="Most bytes collected from the sandbox.")] = "4g",
-    network: Annotated[str, typer.Option(help="none (default) or bridge.")] = "none",
-    env: Annotated[list[str] | None, typer.Option(help="Pass this host variable into the sandbox (repeat).")] = None,
-    user: Annotated[str | None, typer.Option(help="Sandbox user UID[:GID] or root (default: non-root).")] = None,
-    cap_add: Annotated[list[str] | None, typer.Option(help="Keep this capability (repeat).")] = None,
-    writable_rootfs: Annotated[bool, typer.Option(help="Do not make the root filesystem read-only.")] = False,
-    allow_privilege_escalation: Annotated[bool, typer.Option(help="Do not set no-new-privileges.")] = False,
-    model_base_url: Annotated[
-        str | None, typer.Option(help="The real OpenAI-compatible endpoint; a host-side gateway forwards to it.")
-    ] = None,
-    model: Annotated[str | None, typer.Option(help="Model name for the agent (MODEL_NAME).")] = None,
-    model_api_key_env: Annotated[
-        str | None, typer.Option(help="Name of the host variable holding the real key (never the key itself).")
-    ] = None,
-    model_network: Annotated[
-        str, typer.Option(help="unix (default: no network, a mounted socket), internal, or pass-through.")
-    ] = "unix",
-    model_body_limit: Annotated[str, typer.Option(help="Bytes of each body kept in model-traffic.jsonl.")] = "64k",
-    no_model_bodies: Annotated[bool, typer.Option(help="Keep no bodies in model-traffic.jsonl.")] = False,
-    model_timeout: Annotated[str, typer.Option(help="How long the gateway waits for the upstream.")] = "5m",
-    attempts: Annotated[int, typer.Option(help="Attempts for failures pvisor marks retryable.")] = 3,
-    retry_backoff: Annotated[str, typer.Option(help="Wait before the first retry (doubles each time).")] = "5s",
-    base: Annotated[str | None, typer.Option(help="Base image when the agent image must be built.")] = None,
-    ca_bundle: Annotated[Path | None, typer.Option(help="CA bundle when the agent image must be built.")] = None,
+    timeout: opt.Timeout = "2h",
+    memory: opt.Memory = "4g",
+    cpus: opt.Cpus = 2.0,
+    pids: opt.Pids = 1024,
+    tmp_size: opt.TmpSize = "1g",
+    collect_limit: opt.CollectLimit = "4g",
+    network: opt.Network = "none",
+    env: opt.Env = None,
+    user: opt.User = None,
+    cap_add: opt.CapAdd = None,
+    writable_rootfs: opt.WritableRootfs = False,
+    allow_privilege_escalation: opt.AllowPrivilegeEscalation = False,
+    model_base_url: opt.ModelBaseUrl = None,
+    model: opt.Model = None,
+    model_api_key_env: opt.ModelApiKeyEnv = None,
+    model_network: opt.ModelNetwork = "unix",
+    model_body_limit: opt.ModelBodyLimit = "64k",
+    no_model_bodies: opt.NoModelBodies = False,
+    model_timeout: opt.ModelTimeout = "5m",
+    attempts: opt.Attempts = 3,
+    retry_backoff: opt.RetryBackoff = "5s",
+    base: opt.Base = None,
+    ca_bundle: opt.CaBundle = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
 ) -> int:
     """Replay a trajectory up to --after-step in a fresh hardened container and collect the result."""
@@ -255,46 +244,7 @@ def replay(
     from .preflight import check_inputs, prepare
     from .spec import build_spec
 
-    spec = build_spec(
-        trajectory=trajectory,
-        agent=agent,
-        image=image,
-        inject=inject,
-        after_step=after_step,
-        mode=mode,
-        max_steps=max_steps,
-        boundary_user_prompt=boundary_user_prompt,
-        disable_thinking=disable_thinking,
-        allow_stale_observations=allow_stale_observations,
-        session_id=session_id,
-        run_id=run_id,
-        workspace_dir=workspace_dir,
-        workspace_path=workspace_path,
-        image_workspace=image_workspace,
-        no_workspace=no_workspace,
-        out=out,
-        timeout=timeout,
-        memory=memory,
-        cpus=cpus,
-        pids=pids,
-        tmp_size=tmp_size,
-        collect_limit=collect_limit,
-        network=network,
-        env=env or [],
-        user=user,
-        cap_add=cap_add or [],
-        writable_rootfs=writable_rootfs,
-        allow_privilege_escalation=allow_privilege_escalation,
-        model_base_url=model_base_url,
-        model=model,
-        model_api_key_env=model_api_key_env,
-        model_network=model_network,
-        model_body_limit=model_body_limit,
-        no_model_bodies=no_model_bodies,
-        model_timeout=model_timeout,
-        attempts=attempts,
-        retry_backoff=retry_backoff,
-    )
+    spec = build_spec(**_spec_fields(locals()))
     checked = check_inputs(spec)
     client = connect()
     prepared = prepare(checked, client, base=base, ca_bundle=ca_bundle)
@@ -304,6 +254,135 @@ def replay(
     else:
         render.replay_summary(_out, record, prepared.out_dir)
     return exit_code_for_status(record.status)
+
+
+@app.command()
+def batch(
+    manifest: Annotated[
+        Path | None, typer.Option(help="JSONL file, one replay per line (fields: replay's options, plus id).")
+    ] = None,
+    trajectories: Annotated[
+        str | None, typer.Option(help="Glob of trajectory files (shorthand for a manifest; needs --after-step).")
+    ] = None,
+    after_step: Annotated[
+        str | None, typer.Option(help="With --trajectories: a boundary N, or 'all' for every boundary of each.")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Batch directory; rerunning into it resumes.")] = Path("pvisor-batch"),
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Containers at a time (default: from CPUs and memory).")
+    ] = None,
+    deadline: Annotated[
+        str | None, typer.Option(help="Limit for the whole batch, e.g. 6h: nothing starts after it.")
+    ] = None,
+    rerun_failed: Annotated[bool, typer.Option(help="Also rerun items that finished with a failure.")] = False,
+    retry_oom: Annotated[bool, typer.Option(help="Retry attempts killed for memory.")] = False,
+    allow_failures: Annotated[str | None, typer.Option(help="Exit 0 with up to N (or P%) items not ok.")] = None,
+    plan: Annotated[
+        bool, typer.Option(help="Check every item on the host and show what would run; start no container.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
+    agent: opt.Agent = None,
+    image: opt.Image = None,
+    inject: opt.Inject = None,
+    mode: opt.Mode = None,
+    max_steps: opt.MaxSteps = None,
+    boundary_user_prompt: opt.BoundaryUserPrompt = None,
+    disable_thinking: opt.DisableThinking = None,
+    allow_stale_observations: opt.AllowStaleObservations = None,
+    workspace_dir: opt.WorkspaceDir = None,
+    workspace_path: opt.WorkspacePath = None,
+    image_workspace: opt.ImageWorkspace = None,
+    no_workspace: opt.NoWorkspace = None,
+    timeout: opt.Timeout = None,
+    memory: opt.Memory = None,
+    cpus: opt.Cpus = None,
+    pids: opt.Pids = None,
+    tmp_size: opt.TmpSize = None,
+    collect_limit: opt.CollectLimit = None,
+    network: opt.Network = None,
+    env: opt.Env = None,
+    user: opt.User = None,
+    cap_add: opt.CapAdd = None,
+    writable_rootfs: opt.WritableRootfs = None,
+    allow_privilege_escalation: opt.AllowPrivilegeEscalation = None,
+    model_base_url: opt.ModelBaseUrl = None,
+    model: opt.Model = None,
+    model_api_key_env: opt.ModelApiKeyEnv = None,
+    model_network: opt.ModelNetwork = None,
+    model_body_limit: opt.ModelBodyLimit = None,
+    no_model_bodies: opt.NoModelBodies = None,
+    model_timeout: opt.ModelTimeout = None,
+    attempts: opt.Attempts = None,
+    retry_backoff: opt.RetryBackoff = None,
+    base: opt.Base = None,
+    ca_bundle: opt.CaBundle = None,
+) -> int:
+    """Replay many trajectories in parallel containers; rerunning the same command resumes.
+
+    Options after --json are defaults for every item; a manifest line's own fields override them.
+    """
+    from .batch import BatchOptions, default_workers, run_batch
+    from .engine import connect
+    from .manifest import BatchInput
+    from .report import allowed_failures, exit_code
+    from .units import parse_duration
+
+    defaults = _spec_fields(locals())
+    allowance = allowed_failures(allow_failures)
+    source = BatchInput.parse(manifest=manifest, trajectories=trajectories, after_step=after_step, defaults=defaults)
+    checked = source.check()
+    for problem in checked.problems:
+        _say(f"pvisor-host: {source.name}:{problem.line}: {problem.message}")
+    if checked.problems:
+        raise UsageError(f"{len(checked.problems)} of the batch's lines are wrong (listed above); nothing ran")
+    total = checked.items
+    memory_each = source.spec_default("memory")
+    options = BatchOptions(
+        out=out.absolute(),
+        workers=workers or default_workers(memory_each),
+        deadline=parse_duration(deadline, flag="--deadline") if deadline is not None else None,
+        rerun_failed=rerun_failed,
+        retry_oom=retry_oom,
+        base=base,
+        ca_bundle=ca_bundle,
+    )
+    client = connect(pool_size=options.workers + 8)
+    if plan:
+        from .plan import plan_batch
+
+        plans = list(plan_batch(source.items(), client, options))
+        render.batch_plan(_out, plans, json_output=json_output)
+        return ExitCode.USAGE if any(p.action == "reject" for p in plans) else ExitCode.OK
+    with render.BatchProgress(total, quiet=quiet or json_output) as progress:
+        outcome = run_batch(source.items(), client, options, total=total, images=checked.image_specs, progress=progress)
+    if json_output:
+        typer.echo(outcome.summary.model_dump_json(indent=2))
+    else:
+        render.batch_summary(_out, outcome.summary, options.out, quiet=quiet)
+    if outcome.summary.interrupted:
+        _say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
+    return exit_code(outcome.summary, allowance(total))
+
+
+@app.command()
+def gc(
+    dry_run: Annotated[bool, typer.Option(help="Only list what would be removed.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> int:
+    """Remove containers, volumes and networks whose pvisor-host process is gone (after a kill -9, say).
+
+    Resources of a live pvisor-host, of another host, and anything without pvisor-host labels are never touched.
+    """
+    from .engine import connect
+    from .gc import collect_garbage
+
+    report = collect_garbage(connect(), dry_run=dry_run)
+    if json_output:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        render.gc_report(_out, report, dry_run=dry_run)
+    return ExitCode.OK if not report.failed else ExitCode.INFRASTRUCTURE
 
 
 def _say(line: str) -> None:

@@ -76,15 +76,17 @@ def engine_address() -> str:
     return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
-def connect(timeout: int = API_TIMEOUT) -> docker.DockerClient:
+def connect(timeout: int = API_TIMEOUT, pool_size: int = 10) -> docker.DockerClient:
     """A client for the engine at ``DOCKER_HOST`` (or the default socket), checked with a ping.
+
+    The client is safe to share between threads; ``pool_size`` should cover the threads that use it at once.
 
     Raises:
         PrerequisiteError: no engine answers there.
     """
     address = engine_address()
     try:
-        client = docker.from_env(timeout=timeout)
+        client = docker.from_env(timeout=timeout, max_pool_size=pool_size)
         client.ping()
     except (DockerException, requests.exceptions.RequestException, OSError) as exc:
         reason = str(exc).split("\n")[0][:200]

@@ -341,8 +341,8 @@ class _Handler(BaseHTTPRequestHandler):
             stream = "text/event-stream" in upstream.headers.get("Content-Type", "")
             if upstream.status_code >= 400 and not stream:
                 original = upstream.content[: max(gateway.config.body_limit, 4096)]
-                sent = self._error(upstream.status_code, _upstream_failure(upstream.status_code, original))
-                return upstream.status_code, len(sent), original[: gateway.config.body_limit], original, False
+                answer = self._error(upstream.status_code, _upstream_failure(upstream.status_code, original))
+                return upstream.status_code, len(answer), original[: gateway.config.body_limit], original, False
             self.send_response(upstream.status_code)
             for key in ("Content-Type", "Cache-Control", "x-request-id", "retry-after"):
                 if key in upstream.headers:

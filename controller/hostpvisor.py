@@ -9,6 +9,7 @@ code the sandbox runs, without executing a single tool.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -130,3 +131,23 @@ def _manifest_tool_calls(manifest: Path) -> int:
         return int(boundary.get("tool_calls", 0))
     except (OSError, ValueError, TypeError):
         return 0
+
+
+_BATCHES = re.compile(r"trajectory has (\d+) complete batches")
+
+
+def complete_batches(agent: str, trajectory: Path) -> int | None:
+    """How many complete tool batches pvisor finds in ``trajectory`` (None: pvisor rejects the file itself)."""
+    binary = pvisor_binary()
+    trajectory = trajectory.absolute()
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-count-") as scratch:
+        root = Path(scratch)
+        (root / "workspace").mkdir()
+        done = subprocess.run(
+            [str(binary), "replay", "--agent", agent, "--trajectory", str(trajectory), "--after-step", "999999999",
+             "--prepare-only", "--workspace", str(root / "workspace"), "--state-dir", str(root / "state"),
+             "--output-dir", str(root / "output")],
+            capture_output=True, text=True, timeout=_TIMEOUT, cwd=root, check=False,
+        )  # fmt: skip
+    found = _BATCHES.search(done.stdout)
+    return int(found.group(1)) if found else None

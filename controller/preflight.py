@@ -47,7 +47,7 @@ class PreparedReplay(BaseModel):
     user: str
     image: ImageRef
     built: BuiltImage | None = None
-    plan: PvisorPlan
+    plan: PvisorPlan | None
     timings: dict[str, float]
 
 
@@ -195,7 +195,8 @@ class AgentChecks(BaseModel):
 
     profile: AgentProfile
     workspace_path: str
-    plan: PvisorPlan
+    plan: PvisorPlan | None
+    """pvisor's own pre-flight of the prefix; None when it was left to the sandbox (batch runs)."""
 
 
 class CheckedInputs(BaseModel):
@@ -208,12 +209,19 @@ class CheckedInputs(BaseModel):
     user: str
     agent: AgentChecks | None = None
     """Present when ``--agent`` was given; with ``--image`` alone the agent comes from the image's labels."""
+    host_pvisor: bool = True
     seconds: float
 
 
-def check_inputs(spec: ReplaySpec) -> CheckedInputs:
+def check_inputs(
+    spec: ReplaySpec, *, host_pvisor: bool = True, run_id: str | None = None, out_dir: Path | None = None
+) -> CheckedInputs:
     """Every check that needs no engine: trajectory, environment, workspace, user, output directory and,
     when ``--agent`` is given, the agent-specific ones including pvisor's own pre-flight.
+
+    ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox (a batch
+    avoids a subprocess per item); ``run_id`` and ``out_dir`` override the spec's (a batch names them, and
+    has made sure ``out_dir`` is free).
 
     Raises:
         UsageError: the first problem found, in one line.
@@ -225,9 +233,9 @@ def check_inputs(spec: ReplaySpec) -> CheckedInputs:
     _env_values(spec)
     _workspace_dir(spec)
     user = _user(spec)
-    run_id = spec.run_id or new_run_id()
-    out_dir = check_out_dir(spec.out, run_id)
-    agent = _agent_checks(spec, trajectory, run_id, profile) if profile is not None else None
+    run_id = run_id or spec.run_id or new_run_id()
+    out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
+    agent = _agent_checks(spec, trajectory, run_id, profile, host_pvisor) if profile is not None else None
     return CheckedInputs(
         spec=spec,
         trajectory=trajectory,
@@ -235,24 +243,49 @@ def check_inputs(spec: ReplaySpec) -> CheckedInputs:
         out_dir=out_dir,
         user=user,
         agent=agent,
+        host_pvisor=host_pvisor,
         seconds=time.monotonic() - started,
     )
 
 
-def _agent_checks(spec: ReplaySpec, trajectory: TrajectoryInfo, run_id: str, profile: AgentProfile) -> AgentChecks:
+def _agent_checks(
+    spec: ReplaySpec, trajectory: TrajectoryInfo, run_id: str, profile: AgentProfile, host_pvisor: bool = True
+) -> AgentChecks:
     check_agent(trajectory.path, profile, all_profiles())
-    _, plan = prepare_only(
-        agent=profile.agent,
-        trajectory=trajectory.path,
-        after_step=spec.after_step,
-        run_id=run_id,
-        session_id=spec.session_id,
-        boundary_user_prompt=spec.boundary_user_prompt,
-    )
-    _budget(spec, plan)
+    plan = None
+    if host_pvisor:
+        _, plan = prepare_only(
+            agent=profile.agent,
+            trajectory=trajectory.path,
+            after_step=spec.after_step,
+            run_id=run_id,
+            session_id=spec.session_id,
+            boundary_user_prompt=spec.boundary_user_prompt,
+        )
+        _budget(spec, plan)
     _continuation(spec, profile)
     workspace_path = _workspace_path(spec, trajectory.path, profile)
     return AgentChecks(profile=profile, workspace_path=workspace_path, plan=plan)
+
+
+def agent_checks(checked: CheckedInputs, agent: str) -> AgentChecks:
+    """The agent-specific checks, once the agent is known (from ``--agent`` or the image's labels)."""
+    return checked.agent or _agent_checks(
+        checked.spec, checked.trajectory, checked.run_id, get_profile(agent), checked.host_pvisor
+    )
+
+
+def resolve_image(
+    client: docker.DockerClient, spec: ReplaySpec, *, base: str | None = None, ca_bundle: Path | None = None
+) -> tuple[ImageRef, BuiltImage | None]:
+    """The image a spec runs in, ready (labels checked, probed, built or injected).
+
+    Raises:
+        UsageError: the image is wrong for the request.
+        ImageBuildError: the image had to be built and the build failed.
+    """
+    plan = plan_image(client, image=spec.image, agent=spec.agent, inject=spec.inject)
+    return materialize(client, plan, base=base, ca_bundle=ca_bundle)
 
 
 def prepare(
@@ -261,8 +294,11 @@ def prepare(
     *,
     base: str | None = None,
     ca_bundle: Path | None = None,
+    image: tuple[ImageRef, BuiltImage | None] | None = None,
 ) -> PreparedReplay:
     """Finish pre-flight with the engine (the image's labels), then make the image ready.
+
+    ``image`` is an already resolved image (a batch resolves each distinct image once).
 
     Raises:
         UsageError: the request is wrong (one line says what and how to fix it).
@@ -271,12 +307,16 @@ def prepare(
     """
     started = time.monotonic()
     spec = checked.spec
-    plan = plan_image(client, image=spec.image, agent=spec.agent, inject=spec.inject)
-    agent = checked.agent or _agent_checks(spec, checked.trajectory, checked.run_id, get_profile(plan.agent))
+    if image is None:
+        plan = plan_image(client, image=spec.image, agent=spec.agent, inject=spec.inject)
+        agent_name = plan.agent
+    else:
+        agent_name = image[0].agent
+    agent = agent_checks(checked, agent_name)
     create_out_dir(checked.out_dir)
     checked_at = time.monotonic()
     try:
-        image, built = materialize(client, plan, base=base, ca_bundle=ca_bundle)
+        ref, built = image if image is not None else materialize(client, plan, base=base, ca_bundle=ca_bundle)
     except BaseException:
         release_out_dir(checked.out_dir)
         raise
@@ -288,7 +328,7 @@ def prepare(
         out_dir=checked.out_dir,
         workspace_path=agent.workspace_path,
         user=checked.user,
-        image=image,
+        image=ref,
         built=built,
         plan=agent.plan,
         timings={

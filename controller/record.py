@@ -166,6 +166,15 @@ class AttemptSummary(BaseModel):
     """Where the attempt's files are, relative to the run directory (``.`` for the final attempt)."""
 
 
+class BatchInfo(BaseModel):
+    """Where a batch item came from, and the key that decides whether a rerun may skip it."""
+
+    item_id: str
+    line: int
+    content_key: str
+    """sha256 over the trajectory's sha256, the image id and every option that changes the outcome."""
+
+
 class ReplayRecord(BaseModel):
     """Everything about one replay; ``record.json`` in the run directory."""
 
@@ -192,6 +201,8 @@ class ReplayRecord(BaseModel):
     """Which attempt this record is (pvisor's retryable failures are retried in fresh sandboxes)."""
     attempts: list[AttemptSummary] = []
     """Every attempt of the replay, this one last (in the top-level record only)."""
+    batch: BatchInfo | None = None
+    """For batch items: the item and its content key."""
     host: dict[str, str] = {}
 
     @property

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import shlex
+import time
+from collections import Counter
 from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .build import BuiltImage
 from .catalog import CatalogEntry, PruneResult
 from .doctor import Report
 from .record import ReplayRecord
+from .report import BatchSummary, ItemResult
+
+if TYPE_CHECKING:
+    from .gc import GcReport
+    from .plan import ItemPlan
 from .units import format_duration, format_size
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
@@ -115,3 +126,154 @@ def doctor_report(console: Console, report: Report) -> None:
         if check.fix and check.status != "ok":
             line += f" [dim]→ {check.fix}[/dim]"
         console.print(line, highlight=False, soft_wrap=True)
+
+
+def _counts(counts: dict[str, int] | Counter[str]) -> str:
+    return ", ".join(f"{status} {count}" for status, count in sorted(counts.items())) or "none yet"
+
+
+class BatchProgress:
+    """Progress of a batch on stderr: a live bar on a terminal; a plain line every ``interval`` seconds and at
+    the end otherwise (CI logs); nothing with ``quiet``. Call it with each finished item."""
+
+    def __init__(self, total: int, *, quiet: bool = False, interval: float = 30.0) -> None:
+        self.total = total
+        self.quiet = quiet
+        self.interval = interval
+        self.console = Console(stderr=True)
+        self.counts: Counter[str] = Counter()
+        self.done = 0
+        self.ran = 0
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> BatchProgress:
+        if not self.quiet and self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold]batch[/bold]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(_counts(self.counts), total=self.total, rate="")
+        return self
+
+    def __call__(self, result: ItemResult) -> None:
+        self.counts[result.status] += 1
+        self.done += 1
+        self.ran += result.ran
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=self.done, description=_counts(self.counts), rate=self._rate())
+        elif not self.quiet and time.monotonic() - self.last_line >= self.interval:
+            self._line()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif not self.quiet:
+            self._line()
+
+    def _rate(self) -> str:
+        minutes = (time.monotonic() - self.started) / 60
+        return f"{self.ran / minutes:.1f}/min" if minutes > 0 and self.ran else ""
+
+    def _line(self) -> None:
+        self.last_line = time.monotonic()
+        minutes = (self.last_line - self.started) / 60
+        rate = self.ran / minutes if minutes > 0 else 0.0
+        left = self.total - self.done
+        eta = f", eta {format_duration(left / rate * 60)}" if rate > 0 and left > 0 else ""
+        line = f"batch: {self.done}/{self.total} done ({_counts(self.counts)}), {rate:.1f} replays/min{eta}"
+        self.console.print(line, highlight=False, soft_wrap=True)
+
+
+def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:
+    """The end of ``batch``: counts per status and failure category, timings, and where the results are."""
+    where = f"{_relative(out)}/summary.json, junit.xml"
+    head = f"{summary.items} items: {summary.ran} ran, {summary.skipped} skipped (finished earlier)"
+    if summary.interrupted:
+        head += ", [yellow]interrupted[/yellow]"
+    if summary.deadline_reached:
+        head += ", [yellow]deadline reached[/yellow]"
+    if quiet:
+        console.print(f"{head}; {_counts(summary.counts)}; {where}", highlight=False, soft_wrap=True)
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    table.add_column("status")
+    table.add_column("items", justify="right")
+    for status, count in summary.counts.items():
+        style = _STATUS_STYLE.get(status, "red")
+        table.add_row(f"[{style}]{status}[/{style}]", str(count))
+    console.print(head, highlight=False)
+    console.print(table)
+    if summary.categories:
+        console.print("failures: " + _counts(summary.categories), highlight=False, soft_wrap=True)
+    total = summary.timings.get("total", {})
+    console.print(
+        f"per item p50 {format_duration(total.get('p50', 0))}, p90 {format_duration(total.get('p90', 0))}; "
+        f"{summary.replays_per_minute} replays/min; {where}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def batch_plan(console: Console, plans: list[ItemPlan], *, json_output: bool) -> None:
+    """``batch --plan``: per item what would run, then the counts."""
+    if json_output:
+        console.print_json(data=[p.model_dump(mode="json") for p in plans])
+        return
+    for plan in plans:
+        style = {"run": "green", "skip": "dim", "reject": "red"}[plan.action]
+        console.print(f"[bold]{plan.id}[/bold] (line {plan.line}): [{style}]{plan.action}[/{style}]", highlight=False)
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim")
+        grid.add_column(overflow="fold")
+        if plan.reason:
+            grid.add_row("why", plan.reason)
+        if plan.action != "reject":
+            grid.add_row("image", f"{plan.image or '-'} {plan.image_id or ''}".strip())
+            if plan.image_note:
+                grid.add_row("", plan.image_note)
+            grid.add_row("mounts", "\n".join(plan.mounts))
+            if plan.limits is not None:
+                lim = plan.limits
+                grid.add_row(
+                    "limits",
+                    f"memory {format_size(lim.memory)}, cpus {lim.cpus:g}, pids {lim.pids}, "
+                    f"timeout {format_duration(lim.timeout)}, network {lim.network}, user {lim.user}, "
+                    f"{'read-only' if lim.read_only_rootfs else 'writable'} rootfs",
+                )
+            if plan.model_gateway:
+                grid.add_row("model", f"host-side gateway over {plan.model_gateway}")
+            grid.add_row("command", shlex.join(plan.command))
+            grid.add_row("key", plan.content_key or "known once the image is built")
+        console.print(grid)
+    actions = Counter(p.action for p in plans)
+    console.print(
+        f"{len(plans)} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
+    )
+
+
+def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:
+    """``pvisor-host gc``."""
+    verb = "would remove" if dry_run else "removed"
+    for r in report.orphans:
+        if r.name in report.failed:
+            console.print(f"[red]could not remove[/red] {r.kind} {r.name}: {report.failed[r.name]}", highlight=False)
+        else:
+            console.print(f"{verb} {r.kind} {r.name} (owner {r.owner} is gone)", highlight=False)
+    done = len(report.orphans) - len(report.failed)
+    console.print(
+        f"{verb} {done} resources; left {report.live} of live pvisor-host processes"
+        f" and {report.other_hosts} of other hosts",
+        highlight=False,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -97,6 +98,7 @@ class _Run:
         self.logs_truncated = False
         self.interrupted = False
         self.infra_error: str | None = None
+        self.cancel: threading.Event | None = None
 
     def phase(self, name: str, since: float) -> float:
         now = time.monotonic()
@@ -104,13 +106,16 @@ class _Run:
         return now
 
 
-def run_attempt(prepared: PreparedReplay, client: docker.DockerClient, attempt: Attempt) -> ReplayRecord:
+def run_attempt(
+    prepared: PreparedReplay, client: docker.DockerClient, attempt: Attempt, *, cancel: threading.Event | None = None
+) -> ReplayRecord:
     """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
     An attempt that ran always yields a record, whatever its status. Ctrl-C removes the container,
     writes a record with status ``interrupted`` and raises :class:`Interrupted`.
     """
     run = _Run(prepared, attempt)
+    run.cancel = cancel
     out = attempt.run_dir
     out.mkdir(parents=True, exist_ok=True)
     clock = time.monotonic()
@@ -176,8 +181,12 @@ def _run_container(
             box.short_id,
             cspec.name,
         )
+        if run.cancel is not None and run.cancel.is_set():
+            raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
         run.outcome = sandbox.wait(box, spec.timeout)
         clock = run.phase("run", clock)
+        if run.cancel is not None and run.cancel.is_set():
+            raise KeyboardInterrupt  # the batch killed this sandbox: record it as interrupted, collect nothing
         logs = out / "logs"
         logs.mkdir(exist_ok=True)
         run.logs_truncated = sandbox.save_logs(box, stdout=True, dest=logs / "stdout.log")

@@ -20,9 +20,16 @@ from pydantic import BaseModel
 
 from . import labels as L
 from ._version import PVISOR_VERSION
-from .build import DEFAULT_PVISOR_PATH, BuiltImage, build_agent_image, find_image
+from .build import DEFAULT_PVISOR_PATH, BuiltImage, build_agent_image, expected_tag, find_image
 from .errors import UsageError
-from .inject import check_task_image, check_task_image_metadata, ensure_runtime_volume, inject_spec
+from .inject import (
+    RuntimeVolume,
+    check_task_image,
+    check_task_image_metadata,
+    ensure_runtime_volume,
+    inject_spec,
+    runtime_volume_name,
+)
 from .probe import probe_agent_image, version_problem
 from .profiles import AgentProfile, get_profile
 from .record import ImageRef
@@ -136,6 +143,40 @@ def materialize(
     if problem is not None:
         raise UsageError(f"image {plan.ref} {problem}", hint=f"pvisor-host build --agent {profile.agent}")
     return _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path), None
+
+
+def preview(client: docker.DockerClient, plan: ImagePlan) -> tuple[ImageRef | None, str | None]:
+    """What :func:`materialize` would give, found without building, probing or filling anything.
+
+    Returns the image (None while it is still to be built) and a note on what the first run will do first.
+    """
+    profile = get_profile(plan.agent)
+    if plan.action == "labels":
+        return materialize(client, plan)[0], None
+    if plan.action == "probe":
+        assert plan.ref is not None
+        assert plan.id is not None
+        return _ref(plan.ref, plan.id, profile, "probe"), "a probe container confirms the versions before the first run"
+    tag = expected_tag(client, profile)
+    agent_image = find_image(client, tag) if tag is not None else None
+    if agent_image is None:
+        return None, f"to be built first: {tag or f'a {profile.suite} base, then the {profile.agent} image'}"
+    if plan.action == "build":
+        assert tag is not None
+        return _ref(tag, agent_image.id, profile, "build"), None
+    assert plan.ref is not None
+    assert plan.id is not None
+    spec = inject_spec(profile)
+    volume = RuntimeVolume(
+        name=runtime_volume_name(profile, spec, agent_image.id),
+        agent=profile.agent,
+        agent_version=profile.version,
+        pvisor_version=PVISOR_VERSION,
+        agent_image=agent_image.id,
+    )
+    ref = _ref(plan.ref, plan.id, profile, "inject", f"{volume.runtime_root}/{spec.entrypoint}", volume.pvisor_path)
+    note = "a probe of the task image (libc, architecture) comes before the first run"
+    return ref.model_copy(update={"runtime_volume": volume.name, "agent_image": tag}), note
 
 
 def _inject(

@@ -59,6 +59,18 @@ def _sandbox_owner(uid: int, gid: int) -> tuple[int | None, int | None]:
     return None, None
 
 
+def planned_staging(root: Path, trajectory: Path) -> Staging:
+    """The layout :func:`stage` creates under ``root``, without creating anything (for ``batch --plan``)."""
+    return Staging(
+        root=root,
+        input_dir=root / "input",
+        workspace_dir=root / "workspace",
+        run_dir=root / "run",
+        trajectory_in_sandbox=f"{INPUT_MOUNT}/{_sandbox_name(trajectory.name)}",
+        workspace_before=[],
+    )
+
+
 def stage(
     root: Path,
     *,
@@ -72,12 +84,12 @@ def stage(
     """Create the staging directory under ``root`` for one run (see the module docstring)."""
     uid, gid = parse_user(user)
     owner_uid, owner_gid = _sandbox_owner(uid, gid)
+    layout = planned_staging(root, trajectory)
     root.mkdir(mode=0o755)
-    input_dir = root / "input"
+    input_dir = layout.input_dir
     input_dir.mkdir(mode=0o755)
 
-    name = _sandbox_name(trajectory.name)
-    copy = input_dir / name
+    copy = input_dir / Path(layout.trajectory_in_sandbox).name
     shutil.copyfile(trajectory, copy)
     if hash_file(copy)[1] != trajectory_sha256:
         raise UsageError(f"trajectory {trajectory} changed while pvisor-host was checking it", hint="run again")
@@ -93,7 +105,7 @@ def stage(
         if owner_uid is not None:
             os.chown(env_file, owner_uid, owner_gid if owner_gid is not None else owner_uid)
 
-    workspace = root / "workspace"
+    workspace = layout.workspace_dir
     if workspace_source is not None:
         before = copy_tree(workspace_source, workspace, uid=owner_uid, gid=owner_gid)
     else:
@@ -101,18 +113,11 @@ def stage(
         before = workspace_seed(workspace) if workspace_seed is not None else []
         if owner_uid is not None:
             _chown_tree(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
-    run_dir = root / "run"
+    run_dir = layout.run_dir
     run_dir.mkdir(mode=0o700)
     if owner_uid is not None:
         os.chown(run_dir, owner_uid, owner_gid or owner_uid)
-    return Staging(
-        root=root,
-        input_dir=input_dir,
-        workspace_dir=workspace,
-        run_dir=run_dir,
-        trajectory_in_sandbox=f"{INPUT_MOUNT}/{name}",
-        workspace_before=before,
-    )
+    return layout.model_copy(update={"workspace_before": before})
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:

@@ -42,10 +42,10 @@ def _fail(path: Path, problem: str, hint: str | None = None) -> UsageError:
     return UsageError(f"trajectory {path}: {problem}", hint=hint)
 
 
-def check_file(path: Path) -> TrajectoryInfo:
-    """Check that ``path`` is a readable, non-empty regular UTF-8 text file of at most 256 MiB.
+def check_stat(path: Path) -> tuple[Path, int]:
+    """The cheap half of :func:`check_file` (no read): an existing, non-empty regular file of at most 256 MiB.
 
-    Returns its size and sha256. Raises :class:`UsageError` saying what is wrong otherwise.
+    Returns the absolute path and the size. Raises :class:`UsageError` saying what is wrong otherwise.
     """
     path = path.expanduser().absolute()
     try:
@@ -64,6 +64,15 @@ def check_file(path: Path) -> TrajectoryInfo:
         raise _fail(
             path, f"is {info.st_size / 2**20:.0f} MiB; pvisor accepts at most {MAX_TRAJECTORY_BYTES // 2**20} MiB"
         )
+    return path, info.st_size
+
+
+def check_file(path: Path) -> TrajectoryInfo:
+    """Check that ``path`` is a readable, non-empty regular UTF-8 text file of at most 256 MiB.
+
+    Returns its size and sha256. Raises :class:`UsageError` saying what is wrong otherwise.
+    """
+    path, size = check_stat(path)
     digest = hashlib.sha256()
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
@@ -76,7 +85,7 @@ def check_file(path: Path) -> TrajectoryInfo:
             _check_text(path, decoder, b"", offset, final=True)
     except PermissionError:
         raise _fail(path, "is not readable (permission denied)") from None
-    return TrajectoryInfo(path=path, size=info.st_size, sha256=digest.hexdigest())
+    return TrajectoryInfo(path=path, size=size, sha256=digest.hexdigest())
 
 
 def _check_text(path: Path, decoder: codecs.IncrementalDecoder, chunk: bytes, offset: int, final: bool = False) -> None:

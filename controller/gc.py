@@ -1,0 +1,102 @@
+"""``pvisor-host gc``: remove what a controller that died without cleaning up (``kill -9``) left in Docker.
+
+Every container, network and per-run volume pvisor-host creates carries ``pvisor-host.owner`` =
+``<host>/<pid>/<start ticks>`` of the controller process. A resource is an orphan when that process is
+gone (the pid no longer runs, or runs a different process since the start time differs). Resources of a
+live controller, of a controller on another host (sharing the engine) and anything without the label —
+including the shared runtime volumes and images, which ``images prune`` manages — are never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import docker
+import requests
+from docker.errors import APIError, NotFound
+from loguru import logger
+from pydantic import BaseModel
+
+from . import labels as L
+
+Kind = Literal["container", "network", "volume"]
+
+
+class Resource(BaseModel):
+    """One labelled Docker resource."""
+
+    kind: Kind
+    id: str
+    name: str
+    owner: str
+    role: str | None = None
+    run: str | None = None
+
+
+class GcReport(BaseModel):
+    """What ``gc`` found and did."""
+
+    orphans: list[Resource]
+    """Resources whose owner is gone: removed (or, with ``--dry-run``, to be removed)."""
+    live: int
+    """Resources left alone because their owner still runs."""
+    other_hosts: int
+    """Resources left alone because their owner runs on another host."""
+    failed: dict[str, str] = {}
+    """Orphans that could not be removed: name → the engine's error."""
+
+
+def labelled_resources(client: docker.DockerClient) -> list[Resource]:
+    """Every container (running or not), network and volume carrying a ``pvisor-host.owner`` label."""
+    filters = {"label": L.OWNER}
+    found: list[Resource] = []
+    for container in client.containers.list(all=True, filters=filters):
+        found.append(_resource("container", container.id, container.name, container.labels))
+    for network in client.networks.list(filters=filters):
+        found.append(_resource("network", network.id, network.name, network.attrs.get("Labels") or {}))
+    for volume in client.volumes.list(filters=filters):
+        found.append(_resource("volume", volume.id, volume.name, volume.attrs.get("Labels") or {}))
+    return found
+
+
+def _resource(kind: Kind, resource_id: str, name: str, labels: dict[str, str]) -> Resource:
+    return Resource(
+        kind=kind, id=resource_id, name=name, owner=labels[L.OWNER], role=labels.get(L.ROLE), run=labels.get(L.RUN)
+    )
+
+
+def collect_garbage(client: docker.DockerClient, *, dry_run: bool = False) -> GcReport:
+    """Find the orphans (see the module docstring) and remove them: containers first, then networks and volumes."""
+    orphans: list[Resource] = []
+    live = other_hosts = 0
+    for resource in labelled_resources(client):
+        alive = L.owner_alive(resource.owner)
+        if alive is None:
+            other_hosts += 1
+        elif alive:
+            live += 1
+        else:
+            orphans.append(resource)
+    report = GcReport(orphans=orphans, live=live, other_hosts=other_hosts)
+    if dry_run:
+        return report
+    for resource in orphans:  # already in order: containers, networks, volumes
+        try:
+            _remove(client, resource)
+        except (APIError, requests.exceptions.RequestException) as exc:
+            detail = exc.explanation if isinstance(exc, APIError) and exc.explanation else str(exc)
+            report.failed[resource.name] = str(detail)
+            logger.warning("could not remove {} {}: {}", resource.kind, resource.name, detail)
+    return report
+
+
+def _remove(client: docker.DockerClient, resource: Resource) -> None:
+    try:
+        if resource.kind == "container":
+            client.containers.get(resource.id).remove(force=True, v=True)
+        elif resource.kind == "network":
+            client.networks.get(resource.id).remove()
+        else:
+            client.volumes.get(resource.id).remove(force=True)
+    except NotFound:
+        pass  # gone meanwhile (its owner's own cleanup, or the engine's auto-removal)

@@ -1,0 +1,427 @@
+"""`pvisor-host batch` and `gc` against the real engine, the real sandbox image and the real pvisor: mixed
+outcomes and their reports, resume, interruption at random moments, kill -9 then gc, and retries.
+
+Cleanup speed (16 running sandboxes gone after Ctrl-C) is printed here and measured in the closing notes;
+like every timing goal it is not asserted in a test."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from docker.errors import NotFound
+
+from conftest import run_cli, start_cli
+from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+
+pytestmark = pytest.mark.docker
+
+HOG = "python3 -c 'b = bytearray(1 << 30); print(len(b))'"
+
+
+def ok_session(n: int) -> list[dict]:
+    """A valid session whose bytes differ per ``n`` (so each item has its own trajectory and content key)."""
+    return claude_session(
+        f"Task number {n}.",
+        [
+            Turn([Call("Bash", {"command": f"echo {n} > n.txt", "description": "write"})]),
+            Turn([Call("Bash", {"command": "cat n.txt", "description": "read"}, f"{n}")]),
+        ],
+    )
+
+
+def one_call(command: str, n: int = 0) -> list[dict]:
+    return claude_session(f"Run {n}.", [Turn([Call("Bash", {"command": command, "timeout": 120000})])])
+
+
+def mixed_manifest(root: Path) -> tuple[Path, dict[str, str]]:
+    """40 items: 32 ok, 2 malformed, 2 of another Claude version, 2 timeouts, 2 OOM kills."""
+    root.mkdir(parents=True, exist_ok=True)
+    lines: list[dict] = []
+    expected: dict[str, str] = {}
+    for n in range(32):
+        write_jsonl(root / f"ok{n:02d}.jsonl", ok_session(n))
+        lines.append({"id": f"ok{n:02d}", "trajectory": f"ok{n:02d}.jsonl", "after_step": 1 + n % 2})
+        expected[f"ok{n:02d}"] = "ok"
+    for n in range(2):
+        (root / f"broken{n}.jsonl").write_text('{"type": "user", "message": {"content": "x"\n')
+        lines.append({"id": f"broken{n}", "trajectory": f"broken{n}.jsonl", "after_step": 1})
+        expected[f"broken{n}"] = "replay_failed"
+        write_jsonl(
+            root / f"old{n}.jsonl",
+            claude_session(f"Old {n}.", [Turn([Call("Bash", {"command": "true"})])], version="2.1.0"),
+        )
+        lines.append({"id": f"old{n}", "trajectory": f"old{n}.jsonl", "after_step": 1})
+        expected[f"old{n}"] = "replay_failed"
+        write_jsonl(root / f"slow{n}.jsonl", one_call("sleep 60", n))
+        lines.append({"id": f"slow{n}", "trajectory": f"slow{n}.jsonl", "after_step": 1, "timeout": "3s"})
+        expected[f"slow{n}"] = "timeout"
+        write_jsonl(root / f"hog{n}.jsonl", one_call(HOG, n))
+        hog = {"id": f"hog{n}", "trajectory": f"hog{n}.jsonl", "after_step": 1, "memory": "200m", "tmp_size": "16m"}
+        lines.append(hog)
+        expected[f"hog{n}"] = "oom"
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest, expected
+
+
+def batch(manifest: Path, out: Path, *args: str | Path, env: dict[str, str] | None = None):
+    return run_cli(
+        "batch", "--manifest", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, *args, env=env
+    )
+
+
+def summary_of(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def record_of(path: Path) -> dict:
+    return json.loads((path / "record.json").read_text())
+
+
+def test_mixed_outcomes_reports_resume_and_rerun(tmp_path, claude_image, containers_created):
+    manifest, expected = mixed_manifest(tmp_path / "data")
+    out = tmp_path / "out"
+    step_summary = tmp_path / "step-summary.md"
+    step_summary.write_text("earlier step\n")
+
+    result = batch(manifest, out, "--workers", "4", env={"GITHUB_STEP_SUMMARY": str(step_summary)})
+    assert result.code == 1, result.stderr
+    summary = summary_of(out)
+    assert summary["counts"] == {"ok": 32, "oom": 2, "replay_failed": 4, "timeout": 2}
+    assert summary["categories"] == {"oom": 2, "timeout": 2, "trajectory_error": 2, "unsupported_version": 2}
+    assert (summary["items"], summary["ran"], summary["skipped"], summary["interrupted"]) == (40, 40, 0, False)
+    assert sorted(summary["failed"]) == sorted(k for k, v in expected.items() if v != "ok")
+    assert summary["timings"]["run"]["p50"] > 0 and summary["replays_per_minute"] > 0
+    for item, status in expected.items():
+        record = record_of(out / item)
+        assert record["status"] == status, item
+        assert record["batch"]["item_id"] == item and len(record["batch"]["content_key"]) == 64
+        assert record["attempts"] == []  # nothing here is worth a retry (OOM only with --retry-oom)
+    assert record_of(out / "broken0")["failure"]["category"] == "trajectory_error"
+    assert "Claude trajectory requires exact version 2.1.220" in record_of(out / "old0")["failure"]["message"]
+
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    assert suite is not None
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("40", "8", "0")
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert set(cases) == set(expected)
+    failure = cases["old1"].find("failure")
+    assert failure is not None and failure.get("type") == "unsupported_version"
+    assert cases["ok00"].find("failure") is None
+    markdown = step_summary.read_text()
+    assert markdown.startswith("earlier step\n### pvisor-host batch\n")
+    assert "| ok | 32 |" in markdown and "| trajectory_error | 2 |" in markdown
+
+    # The same command again: every item has a complete record with the same key, so nothing runs.
+    since = time.time()
+    again = batch(manifest, out, "--workers", "4")
+    assert again.code == 1, again.stderr
+    resumed = summary_of(out)
+    assert (resumed["ran"], resumed["skipped"]) == (0, 40)
+    assert resumed["counts"] == summary["counts"] and resumed["categories"] == summary["categories"]
+    assert [c for c in containers_created(since) if "pvisor-host.run" in c] == []
+
+    # Edit one trajectory: exactly that item reruns, and its earlier run is kept aside.
+    write_jsonl(tmp_path / "data" / "ok07.jsonl", ok_session(1007))
+    before = record_of(out / "ok07")
+    since = time.time()
+    edited = batch(manifest, out, "--workers", "4")
+    assert edited.code == 1, edited.stderr
+    assert (summary_of(out)["ran"], summary_of(out)["skipped"]) == (1, 39)
+    assert len([c for c in containers_created(since) if "pvisor-host.run" in c]) == 1
+    after = record_of(out / "ok07")
+    assert after["status"] == "ok" and after["batch"]["content_key"] != before["batch"]["content_key"]
+    (kept,) = (out / ".previous" / "ok07").iterdir()
+    assert record_of(kept)["run_id"] == before["run_id"]
+
+    # --rerun-failed reruns the eight failures only; --allow-failures turns their count into exit 0.
+    rerun = batch(manifest, out, "--workers", "4", "--rerun-failed", "--allow-failures", "20%")
+    assert rerun.code == 0, rerun.stderr
+    assert (summary_of(out)["ran"], summary_of(out)["counts"]) == (8, summary["counts"])
+
+
+def interruptible_manifest(root: Path, items: int, command: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for n in range(items):
+        write_jsonl(root / f"t{n:02d}.jsonl", one_call(command, n))
+        lines.append({"id": f"t{n:02d}", "trajectory": f"t{n:02d}.jsonl", "after_step": 1})
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+def replay_containers(client) -> list:
+    return client.containers.list(all=True, filters={"label": "pvisor-host.role=replay"})
+
+
+def start_batch(manifest: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+    return start_cli(
+        "batch", "--manifest", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, *args
+    )
+
+
+def wait_for_containers(client, count: int, process: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len([c for c in replay_containers(client) if c.status == "running"]) < count:
+        if process.poll() is not None or time.monotonic() > deadline:
+            _, stderr = process.communicate(timeout=30)
+            pytest.fail(f"{count} sandboxes never ran at once: exit {process.returncode}: {stderr}")
+        time.sleep(0.1)
+
+
+def test_sigint_at_random_moments_leaves_nothing_and_resumes_to_the_same_summary(tmp_path, docker_client, claude_image):
+    manifest = interruptible_manifest(tmp_path / "data", 12, "sleep 1 && echo done > done.txt")
+    reference = tmp_path / "reference"
+    clean = batch(manifest, reference, "--workers", "4")
+    assert clean.code == 0, clean.stderr
+    out = tmp_path / "out"
+    seed = random.randrange(1 << 30)
+    moments = random.Random(seed).sample([0.3, 0.8, 1.5, 2.2, 3.0, 4.0], 3)
+    for moment in moments:
+        process = start_batch(manifest, out, "--workers", "4")
+        time.sleep(moment)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode in (130, 0), f"seed {seed}, moment {moment}: {stderr}"
+        assert replay_containers(docker_client) == [], f"seed {seed}, moment {moment}: containers left"
+        for record in out.glob("*/record.json"):  # atomically written: every record parses
+            json.loads(record.read_text())
+        if process.returncode == 130:
+            assert summary_of(out)["interrupted"] is True
+    final = batch(manifest, out, "--workers", "4")
+    assert final.code == 0, final.stderr
+    summary, expected = summary_of(out), summary_of(reference)
+    assert summary["counts"] == expected["counts"] == {"ok": 12}
+    assert summary["categories"] == expected["categories"] and summary["interrupted"] is False
+    assert not list(out.rglob(".pvisor-host-staging"))
+
+
+def test_ctrl_c_stops_16_running_sandboxes_and_a_second_one_does_not_skip_cleanup(
+    tmp_path, docker_client, claude_image
+):
+    manifest = interruptible_manifest(tmp_path / "data", 20, "sleep 120")
+    out = tmp_path / "out"
+    process = start_batch(manifest, out, "--workers", "16", "--memory", "256m")
+    wait_for_containers(docker_client, 16, process)
+    started = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)  # impatient user: the cleanup still finishes
+    _, stderr = process.communicate(timeout=120)
+    print(f"16 running sandboxes stopped and removed in {time.monotonic() - started:.1f}s")
+    assert process.returncode == 130, stderr
+    assert replay_containers(docker_client) == []
+    summary = summary_of(out)
+    assert summary["interrupted"] is True and summary["counts"].get("interrupted", 0) >= 16
+    interrupted = [record_of(path.parent) for path in out.glob("*/record.json")]
+    assert len(interrupted) == 16 and {r["status"] for r in interrupted} == {"interrupted"}
+    assert "pvisor-host: interrupted" in stderr
+
+
+def dead_owner() -> str:
+    """The owner id of a process that has exited (its pid may be reused, its start time will not)."""
+    from pvisor_host.labels import process_start_ticks
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    ticks = process_start_ticks(child.pid)
+    child.wait()
+    return f"{socket.gethostname()}/{child.pid}/{ticks}"
+
+
+def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_image, base_image):
+    from pvisor_host import labels as L
+
+    manifest = interruptible_manifest(tmp_path / "data", 4, "sleep 120")
+    out = tmp_path / "out"
+    process = start_batch(manifest, out, "--workers", "4")
+    wait_for_containers(docker_client, 4, process)
+    process.kill()
+    process.communicate(timeout=30)
+    orphans = {c.name for c in replay_containers(docker_client)}
+    assert len(orphans) == 4
+
+    def labels(owner: str) -> dict[str, str]:
+        return {L.MANAGED: "true", L.ROLE: "test", L.OWNER: owner, L.SESSION: "gc-test"}
+
+    me = f"{socket.gethostname()}/{os.getpid()}/{L.process_start_ticks(os.getpid())}"
+    dead = dead_owner()
+    network = docker_client.networks.create("pvh-gc-test-orphan", internal=True, labels=labels(dead))
+    volume = docker_client.volumes.create("pvh-gc-test-orphan", labels=labels(dead))
+    keep = [
+        docker_client.containers.create(base_image, "true", name="pvh-gc-test-live", labels=labels(me)),
+        docker_client.containers.create(
+            base_image, "true", name="pvh-gc-test-other-host", labels=labels("elsewhere/1/1")
+        ),
+        docker_client.containers.create(base_image, "true", name="pvh-gc-test-unlabelled"),
+    ]
+    try:
+        listed = run_cli("gc", "--dry-run", "--json")
+        assert listed.code == 0, listed.stderr
+        found = json.loads(listed.stdout)
+        names = {(r["kind"], r["name"]) for r in found["orphans"]}
+        assert names == {("container", n) for n in orphans} | {
+            ("network", "pvh-gc-test-orphan"),
+            ("volume", "pvh-gc-test-orphan"),
+        }
+        assert {c.name for c in replay_containers(docker_client)} == orphans  # a dry run removes nothing
+
+        removed = run_cli("gc")
+        assert removed.code == 0, removed.stderr
+        assert replay_containers(docker_client) == []
+        assert docker_client.networks.list(names=["pvh-gc-test-orphan"]) == []
+        assert "pvh-gc-test-orphan" not in {v.name for v in docker_client.volumes.list()}
+        for container in keep:
+            container.reload()  # still there: a live owner, another host, and no labels at all
+        assert run_cli("gc", "--json").stdout.count('"kind"') == 0
+    finally:
+        for container in keep:
+            container.remove(force=True)
+        for leftover in (network, volume):
+            with contextlib.suppress(NotFound):  # removed by gc, as it should be
+                leftover.remove()
+
+    # The killed batch left staging (env.sh included) in its item directories; the next run clears it.
+    rerun = batch(manifest, out, "--workers", "4", "--timeout", "2s")
+    assert rerun.code == 1, rerun.stderr
+    assert summary_of(out)["counts"] == {"timeout": 4}
+    assert not list(out.rglob(".pvisor-host-staging"))
+
+
+def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_path, claude_image, monkeypatch):
+    """In-process, so the engine calls can be made to fail: the first container create answers 503 (retried
+    in place), the first container start fails (a fresh sandbox, attempt 2); a broken trajectory runs once."""
+    import docker.models.containers as containers
+    from docker.errors import APIError
+
+    from pvisor_host import cli
+
+    failures = {"create": 1, "start": 1}
+    real_create, real_start = containers.ContainerCollection.create, containers.Container.start
+
+    def create(self, *args, **kwargs):
+        if failures["create"]:
+            failures["create"] -= 1
+            raise APIError("injected", explanation="service unavailable (injected)", response=_Response(503))
+        return real_create(self, *args, **kwargs)
+
+    def start(self, *args, **kwargs):
+        if failures["start"]:
+            failures["start"] -= 1
+            raise APIError("injected", explanation="cannot start container (injected)", response=_Response(500))
+        return real_start(self, *args, **kwargs)
+
+    monkeypatch.setattr(containers.ContainerCollection, "create", create)
+    monkeypatch.setattr(containers.Container, "start", start)
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "good.jsonl", claude_files_session())
+    (root / "broken.jsonl").write_text('{"type": "user"\n')
+    manifest = root / "m.jsonl"
+    manifest.write_text(
+        json.dumps({"id": "good", "trajectory": "good.jsonl", "after_step": 2})
+        + "\n"
+        + json.dumps({"id": "broken", "trajectory": "broken.jsonl", "after_step": 1})
+        + "\n"
+    )
+    out = tmp_path / "out"
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["batch", "--manifest", str(manifest), "--agent", "claude-code", "--mode", "replay-only",
+                      "--out", str(out), "--workers", "1", "--retry-backoff", "1s"])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 1
+    assert failures == {"create": 0, "start": 0}
+    good = record_of(out / "good")
+    assert good["status"] == "ok"
+    assert [(a["attempt"], a["status"]) for a in good["attempts"]] == [(1, "infra_error"), (2, "ok")]
+    assert "cannot start container (injected)" in good["attempts"][0]["failure"]["message"]
+    assert record_of(out / "good" / "attempts" / "1")["status"] == "infra_error"
+    broken = record_of(out / "broken")
+    assert broken["status"] == "replay_failed" and broken["failure"]["category"] == "trajectory_error"
+    assert broken["attempts"] == [] and not (out / "broken" / "attempts").exists()
+
+
+class _Response:
+    """Just enough of a requests response for docker's APIError to report a status code."""
+
+    def __init__(self, status: int) -> None:
+        self.status_code = status
+        self.reason = "injected"
+        self.url = "http+docker://localhost/injected"
+
+
+def test_plan_starts_nothing_and_its_keys_are_the_run_keys(tmp_path, claude_image, containers_created):
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "a.jsonl", claude_files_session())
+    (root / "broken.jsonl").write_text('{"type": "user"\n')
+    out = tmp_path / "out"
+    since = time.time()
+    planned = run_cli(
+        "batch", "--trajectories", root / "*.jsonl", "--after-step", "all", "--agent", "claude-code",
+        "--mode", "replay-only", "--out", out, "--plan", "--json", "--memory", "1g",
+    )  # fmt: skip
+    assert planned.code == 2, planned.stderr  # the broken trajectory is rejected by the host pvisor
+    plans = {p["id"]: p for p in json.loads(planned.stdout)}
+    assert list(plans) == ["a-after1", "a-after2", "a-after3", "a-after4", "a-after5", "broken-after1"]
+    assert plans["broken-after1"]["action"] == "reject"
+    assert "trajectory_error" in plans["broken-after1"]["reason"]
+    first = plans["a-after1"]
+    assert first["action"] == "run" and first["image"] == claude_image and first["limits"]["memory"] == 2**30
+    assert f"{out}/a-after1/.pvisor-host-staging/input:/pvisor-host/input:ro" in first["mounts"]
+    assert first["command"][3:8] == ["replay", "--agent", "claude-code", "--trajectory", "/pvisor-host/input/a.jsonl"]
+    assert [c for c in containers_created(since) if "pvisor-host.run" in c] == []
+    assert not out.exists()
+
+    ran = run_cli(
+        "batch", "--trajectories", root / "a.jsonl", "--after-step", "all", "--agent", "claude-code",
+        "--mode", "replay-only", "--out", out, "--memory", "1g",
+    )  # fmt: skip
+    assert ran.code == 0, ran.stderr
+    for item in ("a-after1", "a-after5"):
+        assert record_of(out / item)["batch"]["content_key"] == plans[item]["content_key"]
+    replanned = run_cli(
+        "batch", "--trajectories", root / "a.jsonl", "--after-step", "all", "--agent", "claude-code",
+        "--mode", "replay-only", "--out", out, "--plan", "--json", "--memory", "1g",
+    )  # fmt: skip
+    assert {p["action"] for p in json.loads(replanned.stdout)} == {"skip"}
+
+
+def test_the_deadline_cuts_running_items_and_starts_no_more(tmp_path, claude_image):
+    manifest = interruptible_manifest(tmp_path / "data", 6, "sleep 30")
+    out = tmp_path / "out"
+    result = batch(manifest, out, "--workers", "2", "--deadline", "4s")
+    assert result.code == 4, result.stderr
+    summary = summary_of(out)
+    assert summary["counts"] == {"not_run": 4, "timeout": 2} and summary["deadline_reached"] is True
+    assert sorted(p.parent.name for p in out.glob("*/record.json")) == ["t00", "t01"]
+    skipped = ET.parse(out / "junit.xml").getroot().findall("testsuite/testcase/skipped")
+    assert len(skipped) == 4
+
+
+def test_one_batch_at_a_time_per_directory(tmp_path, claude_image):
+    import fcntl
+
+    manifest = interruptible_manifest(tmp_path / "data", 1, "true")
+    out = tmp_path / "out"
+    out.mkdir()
+    with (out / ".pvisor-host-batch.lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = batch(manifest, out)
+    assert result.code == 2
+    assert result.error_lines[-1] == f"pvisor-host: error: --out {out}: another batch is running in this directory"
+    assert not (out / "t00").exists()

@@ -1,0 +1,255 @@
+"""Batch input and results without an engine: manifest validation (every bad line, with its number, before
+anything runs), the shorthand, content keys, summaries, JUnit and exit codes. CLI cases run the real CLI
+against an address where no engine answers, proving nothing reaches Docker."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from pvisor_host.batch import content_key, tree_sha256
+from pvisor_host.errors import ExitCode, UsageError
+from pvisor_host.manifest import BatchInput
+from pvisor_host.record import ImageRef
+from pvisor_host.report import ItemResult, allowed_failures, exit_code, junit, markdown, percentile, summarize
+from pvisor_host.spec import ReplaySpec
+
+from conftest import run_cli
+from trajgen import claude_files_session, write_jsonl
+
+NO_ENGINE = {"DOCKER_HOST": "unix:///nonexistent/pvisor-host-test.sock"}
+
+
+@pytest.fixture
+def trajectory(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "t.jsonl", claude_files_session())
+
+
+def manifest(tmp_path: Path, *lines: object) -> Path:
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_every_bad_line_is_reported_with_its_number_and_nothing_runs(tmp_path, trajectory):
+    path = manifest(
+        tmp_path,
+        {"trajectory": "t.jsonl", "after_step": 1},
+        "# a comment, then a blank line",
+        "",
+        "{not json",
+        {"trajectory": "t.jsonl"},
+        {"trajectory": "missing.jsonl", "after_step": 2},
+        {"trajectory": "t.jsonl", "after_step": 2, "agent": "nope"},
+        {"trajectory": "t.jsonl", "after_step": 2, "timeout": "soon"},
+        {"trajectory": "t.jsonl", "after_step": 3, "out": "x"},
+        {"trajectory": "t.jsonl", "after_step": 3, "id": "../up"},
+        {"trajectory": "t.jsonl", "after_step": 4, "id": "dup"},
+        {"trajectory": "t.jsonl", "after_step": 5, "id": "dup"},
+        {"trajectory": "t.jsonl", "after_step": 1, "colour": "red"},
+        "[1, 2]",
+    )
+    result = run_cli("batch", "--manifest", path, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    assert result.code == ExitCode.USAGE, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.error_lines == [
+        f"pvisor-host: {path}:4: not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        f"pvisor-host: {path}:5: after_step: is required",
+        f"pvisor-host: {path}:6: trajectory {tmp_path}/missing.jsonl: does not exist",
+        f"pvisor-host: {path}:7: unknown agent 'nope' (known agents: claude-code, codex, mini-swe-agent, opencode,"
+        " openhands, pi-agent, swe-agent)",
+        f"pvisor-host: {path}:8: timeout: 'soon' is not a duration"
+        " (use a number of seconds or units like 90s, 5m, 1h30m)",
+        f"pvisor-host: {path}:9: out: a batch sets it for every item (<batch out>/<id>/); drop it from the line",
+        f"pvisor-host: {path}:10: id '../up' may contain only letters, digits, '.', '-' and '_' (at most 120)",
+        f"pvisor-host: {path}:12: id 'dup' is already used on line 11",
+        f"pvisor-host: {path}:13: colour: is not a known option",
+        f"pvisor-host: {path}:14: not a JSON object",
+        "pvisor-host: error: 10 of the batch's lines are wrong (listed above); nothing ran",
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--after-step", "1"], "pass --manifest FILE or --trajectories GLOB (one of them)"),
+        (["--trajectories", "*.jsonl"], "--trajectories needs --after-step N (or --after-step all)"),
+        (["--trajectories", "*.jsonl", "--after-step", "0"], "--after-step '0': pass a positive number or 'all'"),
+        (
+            ["--trajectories", "nothing-*.jsonl", "--after-step", "1"],
+            "--trajectories 'nothing-*.jsonl' matches no file",
+        ),
+        (["--trajectories", "*.jsonl", "--after-step", "1", "--timeout", "x"], "--timeout: 'x' is not a duration"),
+        (["--trajectories", "*.jsonl", "--after-step", "1", "--env", "A=b"], "--env: A=...: pass only the name"),
+        (
+            ["--trajectories", "*.jsonl", "--after-step", "1", "--allow-failures", "lots"],
+            "--allow-failures 'lots': pass a number of items (3) or a percentage (5%)",
+        ),
+        (
+            ["--trajectories", "*.jsonl", "--after-step", "all", "--image", "x"],
+            "--after-step all needs --agent (to count each trajectory's boundaries)",
+        ),
+    ],
+)
+def test_bad_batch_options_are_one_line(tmp_path, trajectory, args, line):
+    result = run_cli("batch", "--out", tmp_path / "out", *args, env=NO_ENGINE, cwd=tmp_path)
+    assert result.code == ExitCode.USAGE, result.stderr
+    assert len(result.error_lines) == 1 and result.error_lines[0].startswith(f"pvisor-host: error: {line}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lines_override_command_line_defaults_and_paths_are_relative_to_the_manifest(tmp_path, trajectory):
+    (tmp_path / "ws").mkdir()
+    path = manifest(
+        tmp_path,
+        {"trajectory": "t.jsonl", "after_step": 1},
+        {"trajectory": "t.jsonl", "after_step": 2, "mode": "prepare-only", "workspace_dir": "ws", "id": "two"},
+    )
+    source = BatchInput.parse(manifest=path, defaults={"agent": "claude-code", "mode": "replay-only", "memory": "1g"})
+    checked = source.check()
+    assert (checked.items, checked.problems, len(checked.image_specs)) == (2, [], 1)
+    first, second = source.items()
+    assert (first.id, first.spec.mode, first.spec.memory, first.spec.trajectory) == (
+        "t-after1",
+        "replay-only",
+        2**30,
+        trajectory,
+    )
+    assert (second.id, second.spec.mode, second.spec.workspace_dir) == ("two", "prepare-only", tmp_path / "ws")
+    assert source.spec_default("memory") == 2**30 and source.spec_default("cpus") == 2.0
+
+
+def test_shorthand_expands_every_boundary_with_the_host_pvisor(tmp_path, trajectory):
+    (tmp_path / "broken.jsonl").write_text('{"type": "user"}\n')
+    source = BatchInput.parse(
+        trajectories=str(tmp_path / "*.jsonl"), after_step="all", defaults={"agent": "claude-code"}
+    )
+    assert source.check().items == 6
+    # five complete batches in the files session; a file pvisor rejects still gets one item, to fail visibly
+    assert [item.id for item in source.items()] == ["broken-after1"] + [f"t-after{n}" for n in range(1, 6)]
+
+
+def test_a_manifest_is_read_as_a_stream(tmp_path, trajectory):
+    lines = [{"trajectory": "t.jsonl", "after_step": 1 + n % 5, "id": f"i{n}"} for n in range(2000)]
+    source = BatchInput.parse(manifest=manifest(tmp_path, *lines), defaults={"agent": "claude-code"})
+    items = source.items()
+    assert next(items).id == "i0"  # produced before the rest of the file is parsed
+    assert sum(1 for _ in items) == 1999
+
+
+def spec(**fields) -> ReplaySpec:
+    return ReplaySpec(**{"trajectory": Path("/t.jsonl"), "after_step": 1, "agent": "claude-code", **fields})
+
+
+IMAGE = ImageRef(
+    ref="i",
+    id="sha256:1",
+    agent="claude-code",
+    agent_version="2.1.220",
+    pvisor_version="0.3.1",
+    agent_entrypoint="/a",
+    pvisor_path="/p",
+    verified_by="labels",
+)
+
+
+def test_the_content_key_changes_with_what_changes_the_outcome_only():
+    key = content_key(spec(), "abc", IMAGE, None)
+    assert content_key(spec(), "abc", IMAGE, None) == key
+    assert content_key(spec(trajectory=Path("/elsewhere.jsonl")), "abc", IMAGE, None) == key  # same bytes
+    assert content_key(spec(attempts=5, retry_backoff="1s"), "abc", IMAGE, None) == key
+    changed = [
+        content_key(spec(), "abd", IMAGE, None),
+        content_key(spec(), "abc", IMAGE.model_copy(update={"id": "sha256:2"}), None),
+        content_key(spec(), "abc", IMAGE, "workspace-digest"),
+        content_key(spec(after_step=2), "abc", IMAGE, None),
+        content_key(spec(mode="replay-only"), "abc", IMAGE, None),
+        content_key(spec(memory="1g"), "abc", IMAGE, None),
+        content_key(spec(env=["HOME"]), "abc", IMAGE, None),
+    ]
+    assert len({key, *changed}) == 1 + len(changed)
+
+
+def test_tree_digest_sees_content_names_and_modes(tmp_path):
+    (tmp_path / "a").write_text("1")
+    first = tree_sha256(tmp_path)
+    (tmp_path / "a").write_text("2")
+    second = tree_sha256(tmp_path)
+    (tmp_path / "a").chmod(0o755)
+    third = tree_sha256(tmp_path)
+    (tmp_path / "sub").mkdir()
+    assert len({first, second, third, tree_sha256(tmp_path)}) == 4
+
+
+def results() -> list[ItemResult]:
+    return [
+        ItemResult(id="a", line=1, status="ok", timings={"total": 1.0, "run": 0.5}),
+        ItemResult(id="b", line=2, status="ok", timings={"total": 3.0, "run": 2.5}, skipped=True),
+        ItemResult(
+            id="c", line=3, status="replay_failed", category="malformed_trajectory", message="line 2: bad", attempts=1
+        ),
+        ItemResult(id="d", line=4, status="timeout", category="timeout", message="ran past 3s"),
+        ItemResult(id="e", line=5, status="infra_error", category="infra_error", message="engine down", attempts=3),
+        ItemResult(id="f", line=6, status="not_run"),
+    ]
+
+
+START = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def test_summary_counts_categories_percentiles_and_rate():
+    summary = summarize(
+        results(), total=6, started=START, finished=START + timedelta(minutes=2), interrupted=False, deadline=True
+    )
+    assert summary.counts == {"infra_error": 1, "not_run": 1, "ok": 2, "replay_failed": 1, "timeout": 1}
+    assert summary.categories == {"infra_error": 1, "malformed_trajectory": 1, "timeout": 1}
+    assert (summary.items, summary.ran, summary.skipped) == (6, 4, 1)
+    assert summary.timings["total"] == {"p50": 1.0, "p90": 3.0, "p99": 3.0, "max": 3.0}
+    assert summary.replays_per_minute == 2.0
+    assert summary.failed == ["c", "d", "e", "f"]
+    assert exit_code(summary, 0) == ExitCode.TIMEOUT  # the deadline left items not run
+    assert exit_code(summary, 4) == ExitCode.OK
+    assert exit_code(summary.model_copy(update={"deadline_reached": False}), 3) == ExitCode.REPLAY_FAILED
+    assert exit_code(summary.model_copy(update={"interrupted": True}), 10) == ExitCode.INTERRUPTED
+    text = markdown(summary, Path("/out"))
+    assert "| replay_failed | 1 |" in text and "| malformed_trajectory | 1 |" in text and "deadline reached" in text
+
+
+def test_junit_has_one_testcase_per_item_with_failures_and_errors():
+    summary = summarize(results(), total=6, started=START, finished=START, interrupted=False, deadline=False)
+    root = ET.fromstring(junit(results(), summary))
+    suite = root.find("testsuite")
+    assert suite is not None
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == (
+        "6",
+        "2",
+        "1",
+        "1",
+    )
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert list(cases) == ["a", "b", "c", "d", "e", "f"]
+    failure = cases["c"].find("failure")
+    assert failure is not None and failure.get("type") == "malformed_trajectory"
+    assert failure.get("message") == "malformed_trajectory: line 2: bad"
+    error = cases["e"].find("error")
+    assert error is not None and error.get("message") == "infra_error: engine down"
+    assert cases["a"].find("failure") is None and cases["f"].find("skipped") is not None
+
+
+def test_percentiles_and_allowed_failures():
+    assert percentile([], 0.5) == 0.0
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
+    assert percentile([float(n) for n in range(1, 101)], 0.9) == 90.0
+    assert allowed_failures(None)(40) == 0
+    assert allowed_failures("3")(40) == 3
+    assert allowed_failures("10%")(40) == 4
+    assert allowed_failures("12.5%")(7) == 0
+    with pytest.raises(UsageError):
+        allowed_failures("-1")
+    with pytest.raises(UsageError):
+        allowed_failures("101%")
