@@ -290,7 +290,8 @@ def _exclusive(out: Path) -> Iterator[None]:
         yield
 
 
-Pending = set[futures.Future[ItemResult]]
+#: Items submitted and not yet harvested.
+Pending = dict[futures.Future[ItemResult], BatchItem]
 
 
 def _fan_out(
@@ -301,12 +302,15 @@ def _fan_out(
 ) -> bool:
     """Submit items as workers free up; on Ctrl-C/SIGTERM cancel everything. Returns True when interrupted."""
     workers = batch.options.workers
-    pending: Pending = set()
+    pending: Pending = {}
 
     def done(result: ItemResult) -> None:
         results.append(result)
         if progress is not None:
-            progress(result)
+            try:
+                progress(result)
+            except Exception as exc:  # a display problem must not stop the batch
+                logger.opt(exception=exc).debug("progress display failed")
 
     with futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pvisor-host-item") as pool:
         try:
@@ -317,21 +321,24 @@ def _fan_out(
                     continue
                 while len(pending) >= 2 * workers:
                     _harvest(pending, done, timeout=1.0)
-                pending.add(pool.submit(_run_item, item, batch))
+                pending[pool.submit(_run_item, item, batch)] = item
                 _harvest(pending, done, timeout=0)
             while pending:
                 _harvest(pending, done, timeout=1.0)
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            # Ctrl-C, SIGTERM, or anything else going wrong here: nothing this batch started may outlive it.
             with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
                 _cancel(batch, pending, done)
-            return True
+            if isinstance(exc, KeyboardInterrupt):
+                return True
+            raise
     return False
 
 
 def _harvest(pending: Pending, done: Callable[[ItemResult], None], *, timeout: float) -> None:
     finished, _ = futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
     for future in finished:
-        pending.discard(future)
+        del pending[future]
         done(future.result())
 
 
@@ -339,10 +346,21 @@ def _cancel(batch: _Batch, pending: Pending, done: Callable[[ItemResult], None])
     """Stop everything this batch started, and wait for the workers to record it."""
     logger.warning("interrupted: stopping {} items and removing their sandboxes", len(pending))
     batch.cancel.set()
-    started = [future for future in pending if not future.cancel()]
+    started = []
+    for future, item in pending.items():
+        if future.cancel():
+            done(_interrupted(item, "not started"))
+        else:
+            started.append(future)
     _kill_running(batch.client)
     for future in futures.as_completed(started):
         done(future.result())
+
+
+def _interrupted(item: BatchItem, message: str) -> ItemResult:
+    return ItemResult(
+        id=item.id, line=item.line, agent=item.spec.agent, status="interrupted", category="interrupted", message=message
+    )
 
 
 def _kill_running(client: docker.DockerClient) -> None:
@@ -372,7 +390,7 @@ def _run_item(item: BatchItem, batch: _Batch) -> ItemResult:
 def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     base = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="rejected", path=item.id)
     if batch.cancel.is_set():
-        return base.model_copy(update={"status": "interrupted", "category": "interrupted", "message": "not started"})
+        return _interrupted(item, "not started")
     remaining = batch.remaining()
     if remaining is not None and remaining <= 0:
         return base.model_copy(update={"status": "not_run", "path": None})
@@ -399,7 +417,7 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
             batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
         )
     except Interrupted as exc:
-        return base.model_copy(update={"status": "interrupted", "category": "interrupted", "message": exc.one_line()})
+        return _interrupted(item, exc.one_line()).model_copy(update={"path": item.id})
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
         category = exc.exit_code.name.lower()

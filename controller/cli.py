@@ -22,7 +22,7 @@ from . import options as opt
 from . import render
 from ._version import PVISOR_VERSION, __version__
 from .errors import ExitCode, PvisorHostError, UsageError, exit_code_for_status
-from .signals import install_sigterm_as_interrupt
+from .signals import ignore_interrupts, install_sigterm_as_interrupt
 
 app = typer.Typer(
     name="pvisor-host",
@@ -387,8 +387,11 @@ def gc(
 
 def _say(line: str) -> None:
     """One unwrapped line on stderr (errors must stay one line whatever the terminal width)."""
-    sys.stderr.write(line.replace("\n", " ") + "\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(line.replace("\n", " ") + "\n")
+        sys.stderr.flush()
+    except OSError:
+        pass  # stderr is gone (a closed pipe): the exit code still says what happened
 
 
 def _debugging(argv: list[str]) -> bool:
@@ -425,4 +428,5 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         _say(f"pvisor-host: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
         code = ExitCode.INFRASTRUCTURE
+    ignore_interrupts()  # the outcome is decided and everything cleaned up: a late Ctrl-C must not change the code
     sys.exit(code)

@@ -35,7 +35,8 @@ BASE_IMAGE = PREFIX + "base-image"
 
 
 def process_start_ticks(pid: int) -> str | None:
-    """The start time of ``pid`` in clock ticks since boot (field 22 of ``/proc/<pid>/stat``)."""
+    """The start time of ``pid`` in clock ticks since boot (field 22 of ``/proc/<pid>/stat``); None when no
+    such process runs (a zombie — exited, not yet reaped by its parent — does not run)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
             stat = handle.read()
@@ -43,7 +44,9 @@ def process_start_ticks(pid: int) -> str | None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else None
+    if len(fields) <= 19 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 @cache

@@ -132,6 +132,13 @@ def _counts(counts: dict[str, int] | Counter[str]) -> str:
     return ", ".join(f"{status} {count}" for status, count in sorted(counts.items())) or "none yet"
 
 
+class _StderrConsole(Console):
+    """A console whose closed pipe is an ``OSError`` to handle, not rich's ``SystemExit(1)``."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
 class BatchProgress:
     """Progress of a batch on stderr: a live bar on a terminal; a plain line every ``interval`` seconds and at
     the end otherwise (CI logs); nothing with ``quiet``. Call it with each finished item."""
@@ -140,7 +147,7 @@ class BatchProgress:
         self.total = total
         self.quiet = quiet
         self.interval = interval
-        self.console = Console(stderr=True)
+        self.console = _StderrConsole(stderr=True)
         self.counts: Counter[str] = Counter()
         self.done = 0
         self.ran = 0
@@ -193,7 +200,10 @@ class BatchProgress:
         left = self.total - self.done
         eta = f", eta {format_duration(left / rate * 60)}" if rate > 0 and left > 0 else ""
         line = f"batch: {self.done}/{self.total} done ({_counts(self.counts)}), {rate:.1f} replays/min{eta}"
-        self.console.print(line, highlight=False, soft_wrap=True)
+        try:
+            self.console.print(line, highlight=False, soft_wrap=True)
+        except OSError:
+            self.quiet = True  # stderr is gone (a closed pipe): the batch goes on, its reports are files
 
 
 def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Interrupt handling: SIGTERM behaves like Ctrl-C, and cleanup cannot be interrupted.
+"""Interrupt handling: SIGTERM (and SIGHUP) behave like Ctrl-C, and cleanup cannot be interrupted.
 
 While :func:`deferred_interrupts` is active, SIGINT and SIGTERM are only noted; the block (removing a
 container, say) always finishes. If an interrupt arrived and no exception was already on its way out,
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-_HANDLED = (signal.SIGINT, signal.SIGTERM)
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -22,20 +22,31 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def install_sigterm_as_interrupt() -> None:
-    """Make SIGTERM raise ``KeyboardInterrupt`` in the main thread, like Ctrl-C."""
+    """Make SIGTERM — and SIGHUP (a closed terminal), unless ignored as under ``nohup`` — raise
+    ``KeyboardInterrupt`` in the main thread, like Ctrl-C, so that cleanup runs."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+            signal.signal(signal.SIGHUP, _raise_interrupt)
+
+
+def ignore_interrupts() -> None:
+    """Ignore SIGINT, SIGTERM and SIGHUP from now on (the process is about to exit with a decided code)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in _HANDLED:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM until the block is done (a no-op outside the main thread)."""
+    """Defer SIGINT, SIGTERM and SIGHUP until the block is done (a no-op outside the main thread); an
+    ignored signal stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    previous = {sig: signal.getsignal(sig) for sig in _HANDLED}
-    for sig in _HANDLED:
+    previous = {sig: signal.getsignal(sig) for sig in _HANDLED if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
         signal.signal(sig, lambda signum, frame: received.append(signum))
     try:
         yield

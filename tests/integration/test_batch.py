@@ -166,22 +166,40 @@ def replay_containers(client) -> list:
     return client.containers.list(all=True, filters={"label": "pvisor-host.role=replay"})
 
 
-def start_batch(manifest: Path, out: Path, *args: str) -> subprocess.Popen[str]:
-    return start_cli(
-        "batch", "--manifest", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, *args
-    )
+@pytest.fixture
+def start_batch():
+    """Start a batch in the background; any still running when the test ends is interrupted and awaited,
+    so a failing test cannot leave a batch (and its sandboxes) running."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(manifest: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+        process = start_cli(
+            "batch", "--manifest", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, *args
+        )
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            process.communicate(timeout=120)
 
 
 def wait_for_containers(client, count: int, process: subprocess.Popen[str], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while len([c for c in replay_containers(client) if c.status == "running"]) < count:
+    running = {"label": "pvisor-host.role=replay", "status": "running"}
+    while len(client.containers.list(sparse=True, filters=running)) < count:
         if process.poll() is not None or time.monotonic() > deadline:
-            _, stderr = process.communicate(timeout=30)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=120)
             pytest.fail(f"{count} sandboxes never ran at once: exit {process.returncode}: {stderr}")
         time.sleep(0.1)
 
 
-def test_sigint_at_random_moments_leaves_nothing_and_resumes_to_the_same_summary(tmp_path, docker_client, claude_image):
+def test_sigint_at_random_moments_leaves_nothing_and_resumes_to_the_same_summary(
+    tmp_path, docker_client, claude_image, start_batch
+):
     manifest = interruptible_manifest(tmp_path / "data", 12, "sleep 1 && echo done > done.txt")
     reference = tmp_path / "reference"
     clean = batch(manifest, reference, "--workers", "4")
@@ -209,7 +227,7 @@ def test_sigint_at_random_moments_leaves_nothing_and_resumes_to_the_same_summary
 
 
 def test_ctrl_c_stops_16_running_sandboxes_and_a_second_one_does_not_skip_cleanup(
-    tmp_path, docker_client, claude_image
+    tmp_path, docker_client, claude_image, start_batch
 ):
     manifest = interruptible_manifest(tmp_path / "data", 20, "sleep 120")
     out = tmp_path / "out"
@@ -240,7 +258,23 @@ def dead_owner() -> str:
     return f"{socket.gethostname()}/{child.pid}/{ticks}"
 
 
-def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_image, base_image):
+def test_a_closed_terminal_stops_the_batch_and_removes_its_sandboxes(
+    tmp_path, docker_client, claude_image, start_batch
+):
+    """SIGHUP with stderr already gone (the terminal or the CI step's parent went away): still a full cleanup."""
+    manifest = interruptible_manifest(tmp_path / "data", 6, "sleep 120")
+    out = tmp_path / "out"
+    process = start_batch(manifest, out, "--workers", "3")
+    wait_for_containers(docker_client, 3, process)
+    assert process.stderr is not None
+    process.stderr.close()
+    process.send_signal(signal.SIGHUP)
+    assert process.wait(timeout=120) == 130
+    assert replay_containers(docker_client) == []
+    assert summary_of(out)["counts"] == {"interrupted": 6}
+
+
+def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_image, base_image, start_batch):
     from pvisor_host import labels as L
 
     manifest = interruptible_manifest(tmp_path / "data", 4, "sleep 120")
@@ -336,13 +370,15 @@ def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_p
         + "\n"
     )
     out = tmp_path / "out"
-    previous = signal.getsignal(signal.SIGTERM)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in handled}  # main() sets them up for a CLI process
     try:
         with pytest.raises(SystemExit) as exited:
             cli.main(["batch", "--manifest", str(manifest), "--agent", "claude-code", "--mode", "replay-only",
                       "--out", str(out), "--workers", "1", "--retry-backoff", "1s"])  # fmt: skip
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert exited.value.code == 1
     assert failures == {"create": 0, "start": 0}
     good = record_of(out / "good")
