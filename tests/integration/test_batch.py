@@ -461,3 +461,45 @@ def test_one_batch_at_a_time_per_directory(tmp_path, claude_image):
     assert result.code == 2
     assert result.error_lines[-1] == f"pvisor-host: error: --out {out}: another batch is running in this directory"
     assert not (out / "t00").exists()
+
+
+def test_live_continuations_share_one_gateway_and_retry_a_rate_limit(tmp_path, claude_image):
+    from modelserver import StubServer
+
+    real_key = "sk-test-REAL-batch-key-91d3"
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "files.jsonl", claude_files_session())
+    manifest = root / "m.jsonl"
+    lines = [{"id": f"c{n}", "trajectory": "files.jsonl", "after_step": 4} for n in range(3)]
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    with StubServer(command="echo continued > continued.txt") as stub:
+        stub.model.fail_sessions(lambda session: session.startswith("c1-") and not session.endswith("-a2"), 429)
+        result = run_cli(
+            "batch", "--manifest", manifest, "--agent", "claude-code", "--out", out, "--workers", "3",
+            "--max-steps", "8", "--model-base-url", stub.base_url, "--model", "stub-model",
+            "--model-api-key-env", "PVH_TEST_MODEL_KEY", "--retry-backoff", "1s",
+            env={"PVH_TEST_MODEL_KEY": real_key},
+        )  # fmt: skip
+        requests = stub.model.model_requests()
+    assert result.code == 0, result.stderr
+    assert summary_of(out)["counts"] == {"ok": 3}
+    records = {item: record_of(out / item) for item in ("c0", "c1", "c2")}
+    for item, record in records.items():
+        assert (record["result"]["phase"], record["model"]["requests"] > 0) == ("continued", True), item
+        assert (out / item / "workspace" / "continued.txt").read_text() == "continued\n"
+    assert records["c0"]["attempts"] == records["c2"]["attempts"] == []
+    first, second = records["c1"]["attempts"]
+    assert (first["status"], first["failure"]["category"], first["failure"]["retryable"]) == (
+        "replay_failed",
+        "model_rate_limit",
+        True,
+    )
+    assert second["status"] == "ok" and second["run_id"] == first["run_id"] + "-a2"
+    sessions = {r["headers"]["x-litellm-session-id"] for r in requests}
+    assert {s.split("-")[0] for s in sessions} == {"c0", "c1", "c2"} and len(sessions) == 4
+    assert {r["headers"]["authorization"] for r in requests} == {f"Bearer {real_key}"}
+    for path in out.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert real_key.encode() not in path.read_bytes(), path
