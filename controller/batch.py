@@ -406,7 +406,7 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
         _set_aside(batch.options.out, item.id)
         if remaining is not None:
             spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
-        checked = check_inputs(spec, host_pvisor=False, run_id=_run_id(item.id), out_dir=run_dir)
+        checked = check_inputs(spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir)
         prepared = prepare(checked, batch.client, image=image)
         record = run_attempts(
             prepared,
@@ -441,6 +441,6 @@ def _set_aside(out: Path, item_id: str) -> None:
     shutil.move(str(run_dir), str(target))
 
 
-def _run_id(item_id: str) -> str:
+def item_run_id(item_id: str) -> str:
     """A run id for the item's first attempt: its id made pvisor-safe, plus a unique suffix."""
     return f"{re.sub(r'[^A-Za-z0-9_-]', '_', item_id)[:80]}-{secrets.token_hex(3)}"

@@ -16,7 +16,7 @@ import docker
 from pydantic import BaseModel
 
 from ._version import PVISOR_VERSION
-from .batch import BatchOptions, content_key, finished_result, image_key, tree_sha256
+from .batch import BatchOptions, content_key, finished_result, image_key, item_run_id, tree_sha256
 from .build import DEFAULT_PVISOR_PATH
 from .container import BindMount
 from .errors import PvisorHostError
@@ -98,7 +98,7 @@ def _plan_item(
 ) -> ItemPlan:
     spec = item.spec
     run_dir = options.out / item.id
-    checked = check_inputs(spec, run_id=f"{item.id}-plan", out_dir=run_dir)
+    checked = check_inputs(spec, run_id=item_run_id(item.id), out_dir=run_dir)
     found = _image(client, item, images)
     image = found.ref
     checks = agent_checks(checked, found.agent)

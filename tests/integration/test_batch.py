@@ -405,6 +405,7 @@ def test_plan_starts_nothing_and_its_keys_are_the_run_keys(tmp_path, claude_imag
     root.mkdir()
     write_jsonl(root / "a.jsonl", claude_files_session())
     (root / "broken.jsonl").write_text('{"type": "user"\n')
+    write_jsonl(root / "v1.2.jsonl", claude_files_session())  # its item ids hold a '.', which a run id may not
     out = tmp_path / "out"
     since = time.time()
     planned = run_cli(
@@ -413,7 +414,12 @@ def test_plan_starts_nothing_and_its_keys_are_the_run_keys(tmp_path, claude_imag
     )  # fmt: skip
     assert planned.code == 2, planned.stderr  # the broken trajectory is rejected by the host pvisor
     plans = {p["id"]: p for p in json.loads(planned.stdout)}
-    assert list(plans) == ["a-after1", "a-after2", "a-after3", "a-after4", "a-after5", "broken-after1"]
+    assert list(plans) == [
+        *[f"a-after{n}" for n in range(1, 6)],
+        "broken-after1",
+        *[f"v1.2-after{n}" for n in range(1, 6)],
+    ]
+    assert {plans[f"v1.2-after{n}"]["action"] for n in range(1, 6)} == {"run"}
     assert plans["broken-after1"]["action"] == "reject"
     assert "trajectory_error" in plans["broken-after1"]["reason"]
     first = plans["a-after1"]
