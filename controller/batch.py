@@ -166,8 +166,9 @@ def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult |
     return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True)
 
 
-class _Once(Generic[V]):
-    """Values computed once per key across threads (images, gateways, workspace digests); errors are kept too."""
+class Memo(Generic[V]):
+    """Values computed once per key, safely across threads (images, gateways, workspace digests); a
+    :class:`PvisorHostError` is remembered too and raised again for every later caller of that key."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -201,9 +202,9 @@ class _Batch:
         self.options = options
         self.cancel = threading.Event()
         self.started = time.monotonic()
-        self._images: _Once[ResolvedImage] = _Once()
-        self._gateways: _Once[Gateway] = _Once()
-        self._workspaces: _Once[str] = _Once()
+        self._images: Memo[ResolvedImage] = Memo()
+        self._gateways: Memo[Gateway] = Memo()
+        self._workspaces: Memo[str] = Memo()
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (None: no deadline)."""
@@ -406,7 +407,9 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
         _set_aside(batch.options.out, item.id)
         if remaining is not None:
             spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
-        checked = check_inputs(spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir)
+        checked = check_inputs(
+            spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
+        )
         prepared = prepare(checked, batch.client, image=image)
         record = run_attempts(
             prepared,

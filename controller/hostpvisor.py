@@ -83,34 +83,14 @@ def prepare_only(
         PreflightRejected: pvisor reported a failure (its category and message are kept).
         ResultProtocolError: pvisor printed no v3 result.
     """
-    binary = pvisor_binary()
+    extra = ["--run-id", run_id]
+    if session_id:
+        extra += ["--session-id", session_id]
+    if boundary_user_prompt:
+        extra += ["--boundary-user-prompt", boundary_user_prompt]
     with tempfile.TemporaryDirectory(prefix="pvisor-host-preflight-") as scratch:
         root = Path(scratch)
-        (root / "workspace").mkdir()
-        command = [
-            str(binary),
-            "replay",
-            "--agent",
-            agent,
-            "--trajectory",
-            str(trajectory),
-            "--after-step",
-            str(after_step),
-            "--prepare-only",
-            "--workspace",
-            str(root / "workspace"),
-            "--state-dir",
-            str(root / "state"),
-            "--output-dir",
-            str(root / "output"),
-            "--run-id",
-            run_id,
-        ]
-        if session_id:
-            command += ["--session-id", session_id]
-        if boundary_user_prompt:
-            command += ["--boundary-user-prompt", boundary_user_prompt]
-        done = subprocess.run(command, capture_output=True, timeout=_TIMEOUT, cwd=root, check=False)
+        done = _prepare_only(root, agent, trajectory, after_step, extra)
         if done.returncode != 0 and not done.stdout.strip():
             # clap argument errors print usage text on stderr and no JSON.
             message = done.stderr.decode(errors="replace").strip().splitlines()
@@ -138,16 +118,20 @@ _BATCHES = re.compile(r"trajectory has (\d+) complete batches")
 
 def complete_batches(agent: str, trajectory: Path) -> int | None:
     """How many complete tool batches pvisor finds in ``trajectory`` (None: pvisor rejects the file itself)."""
-    binary = pvisor_binary()
-    trajectory = trajectory.absolute()
     with tempfile.TemporaryDirectory(prefix="pvisor-host-count-") as scratch:
-        root = Path(scratch)
-        (root / "workspace").mkdir()
-        done = subprocess.run(
-            [str(binary), "replay", "--agent", agent, "--trajectory", str(trajectory), "--after-step", "999999999",
-             "--prepare-only", "--workspace", str(root / "workspace"), "--state-dir", str(root / "state"),
-             "--output-dir", str(root / "output")],
-            capture_output=True, text=True, timeout=_TIMEOUT, cwd=root, check=False,
-        )  # fmt: skip
-    found = _BATCHES.search(done.stdout)
+        done = _prepare_only(Path(scratch), agent, trajectory.absolute(), 999_999_999, [])
+    found = _BATCHES.search(done.stdout.decode(errors="replace"))
     return int(found.group(1)) if found else None
+
+
+def _prepare_only(
+    root: Path, agent: str, trajectory: Path, after_step: int, extra: list[str]
+) -> subprocess.CompletedProcess[bytes]:
+    """``pvisor replay --prepare-only`` with its workspace, state and output under the scratch ``root``."""
+    (root / "workspace").mkdir()
+    command = [
+        str(pvisor_binary()), "replay", "--agent", agent, "--trajectory", str(trajectory),
+        "--after-step", str(after_step), "--prepare-only", "--workspace", str(root / "workspace"),
+        "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), *extra,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, timeout=_TIMEOUT, cwd=root, check=False)

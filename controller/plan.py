@@ -9,14 +9,13 @@ their content keys are known only once they exist.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Literal
 
 import docker
 from pydantic import BaseModel
 
 from ._version import PVISOR_VERSION
-from .batch import BatchOptions, content_key, finished_result, image_key, item_run_id, tree_sha256
+from .batch import BatchOptions, Memo, content_key, finished_result, image_key, item_run_id, tree_sha256
 from .build import DEFAULT_PVISOR_PATH
 from .container import BindMount
 from .errors import PvisorHostError
@@ -59,13 +58,10 @@ class _Image(BaseModel):
     note: str | None
 
 
-_Images = dict[tuple[str | None, str | None, bool], _Image | PvisorHostError]
-
-
 def plan_batch(items: Iterable[BatchItem], client: docker.DockerClient, options: BatchOptions) -> Iterator[ItemPlan]:
     """Plan every item, one at a time (see the module docstring)."""
-    images: _Images = {}
-    workspaces: dict[Path, str] = {}
+    images: Memo[_Image] = Memo()
+    workspaces: Memo[str] = Memo()
     for item in items:
         try:
             yield _plan_item(item, client, options, images, workspaces)
@@ -73,40 +69,32 @@ def plan_batch(items: Iterable[BatchItem], client: docker.DockerClient, options:
             yield ItemPlan(id=item.id, line=item.line, action="reject", reason=exc.one_line(), agent=item.spec.agent)
 
 
-def _image(client: docker.DockerClient, item: BatchItem, cache: _Images) -> _Image:
-    """The item's image as :func:`~pvisor_host.resolve.preview` finds it, once per distinct image."""
-    key = image_key(item.spec)
-    if key not in cache:
-        try:
-            plan = plan_image(client, image=item.spec.image, agent=item.spec.agent, inject=item.spec.inject)
-            ref, note = preview(client, plan)
-            cache[key] = _Image(agent=plan.agent, ref=ref, note=note)
-        except PvisorHostError as exc:
-            cache[key] = exc
-    found = cache[key]
-    if isinstance(found, PvisorHostError):
-        raise found
-    return found
+def _image(client: docker.DockerClient, item: BatchItem) -> _Image:
+    """The item's image as :func:`~pvisor_host.resolve.preview` finds it."""
+    plan = plan_image(client, image=item.spec.image, agent=item.spec.agent, inject=item.spec.inject)
+    ref, note = preview(client, plan)
+    return _Image(agent=plan.agent, ref=ref, note=note)
 
 
 def _plan_item(
     item: BatchItem,
     client: docker.DockerClient,
     options: BatchOptions,
-    images: _Images,
-    workspaces: dict[Path, str],
+    images: Memo[_Image],
+    workspaces: Memo[str],
 ) -> ItemPlan:
     spec = item.spec
     run_dir = options.out / item.id
     checked = check_inputs(spec, run_id=item_run_id(item.id), out_dir=run_dir)
-    found = _image(client, item, images)
+    found = images.get(image_key(spec), lambda: _image(client, item))
     image = found.ref
     checks = agent_checks(checked, found.agent)
     key = None
     if image is not None:
         workspace = None
-        if spec.workspace_dir is not None:
-            workspace = workspaces.setdefault(spec.workspace_dir, tree_sha256(spec.workspace_dir))
+        source = spec.workspace_dir
+        if source is not None:
+            workspace = workspaces.get(source, lambda: tree_sha256(source))
         key = content_key(spec, checked.trajectory.sha256, image, workspace)
     plan = ItemPlan(
         id=item.id,

@@ -214,14 +214,19 @@ class CheckedInputs(BaseModel):
 
 
 def check_inputs(
-    spec: ReplaySpec, *, host_pvisor: bool = True, run_id: str | None = None, out_dir: Path | None = None
+    spec: ReplaySpec,
+    *,
+    host_pvisor: bool = True,
+    run_id: str | None = None,
+    out_dir: Path | None = None,
+    trajectory: TrajectoryInfo | None = None,
 ) -> CheckedInputs:
     """Every check that needs no engine: trajectory, environment, workspace, user, output directory and,
     when ``--agent`` is given, the agent-specific ones including pvisor's own pre-flight.
 
     ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox (a batch
     avoids a subprocess per item); ``run_id`` and ``out_dir`` override the spec's (a batch names them, and
-    has made sure ``out_dir`` is free).
+    has made sure ``out_dir`` is free); ``trajectory`` is the result of an earlier ``check_file`` of it.
 
     Raises:
         UsageError: the first problem found, in one line.
@@ -229,7 +234,7 @@ def check_inputs(
     """
     started = time.monotonic()
     profile = get_profile(spec.agent) if spec.agent is not None else None
-    trajectory = check_file(spec.trajectory)
+    trajectory = trajectory or check_file(spec.trajectory)
     _env_values(spec)
     _workspace_dir(spec)
     user = _user(spec)

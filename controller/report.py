@@ -18,6 +18,9 @@ from .record import write_atomic
 SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
 #: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
 FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
+#: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
+JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
+JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
 PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
 
 
@@ -119,8 +122,8 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
         "testsuite",
         name="pvisor-host batch",
         tests=str(len(results)),
-        failures=str(sum(r.status in ("replay_failed", "timeout", "oom", "rejected") for r in results)),
-        errors=str(sum(r.status in ("infra_error", "interrupted") for r in results)),
+        failures=str(sum(r.status in JUNIT_FAILURES for r in results)),
+        errors=str(sum(r.status in JUNIT_ERRORS for r in results)),
         skipped=str(sum(r.status == "not_run" for r in results)),
         time=f"{(summary.finished_at - summary.started_at).total_seconds():.3f}",
         timestamp=summary.started_at.isoformat(timespec="seconds"),
@@ -134,9 +137,9 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
             time=f"{r.timings.get('total', 0):.3f}",
         )
         message = f"{r.category}: {r.message}" if r.message else (r.category or r.status)
-        if r.status in ("replay_failed", "timeout", "oom", "rejected"):
+        if r.status in JUNIT_FAILURES:
             ET.SubElement(case, "failure", type=r.category or r.status, message=message).text = message
-        elif r.status in ("infra_error", "interrupted"):
+        elif r.status in JUNIT_ERRORS:
             ET.SubElement(case, "error", type=r.category or r.status, message=message).text = message
         elif r.status == "not_run":
             ET.SubElement(case, "skipped", message="the batch deadline passed before this item started")
