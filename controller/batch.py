@@ -259,11 +259,8 @@ def run_batch(
     batch = _Batch(client, options)
     results: list[ItemResult] = []
     with _exclusive(out):
-        for spec in images:
-            with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
-                batch.image(spec)
         try:
-            interrupted = _fan_out(items, batch, results, progress)
+            interrupted = _fan_out(items, images, batch, results, progress)
         finally:
             with deferred_interrupts():
                 batch.close()
@@ -297,11 +294,13 @@ Pending = dict[futures.Future[ItemResult], BatchItem]
 
 def _fan_out(
     items: Iterable[BatchItem],
+    images: Iterable[ReplaySpec],
     batch: _Batch,
     results: list[ItemResult],
     progress: Callable[[ItemResult], None] | None,
 ) -> bool:
-    """Submit items as workers free up; on Ctrl-C/SIGTERM cancel everything. Returns True when interrupted."""
+    """Make the images ready, then submit items as workers free up; on Ctrl-C/SIGTERM cancel everything.
+    Returns True when interrupted."""
     workers = batch.options.workers
     pending: Pending = {}
 
@@ -315,6 +314,9 @@ def _fan_out(
 
     with futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pvisor-host-item") as pool:
         try:
+            for spec in images:
+                with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
+                    batch.image(spec)
             for item in items:
                 remaining = batch.remaining()
                 if remaining is not None and remaining <= 0:
