@@ -261,20 +261,24 @@ def run_batch(
     with _exclusive(out):
         try:
             interrupted = _fan_out(items, images, batch, results, progress)
-        finally:
+        except BaseException:
             with deferred_interrupts():
                 batch.close()
-        results.sort(key=lambda r: r.line)
-        remaining = batch.remaining()
-        summary = summarize(
-            results,
-            total=total,
-            started=started_at,
-            finished=datetime.now(UTC),
-            interrupted=interrupted,
-            deadline=remaining is not None and remaining <= 0,
-        )
-        write_reports(out, results, summary)
+            raise
+        # Every item has ended: a Ctrl-C now has nothing left to stop and must not cost the reports.
+        with deferred_interrupts(reraise=False):
+            batch.close()
+            results.sort(key=lambda r: r.line)
+            remaining = batch.remaining()
+            summary = summarize(
+                results,
+                total=total,
+                started=started_at,
+                finished=datetime.now(UTC),
+                interrupted=interrupted,
+                deadline=remaining is not None and remaining <= 0,
+            )
+            write_reports(out, results, summary)
     return BatchOutcome(results=results, summary=summary)
 
 

@@ -356,6 +356,7 @@ def batch(
         return ExitCode.USAGE if any(p.action == "reject" for p in plans) else ExitCode.OK
     with render.BatchProgress(total, quiet=quiet or json_output) as progress:
         outcome = run_batch(source.items(), client, options, total=total, images=checked.image_specs, progress=progress)
+    ignore_interrupts()  # the batch has ended and its reports are written: nothing is left to stop
     if json_output:
         typer.echo(outcome.summary.model_dump_json(indent=2))
     else:

@@ -38,9 +38,10 @@ def ignore_interrupts() -> None:
 
 
 @contextlib.contextmanager
-def deferred_interrupts() -> Iterator[None]:
+def deferred_interrupts(*, reraise: bool = True) -> Iterator[None]:
     """Defer SIGINT, SIGTERM and SIGHUP until the block is done (a no-op outside the main thread); an
-    ignored signal stays ignored."""
+    ignored signal stays ignored. With ``reraise=False`` an interrupt received meanwhile is dropped: for work
+    that finishes something already over, where an interrupt has nothing left to stop."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -53,5 +54,5 @@ def deferred_interrupts() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if received and sys.exc_info()[1] is None:
+    if received and reraise and sys.exc_info()[1] is None:
         raise KeyboardInterrupt
