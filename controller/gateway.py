@@ -23,6 +23,7 @@ Where the gateway listens depends on ``--model-network``:
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -176,8 +177,8 @@ class Gateway:
                 name, driver="bridge", internal=True, labels=L.resource_labels("model-network")
             )
             self._network.reload()
-            gateway_ip = self._network.attrs["IPAM"]["Config"][0]["Gateway"]
-        except (APIError, KeyError, IndexError, requests.exceptions.RequestException) as exc:
+            gateway_ip = network_gateway(self._network.attrs)
+        except (APIError, ValueError, requests.exceptions.RequestException) as exc:
             self.close()
             raise engine_failure("create the internal model network", exc) from exc
         server = ThreadingHTTPServer((gateway_ip, 0), _Handler)
@@ -241,6 +242,31 @@ class Gateway:
         headers = {k: v for k, v in incoming.items() if k.lower() not in _HOP_BY_HOP}
         headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
+
+
+def network_gateway(attrs: dict[str, Any]) -> str:
+    """The IPv4 address of a Docker network's gateway (the host's end of its bridge), from ``docker inspect``.
+
+    The engine fills in ``IPAM.Config[].Gateway`` only sometimes: a freshly started docker.io 20.10 reports
+    the default bridge as ``{"Subnet": "172.17.0.0/16"}`` alone, while ``docker0`` is 172.17.0.1 all the
+    same. So the gateway comes from the IPAM entry when it is there, else it is the first host address of
+    the subnet, which is where the engine puts the bridge's own address.
+
+    Raises:
+        ValueError: the network has no IPv4 subnet.
+    """
+    configs = (attrs.get("IPAM") or {}).get("Config") or []
+    for config in configs:
+        gateway = config.get("Gateway")
+        if gateway and ipaddress.ip_address(gateway.split("/")[0]).version == 4:
+            return str(gateway.split("/")[0])
+    for config in configs:
+        subnet = config.get("Subnet")
+        if subnet:
+            network = ipaddress.ip_network(subnet, strict=False)
+            if network.version == 4:
+                return str(next(network.hosts()))
+    raise ValueError(f"network {attrs.get('Name', '?')} has no IPv4 subnet: {configs}")
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

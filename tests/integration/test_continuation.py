@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pvisor_host.gateway import network_gateway
 from pvisor_host.profiles import get_profile
 
 from conftest import run_cli, start_cli, wait_for_running
@@ -122,7 +123,7 @@ PROBE = (
 
 
 def test_a_continuing_sandbox_reaches_nothing_but_the_gateway(tmp_path, docker_client, claude_image):
-    bridge = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+    bridge = network_gateway(docker_client.networks.get("bridge").attrs)
     # A service the sandbox must not reach: the stub itself, listening on the host's bridge address too.
     with StubServer(host="0.0.0.0") as decoy:
         port = decoy.httpd.server_address[1]
@@ -231,7 +232,7 @@ def test_internal_network_mode(tmp_path, docker_client, claude_image):
 
 
 def test_pass_through_mode_warns_and_hands_over_the_key(tmp_path, docker_client, claude_image):
-    bridge = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+    bridge = network_gateway(docker_client.networks.get("bridge").attrs)
     out = tmp_path / "run"
     with StubServer(host=bridge) as stub:
         result = run_cli(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.gateway import Gateway, GatewayConfig
+from pvisor_host.gateway import Gateway, GatewayConfig, network_gateway
 
 from modelserver import StubServer
 
@@ -120,3 +120,25 @@ def test_upstream_errors_pass_through_with_their_status(stub, tmp_path):
     )
     entry = json.loads((tmp_path / "j.jsonl").read_text())
     assert "request_body" not in entry and "response_body" not in entry  # bodies omitted
+
+
+@pytest.mark.parametrize(
+    ("ipam", "address"),
+    [
+        # An engine that has been up a while (and every network the gateway creates on 20.10): the gateway is given.
+        ({"Driver": "default", "Config": [{"Subnet": "172.18.0.0/16", "Gateway": "172.18.0.1"}]}, "172.18.0.1"),
+        # A freshly started docker.io 20.10.24: the default bridge has only its subnet; docker0 is its first host.
+        ({"Driver": "default", "Options": None, "Config": [{"Subnet": "172.17.0.0/16"}]}, "172.17.0.1"),
+        # An IPv6 entry first, and a gateway written with its prefix length.
+        ({"Config": [{"Subnet": "fd00::/64", "Gateway": "fd00::1"}, {"Subnet": "10.9.0.0/24"}]}, "10.9.0.1"),
+        ({"Config": [{"Subnet": "10.9.0.0/24", "Gateway": "10.9.0.254/24"}]}, "10.9.0.254"),
+    ],
+)
+def test_the_gateway_address_does_not_depend_on_the_engine_filling_it_in(ipam, address):
+    assert network_gateway({"Name": "n", "IPAM": ipam}) == address
+
+
+@pytest.mark.parametrize("ipam", [None, {}, {"Config": None}, {"Config": [{"Subnet": "fd00::/64"}]}])
+def test_a_network_without_an_ipv4_subnet_is_refused_in_words(ipam):
+    with pytest.raises(ValueError, match="network n has no IPv4 subnet"):
+        network_gateway({"Name": "n", "IPAM": ipam})
