@@ -127,7 +127,13 @@ app.add_typer(images_app, name="images")
 
 
 @images_app.callback(invoke_without_command=True)
-def images(ctx: typer.Context, json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> int:
+def images(
+    ctx: typer.Context,
+    show_all: Annotated[
+        bool, typer.Option("--all", "-a", help="Also list the builder's untagged intermediate layers.")
+    ] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON (every entry, layers included).")] = False,
+) -> int:
     """List pvisor-host's images and runtime volumes, least recently used first."""
     if ctx.invoked_subcommand is not None:
         return ExitCode.OK
@@ -138,7 +144,7 @@ def images(ctx: typer.Context, json_output: Annotated[bool, typer.Option("--json
     if json_output:
         typer.echo(json.dumps([e.model_dump(mode="json") for e in entries], indent=2))
     else:
-        render.catalog_table(_out, entries)
+        render.catalog_table(_out, entries, show_all=show_all)
     return ExitCode.OK
 
 
@@ -258,6 +264,14 @@ def replay(
 
 @app.command()
 def batch(
+    manifest_file: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="[MANIFEST]",
+            help="JSONL file, one replay per line (fields: replay's options, plus id); same as --manifest.",
+            show_default=False,
+        ),
+    ] = None,
     manifest: Annotated[
         Path | None, typer.Option(help="JSONL file, one replay per line (fields: replay's options, plus id).")
     ] = None,
@@ -328,6 +342,9 @@ def batch(
     from .report import allowed_failures, exit_code
     from .units import parse_duration
 
+    if manifest_file is not None and manifest is not None and manifest_file != manifest:
+        raise UsageError(f"two manifests given ({manifest_file} and --manifest {manifest}); pass one")
+    manifest = manifest or manifest_file
     defaults = _spec_fields(locals())
     allowance = allowed_failures(allow_failures)
     source = BatchInput.parse(manifest=manifest, trajectories=trajectories, after_step=after_step, defaults=defaults)

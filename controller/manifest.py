@@ -131,7 +131,7 @@ class BatchInput(BaseModel):
     @model_validator(mode="after")
     def _one_source(self) -> BatchInput:
         if (self.manifest is None) == (self.trajectories is None):
-            raise UsageError("pass --manifest FILE or --trajectories GLOB (one of them)")
+            raise UsageError("pass a manifest (MANIFEST or --manifest FILE) or --trajectories GLOB (one of them)")
         if self.trajectories is not None and self.after_step is None:
             raise UsageError("--trajectories needs --after-step N (or --after-step all)")
         if self.manifest is not None and self.after_step is not None:

@@ -74,10 +74,34 @@ def test_every_bad_line_is_reported_with_its_number_and_nothing_runs(tmp_path, t
     assert not (tmp_path / "out").exists()
 
 
+def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, trajectory):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"trajectory": "t.jsonl"}) + "\n")
+    result = run_cli("batch", broken, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    assert result.code == ExitCode.USAGE, result.stderr
+    assert result.error_lines == [
+        f"pvisor-host: {broken}:1: after_step: is required",
+        "pvisor-host: error: 1 of the batch's lines are wrong (listed above); nothing ran",
+    ]
+    dataset = manifest(tmp_path, {"trajectory": "t.jsonl", "after_step": 1})
+    result = run_cli("batch", dataset, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    assert result.code == ExitCode.PREREQUISITE, result.stderr  # read as the manifest: only the engine is missing
+    assert result.error_lines[0].startswith("pvisor-host: error: no Docker engine answers at")
+    both = run_cli("batch", dataset, "--manifest", broken, "--out", tmp_path / "out", env=NO_ENGINE)
+    assert both.code == ExitCode.USAGE
+    assert both.error_lines == [
+        f"pvisor-host: error: two manifests given ({dataset} and --manifest {broken}); pass one"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--after-step", "1"], "pass --manifest FILE or --trajectories GLOB (one of them)"),
+        (
+            ["--after-step", "1"],
+            "pass a manifest (MANIFEST or --manifest FILE) or --trajectories GLOB (one of them)",
+        ),
         (["--trajectories", "*.jsonl"], "--trajectories needs --after-step N (or --after-step all)"),
         (["--trajectories", "*.jsonl", "--after-step", "0"], "--after-step '0': pass a positive number or 'all'"),
         (
