@@ -86,12 +86,15 @@ def agents_table(console: Console, rows: list[dict[str, str]], notes: list[str])
         console.print(f"\n[bold]{note.split(':')[0]}[/bold]:{note.split(':', 1)[1]}", highlight=False)
 
 
-def catalog_table(console: Console, entries: list[CatalogEntry]) -> None:
-    """``pvisor-host images``."""
+def catalog_table(console: Console, entries: list[CatalogEntry], *, show_all: bool = False) -> None:
+    """``pvisor-host images``: what a user can act on; the builder's untagged intermediate layers only with
+    ``show_all`` (otherwise counted in one line)."""
+    shown = [e for e in entries if show_all or e.role != "build-cache"]
+    hidden = len(entries) - len(shown)
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for column in ("name", "kind", "agent", "pvisor", "size", "created", "last used", "in use"):
         table.add_column(column, overflow="fold")
-    for e in entries:
+    for e in shown:
         table.add_row(
             e.name if e.name != "<none>" else f"<none> {e.id[7:19]}",
             e.role,
@@ -103,9 +106,13 @@ def catalog_table(console: Console, entries: list[CatalogEntry]) -> None:
             "yes" if e.in_use else "",
         )
     console.print(table)
-    console.print(
-        f"{len(entries)} items, {format_size(sum(e.size for e in entries))} (shared layers counted per image)"
-    )
+    console.print(f"{len(shown)} items, {format_size(sum(e.size for e in shown))} (shared layers counted per image)")
+    if hidden:
+        console.print(
+            f"{hidden} intermediate build layers not shown: `pvisor-host images --all` lists them; "
+            "`pvisor-host images prune` removes those no image is built on",
+            highlight=False,
+        )
 
 
 def prune_result(console: Console, result: PruneResult, *, dry_run: bool) -> None:

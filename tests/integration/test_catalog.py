@@ -32,6 +32,14 @@ def test_images_lists_what_pvisor_host_built(claude_image, codex_image, tmp_path
     assert all(name.startswith(("pvisor-host", "<none>")) for name in entries)
     table = run_cli("images", env=state)
     assert table.code == 0 and claude_image in table.stdout and "sandbox-image" in table.stdout
+    # Only what a user can act on: the builder's untagged intermediate layers are counted, not listed.
+    layers = sum(e["role"] == "build-cache" for e in entries.values())
+    assert layers > 0  # the classic builder keeps one untagged image per step of the sandbox recipe
+    assert "<none>" not in table.stdout
+    assert f"{layers} intermediate build layers not shown" in table.stdout, table.stdout
+    everything = run_cli("images", "--all", env=state)
+    assert everything.code == 0 and everything.stdout.count("<none> ") == layers
+    assert "intermediate build layers not shown" not in everything.stdout
 
 
 @pytest.fixture
