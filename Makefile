@@ -3,6 +3,7 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
+AGENTS ?= claude-code codex
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
@@ -23,11 +24,11 @@ venv: $(STAMP) ## Create .venv with pvisor-host and the dev tools
 engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap as root on Debian)
 	@scripts/ensure-engine.sh
 
-images: venv engine ## Build (or find) the Claude Code and Codex sandbox images
-	$(BIN)/pvisor-host build --agent claude-code
-	$(BIN)/pvisor-host build --agent codex
+images: venv engine ## Build (or find) the sandbox images of AGENTS (default: claude-code codex)
+	@for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
 
-demo: images ## Replay the shipped Claude Code example (replay-only) and show the result
+demo: venv engine ## Replay the shipped Claude Code example (replay-only) and show the result
+	$(BIN)/pvisor-host build --agent claude-code
 	@rm -rf pvisor-runs/demo
 	$(BIN)/pvisor-host replay --agent claude-code --trajectory examples/claude-code-demo.jsonl \
 		--after-step 3 --mode replay-only --workspace-dir examples/demo-workspace --out pvisor-runs/demo
