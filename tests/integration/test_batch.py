@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -282,6 +283,8 @@ def test_a_closed_terminal_stops_the_batch_and_removes_its_sandboxes(
 def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_image, base_image, start_batch):
     from pvisor_host import labels as L
 
+    # A crashed earlier run may have left orphans of its own: sweep them, so the listing below is this test's.
+    assert run_cli("gc").code == 0
     manifest = interruptible_manifest(tmp_path / "data", 4, "sleep 120")
     out = tmp_path / "out"
     process = start_batch(manifest, out, "--workers", "4")
@@ -296,14 +299,15 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
 
     me = f"{socket.gethostname()}/{os.getpid()}/{L.process_start_ticks(os.getpid())}"
     dead = dead_owner()
-    network = docker_client.networks.create("pvh-gc-test-orphan", internal=True, labels=labels(dead))
-    volume = docker_client.volumes.create("pvh-gc-test-orphan", labels=labels(dead))
+    # Names unique to this run, so that leftovers of an earlier one cannot collide with them.
+    tag = uuid.uuid4().hex[:8]
+    orphan, live, other, unlabelled = (f"pvh-gc-test-{tag}-{n}" for n in ("orphan", "live", "other-host", "unlabelled"))
+    network = docker_client.networks.create(orphan, internal=True, labels=labels(dead))
+    volume = docker_client.volumes.create(orphan, labels=labels(dead))
     keep = [
-        docker_client.containers.create(base_image, "true", name="pvh-gc-test-live", labels=labels(me)),
-        docker_client.containers.create(
-            base_image, "true", name="pvh-gc-test-other-host", labels=labels("elsewhere/1/1")
-        ),
-        docker_client.containers.create(base_image, "true", name="pvh-gc-test-unlabelled"),
+        docker_client.containers.create(base_image, "true", name=live, labels=labels(me)),
+        docker_client.containers.create(base_image, "true", name=other, labels=labels("elsewhere/1/1")),
+        docker_client.containers.create(base_image, "true", name=unlabelled),
     ]
     try:
         listed = run_cli("gc", "--dry-run", "--json")
@@ -311,16 +315,16 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
         found = json.loads(listed.stdout)
         names = {(r["kind"], r["name"]) for r in found["orphans"]}
         assert names == {("container", n) for n in orphans} | {
-            ("network", "pvh-gc-test-orphan"),
-            ("volume", "pvh-gc-test-orphan"),
+            ("network", orphan),
+            ("volume", orphan),
         }
         assert {c.name for c in replay_containers(docker_client)} == orphans  # a dry run removes nothing
 
         removed = run_cli("gc")
         assert removed.code == 0, removed.stderr
         assert replay_containers(docker_client) == []
-        assert docker_client.networks.list(names=["pvh-gc-test-orphan"]) == []
-        assert "pvh-gc-test-orphan" not in {v.name for v in docker_client.volumes.list()}
+        assert docker_client.networks.list(names=[orphan]) == []
+        assert orphan not in {v.name for v in docker_client.volumes.list()}
         for container in keep:
             container.reload()  # still there: a live owner, another host, and no labels at all
         assert run_cli("gc", "--json").stdout.count('"kind"') == 0
