@@ -14,7 +14,7 @@ with that code; nothing else in the package decides exit codes.
     └── Interrupted                       (exit 130) Ctrl-C or SIGTERM, after cleanup
 
 Outcomes of a replay that *ran* (ok, replay_failed, timeout, oom, infra_error) are not exceptions:
-they are the ``status`` of a :class:`~pvisor_host.record.ReplayRecord`, mapped to exit codes by
+they are the ``status`` of a :class:`~pvisor_host.models.record.ReplayRecord`, mapped to exit codes by
 :func:`exit_code_for_status`.
 """
 
@@ -64,7 +64,6 @@ class PreflightRejected(UsageError):
     def __init__(self, category: str, message: str, *, hint: str | None = None) -> None:
         super().__init__(f"pvisor rejected the replay ({category}): {message}", hint=hint)
         self.category = category
-        self.pvisor_message = message
 
 
 class PrerequisiteError(PvisorHostError):

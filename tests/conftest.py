@@ -95,21 +95,34 @@ def docker_client():
 
 
 @pytest.fixture(scope="session")
-def claude_image(docker_client) -> str:
-    """The verified Claude Code 2.1.220 sandbox image (built once per machine)."""
-    from pvisor_host.build import build_agent_image
-    from pvisor_host.profiles import get_profile
+def backend(docker_client):
+    """The Docker backend, as the CLI opens it, on the session's engine."""
+    from pvisor_host.backend.docker import DockerBackend
+    from pvisor_host.models.ownership import Ownership
 
-    return build_agent_image(docker_client, get_profile("claude-code")).tag
+    return DockerBackend(docker_client, Ownership.current())
+
+
+def build_image(backend, agent: str) -> str:
+    """Build (or find) the verified image of ``agent`` through the backend seam; its tag."""
+    from pvisor_host.models.image import BuildOptions, BuildPlan
+    from pvisor_host.models.profiles import get_profile
+
+    built = backend.ensure_image(BuildPlan(profile=get_profile(agent)), BuildOptions()).built
+    assert built is not None
+    return built.tag
 
 
 @pytest.fixture(scope="session")
-def codex_image(docker_client) -> str:
-    """The verified Codex 0.149.0 sandbox image."""
-    from pvisor_host.build import build_agent_image
-    from pvisor_host.profiles import get_profile
+def claude_image(backend) -> str:
+    """The verified Claude Code 2.1.220 sandbox image (built once per machine)."""
+    return build_image(backend, "claude-code")
 
-    return build_agent_image(docker_client, get_profile("codex")).tag
+
+@pytest.fixture(scope="session")
+def codex_image(backend) -> str:
+    """The verified Codex 0.149.0 sandbox image."""
+    return build_image(backend, "codex")
 
 
 @pytest.fixture(scope="session")
@@ -120,8 +133,9 @@ def base_image(docker_client, claude_image) -> str:
 
 def _labelled(client, kind: str) -> list[str]:
     filters = {"label": "pvisor-host.managed"}
-    if kind == "containers":
-        return [c.name for c in client.containers.list(all=True, filters=filters)]
+    if kind == "containers":  # sparse: no inspect per container, which another process may remove meanwhile
+        listed = client.containers.list(all=True, filters=filters, sparse=True)
+        return [name.lstrip("/") for c in listed for name in c.attrs.get("Names", [])[:1]]
     if kind == "volumes":
         return [v.name for v in client.volumes.list(filters=filters)]
     return [n.name for n in client.networks.list(filters=filters)]
@@ -185,16 +199,13 @@ def build_test_image(client, tag: str, dockerfile: str, **kwargs) -> str:
 
 
 @pytest.fixture(scope="session")
-def agent_image(docker_client):
+def agent_image(backend):
     """Build (or find) the verified image of any agent, once per session: ``agent_image("pi-agent")``."""
-    from pvisor_host.build import build_agent_image
-    from pvisor_host.profiles import get_profile
-
     built: dict[str, str] = {}
 
     def image(agent: str) -> str:
         if agent not in built:
-            built[agent] = build_agent_image(docker_client, get_profile(agent)).tag
+            built[agent] = build_image(backend, agent)
         return built[agent]
 
     return image

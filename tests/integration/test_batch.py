@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import signal
 import socket
@@ -256,7 +255,7 @@ def test_ctrl_c_stops_16_running_sandboxes_and_a_second_one_does_not_skip_cleanu
 
 def dead_owner() -> str:
     """The owner id of a process that has exited (its pid may be reused, its start time will not)."""
-    from pvisor_host.labels import process_start_ticks
+    from pvisor_host.models.ownership import process_start_ticks
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
     ticks = process_start_ticks(child.pid)
@@ -281,7 +280,8 @@ def test_a_closed_terminal_stops_the_batch_and_removes_its_sandboxes(
 
 
 def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_image, base_image, start_batch):
-    from pvisor_host import labels as L
+    from pvisor_host.backend.docker import labels as L
+    from pvisor_host.models.ownership import Ownership
 
     # A crashed earlier run may have left orphans of its own: sweep them, so the listing below is this test's.
     assert run_cli("gc").code == 0
@@ -297,7 +297,7 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
     def labels(owner: str) -> dict[str, str]:
         return {L.MANAGED: "true", L.ROLE: "test", L.OWNER: owner, L.SESSION: "gc-test"}
 
-    me = f"{socket.gethostname()}/{os.getpid()}/{L.process_start_ticks(os.getpid())}"
+    me = Ownership.current().owner
     dead = dead_owner()
     # Names unique to this run, so that leftovers of an earlier one cannot collide with them.
     tag = uuid.uuid4().hex[:8]

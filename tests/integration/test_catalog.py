@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 from datetime import UTC, datetime, timedelta
 
@@ -14,11 +15,24 @@ from conftest import run_cli
 pytestmark = pytest.mark.docker
 
 
-def test_images_lists_what_pvisor_host_built(claude_image, codex_image, tmp_path):
+def test_images_lists_what_pvisor_host_built(claude_image, codex_image, docker_client, tmp_path):
     state = {"PVISOR_HOST_STATE_DIR": str(tmp_path / "state")}
+    # An untagged image that inherited our labels, as the builder leaves them (whatever this engine's history).
+    layer, _ = docker_client.images.build(
+        fileobj=io.BytesIO(b"FROM scratch\nLABEL pvisor-host.managed=true pvisor-host.role=base\n"), rm=True
+    )
+    try:
+        _lists_what_pvisor_host_built(claude_image, codex_image, state, layer.id)
+    finally:
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            docker_client.images.remove(layer.id, force=True)
+
+
+def _lists_what_pvisor_host_built(claude_image: str, codex_image: str, state: dict[str, str], layer: str) -> None:
     result = run_cli("images", "--json", env=state)
     assert result.code == 0, result.stderr
-    entries = {e["name"]: e for e in json.loads(result.stdout)}
+    listed = json.loads(result.stdout)
+    entries = {e["name"] if e["name"] != "<none>" else e["id"]: e for e in listed}
     claude = entries[claude_image]
     assert (claude["kind"], claude["role"], claude["agent"], claude["agent_version"], claude["pvisor_version"]) == (
         "image",
@@ -29,12 +43,12 @@ def test_images_lists_what_pvisor_host_built(claude_image, codex_image, tmp_path
     )
     assert claude["size"] > 100 * 2**20 and claude["last_used"] is None
     assert entries[codex_image]["agent"] == "codex"
-    assert all(name.startswith(("pvisor-host", "<none>")) for name in entries)
+    assert all(e["name"].startswith(("pvisor-host", "<none>")) for e in listed)
     table = run_cli("images", env=state)
     assert table.code == 0 and claude_image in table.stdout and "sandbox-image" in table.stdout
     # Only what a user can act on: the builder's untagged intermediate layers are counted, not listed.
     layers = sum(e["role"] == "build-cache" for e in entries.values())
-    assert layers > 0  # the classic builder keeps one untagged image per step of the sandbox recipe
+    assert next(e for e in entries.values() if e["id"] == layer)["role"] == "build-cache"
     assert "<none>" not in table.stdout
     assert f"{layers} intermediate build layers not shown" in table.stdout, table.stdout
     everything = run_cli("images", "--all", env=state)
@@ -65,7 +79,7 @@ def throwaway_images(docker_client, tmp_path):
 
 def _usage_file(tmp_path, docker_client, ages: dict[str, timedelta]) -> dict[str, str]:
     """A state dir where every pvisor-host image was used just now, except the given ids."""
-    from pvisor_host.catalog import list_catalog
+    from pvisor_host.backend.docker.cleanup.catalog import list_catalog
 
     now = datetime.now(UTC)
     data = {e.id: now.isoformat() for e in list_catalog(docker_client)}
@@ -95,7 +109,7 @@ def test_prune_older_than_removes_only_unused_old_images(tmp_path, docker_client
 
 
 def test_prune_keep_bytes_removes_least_recently_used_first(tmp_path, docker_client, throwaway_images, claude_image):
-    from pvisor_host.catalog import list_catalog
+    from pvisor_host.backend.docker.cleanup.catalog import list_catalog
 
     ids = throwaway_images
     env = _usage_file(tmp_path, docker_client, {ids["old"]: timedelta(days=9), ids["recent"]: timedelta(days=1)})

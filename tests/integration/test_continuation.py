@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.gateway import network_gateway
-from pvisor_host.profiles import get_profile
+from pvisor_host.backend.docker.gateway import network_gateway
+from pvisor_host.models.profiles import get_profile
 
 from conftest import run_cli, start_cli, wait_for_running
 from modelserver import StubServer

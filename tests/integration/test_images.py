@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host import labels as L
-from pvisor_host.build import build_agent_image, find_image
+from pvisor_host.backend.docker import labels as L
+from pvisor_host.backend.docker.build.base import find_image
 from pvisor_host.errors import ImageBuildError
-from pvisor_host.profiles import get_profile
+from pvisor_host.models.image import BuildOptions, BuildPlan
+from pvisor_host.models.profiles import get_profile
 
 from conftest import ROOT, run_cli
 from trajgen import claude_files_session, write_jsonl
@@ -54,11 +55,11 @@ def test_build_says_how_the_base_was_obtained(claude_image):
     )
 
 
-def test_an_image_without_the_pinned_version_is_refused_and_removed(docker_client, claude_image):
+def test_an_image_without_the_pinned_version_is_refused_and_removed(docker_client, backend, claude_image):
     # Same recipe, but the profile says the agent lives elsewhere: node answers "v22...", not "2.1.220".
     wrong = get_profile("claude-code").model_copy(update={"entrypoint": "/usr/local/bin/node"})
     with pytest.raises(ImageBuildError) as caught:
-        build_agent_image(docker_client, wrong)
+        backend.ensure_image(BuildPlan(profile=wrong), BuildOptions())
     message = caught.value.one_line()
     assert message == (
         "the image just built for claude-code has /usr/local/bin/node --version printing 'v22.23.5'; "

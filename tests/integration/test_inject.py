@@ -189,26 +189,25 @@ def test_claude_injected_into_a_git_task_uses_the_image_repository_as_workspace(
 def test_the_runtime_volume_is_filled_once_and_refilled_when_incomplete(
     tmp_path, docker_client, task_images, codex_image
 ):
-    from pvisor_host.inject import ensure_runtime_volume, runtime_volume_name
-    from pvisor_host.profiles import get_profile
+    from pvisor_host.backend.docker.build.inject import Injector, runtime_volume_name
+    from pvisor_host.models.ownership import Ownership
+    from pvisor_host.models.profiles import get_profile
 
     profile = get_profile("codex")
     image_id = docker_client.images.get(codex_image).id
     name = runtime_volume_name(profile, profile.inject, image_id)
-    volume = ensure_runtime_volume(docker_client, profile, image_id)
+    injector = Injector(docker_client, Ownership.current())
+    volume = injector.ensure_runtime_volume(profile, image_id)
     assert volume.name == name
     created_before = docker_client.volumes.get(name).attrs["CreatedAt"]
-    assert ensure_runtime_volume(docker_client, profile, image_id).name == name
+    assert injector.ensure_runtime_volume(profile, image_id).name == name
     assert docker_client.volumes.get(name).attrs["CreatedAt"] == created_before  # reused, not refilled
     labels = docker_client.volumes.get(name).attrs["Labels"]
     assert labels["pvisor-host.role"] == "runtime" and "pvisor-host.owner" not in labels
     # A volume left half-filled (no completion marker), e.g. by a killed controller, is refilled.
     docker_client.volumes.get(name).remove(force=True)
     docker_client.volumes.create(name=name, labels={"pvisor-host.managed": "true", "pvisor-host.role": "runtime"})
-    import pvisor_host.inject as inject
-
-    inject._complete.cache_clear()
-    ensure_runtime_volume(docker_client, profile, image_id)
+    Injector(docker_client, Ownership.current()).ensure_runtime_volume(profile, image_id)  # a new controller
     trajectory = write_jsonl(tmp_path / "codex.jsonl", codex_files_session("/workspace"))
     out = tmp_path / "run"
     result = run_cli(

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.batch import content_key, tree_sha256
 from pvisor_host.errors import ExitCode, UsageError
-from pvisor_host.manifest import BatchInput
-from pvisor_host.record import ImageRef
-from pvisor_host.report import ItemResult, allowed_failures, exit_code, junit, markdown, percentile, summarize
-from pvisor_host.spec import ReplaySpec
+from pvisor_host.fanout.manifest import BatchInput
+from pvisor_host.fanout.report import ItemResult, allowed_failures, exit_code, junit, markdown, percentile, summarize
+from pvisor_host.fanout.resume import content_key
+from pvisor_host.files.digest import tree_sha256
+from pvisor_host.models.image import ImageRef
+from pvisor_host.models.spec import ReplaySpec
 
 from conftest import run_cli
 from trajgen import claude_files_session, write_jsonl

@@ -1,9 +1,9 @@
 import pytest
 
-from pvisor_host.container import WaitOutcome
+from pvisor_host.backend.docker.sandbox.container import WaitOutcome
+from pvisor_host.backend.docker.sandbox.outcome import classify
 from pvisor_host.errors import ExitCode, exit_code_for_status
-from pvisor_host.replay import classify
-from pvisor_host.result import ReplayResult
+from pvisor_host.models.result import ReplayResult
 
 OK = ReplayResult.model_validate(
     {

@@ -14,15 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.collect import (
-    Budget,
-    Entry,
-    copy_tree,
-    diff_trees,
-    extract_tar,
-    strip_first,
-    tar_stream,
-)
+from pvisor_host.files.archive import Budget, extract_tar, strip_first, tar_stream
+from pvisor_host.files.trees import Entry, copy_tree, diff_trees
 
 
 def _tar(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:

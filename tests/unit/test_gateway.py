@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.gateway import Gateway, GatewayConfig, network_gateway
+from pvisor_host.backend.docker.gateway import Gateway, network_gateway
+from pvisor_host.models.spec import ModelUpstream
 
 from modelserver import StubServer
 
@@ -43,7 +44,7 @@ def stub():
 
 
 def gateway_for(stub: StubServer, **overrides) -> Gateway:
-    config = GatewayConfig(upstream=stub.base_url, model="stub-model", api_key_env="X", network="unix", **overrides)
+    config = ModelUpstream(base_url=stub.base_url, model="stub-model", api_key_env="X", network="unix", **overrides)
     return Gateway(config, REAL_KEY)
 
 
@@ -94,7 +95,7 @@ def test_streams_pass_through_and_usage_is_read_from_the_last_event(stub, tmp_pa
 
 
 def test_upstream_failures_become_gateway_answers(tmp_path):
-    config = GatewayConfig(upstream="http://127.0.0.1:9/v1", model="m", api_key_env="X", network="unix")
+    config = ModelUpstream(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="X", network="unix")
     journal = tmp_path / "j.jsonl"
     with Gateway(config, REAL_KEY) as gateway:
         access = gateway.access("run-3", journal)

@@ -1,8 +1,8 @@
 import pytest
 
-from pvisor_host import profiles
 from pvisor_host.errors import UsageError
-from pvisor_host.profiles import AgentProfile, NpmInstall, UnavailableInstall
+from pvisor_host.models import profiles
+from pvisor_host.models.profiles import AgentProfile, NpmInstall, UnavailableInstall
 
 
 def test_shipped_profiles_load_and_pin_pvisor_versions():

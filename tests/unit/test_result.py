@@ -6,8 +6,8 @@ import subprocess
 import pytest
 
 from pvisor_host.errors import ResultProtocolError
-from pvisor_host.hostpvisor import pvisor_binary
-from pvisor_host.result import parse_result
+from pvisor_host.models.result import parse_result
+from pvisor_host.preflight.hostpvisor import pvisor_binary
 
 from trajgen import claude_files_session, write_jsonl
 

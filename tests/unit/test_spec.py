@@ -1,7 +1,7 @@
 import pytest
 
 from pvisor_host.errors import UsageError
-from pvisor_host.spec import build_spec, check_workspace_path
+from pvisor_host.models.spec import build_spec, check_workspace_path
 
 
 def spec(**overrides):

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from pvisor_host import profiles
 from pvisor_host.errors import UsageError
-from pvisor_host.trajectory import MAX_TRAJECTORY_BYTES, check_agent, check_file, recorded_workspace, sniff
+from pvisor_host.models import profiles
+from pvisor_host.preflight.trajectory import MAX_TRAJECTORY_BYTES, check_agent, check_file, recorded_workspace, sniff
 
 from trajgen import (
     claude_files_session,

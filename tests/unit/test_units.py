@@ -1,7 +1,7 @@
 import pytest
 
 from pvisor_host.errors import UsageError
-from pvisor_host.units import format_duration, format_size, parse_duration, parse_size
+from pvisor_host.models.units import format_duration, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(

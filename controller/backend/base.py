@@ -1,0 +1,124 @@
+"""The backend seam: the one protocol everything above the engine uses.
+
+A backend makes images ready, runs one attempt of a prepared replay in a fresh sandbox and hands back its
+record with the attempt's run directory filled in on this host, gives sandboxes access to a model gateway,
+cancels what it is running, sweeps leftovers, answers the housekeeping commands, and closes. What sits
+above it (pre-flight, retries, the batch scheduler, the CLI) never sees an engine, a container or a
+Docker error: failures arrive as :class:`~pvisor_host.errors.PvisorHostError` s, outcomes as records.
+
+Two kinds of backend fit it without special cases:
+
+* the local Docker engine (:class:`~pvisor_host.backend.docker.DockerBackend`, the default);
+* a cluster of Docker hosts, where :meth:`Backend.run_attempt` ships the prepared replay to a node that runs
+  the Docker backend's whole single-host pipeline (stage, run, collect, record) against its own engine,
+  then streams the run directory back into ``attempt.run_dir`` here.
+
+Who owns what a backend creates is explicit (:class:`~pvisor_host.models.ownership.Ownership`): every
+resource carries the invocation's session (which :meth:`Backend.cancel` looks for, on every machine) and
+its creating process (which :meth:`Backend.sweep` judges alive or gone).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+from ..models.ownership import Ownership
+from ..models.record import ReplayRecord
+from ..models.replay import Attempt, PreparedReplay, SandboxPlan
+from ..models.spec import ModelUpstream
+
+
+class ModelGateway(Protocol):
+    """A started model gateway for the sandboxes of one user; the backend knows how a sandbox reaches it."""
+
+    def close(self) -> None:
+        """Stop it, and remove what it created (a socket directory, a network)."""
+
+
+class Backend(Protocol):
+    """Where sandboxes run. Every method raises only :class:`~pvisor_host.errors.PvisorHostError` s; an
+    engine failure is an :class:`~pvisor_host.errors.InfrastructureError` naming what was being done."""
+
+    @property
+    def ownership(self) -> Ownership:
+        """The owner labels of everything this backend creates."""
+
+    # -- images ---------------------------------------------------------------------------------------------
+
+    def plan_image(self, request: ImageRequest) -> ImagePlan:
+        """Decide, without starting a container, how the requested image is had: built, taken on its
+        labels, probed, or injected into. The plan carries the agent's profile.
+
+        Raises:
+            UsageError: no such image, an image of another agent or version, an unlabelled image without an
+                agent, a task image ``--inject`` cannot use.
+        """
+
+    def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
+        """Make the planned image ready: build (once) and verify it, probe it, or fill its runtime volume.
+
+        Raises:
+            UsageError: the image turns out wrong for the request (no pvisor, another agent version).
+            ImageBuildError: a build, its verification or a runtime volume failed.
+        """
+
+    def preview_image(self, plan: ImagePlan) -> ImagePreview:
+        """What :meth:`ensure_image` would give, found without building, probing or filling anything."""
+
+    # -- sandboxes ------------------------------------------------------------------------------------------
+
+    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
+        """The mounts, limits and command of the sandbox :meth:`run_attempt` would start (nothing starts)."""
+
+    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ModelGateway:
+        """Start a gateway to ``upstream`` for sandboxes running as ``user`` (close it when done). The real key
+        is read from ``upstream.api_key_env`` and never enters a sandbox unless ``network`` is pass-through."""
+
+    def run_attempt(
+        self,
+        prepared: PreparedReplay,
+        attempt: Attempt,
+        *,
+        gateway: ModelGateway | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ReplayRecord:
+        """Run one attempt in a fresh sandbox and return its record, also written with every artifact to
+        ``attempt.run_dir``. An attempt that ran always yields a record, whatever its status; the sandbox is
+        removed on every path.
+
+        ``gateway`` is the continuation's (from :meth:`open_gateway`). When ``cancel`` is set, or on Ctrl-C,
+        the sandbox is stopped and the record says ``interrupted``.
+
+        Raises:
+            Interrupted: Ctrl-C, or ``cancel``, before or while the sandbox ran (its record is written).
+            UsageError: the request is refused on the backend's side (a missing image, a workspace too big).
+        """
+
+    def cancel(self) -> None:
+        """Stop every sandbox of this backend's session that is running now (their attempts then end
+        ``interrupted``); callable from any thread."""
+
+    # -- housekeeping ---------------------------------------------------------------------------------------
+
+    def sweep(self, *, dry_run: bool = False) -> GcReport:
+        """Remove what controllers that are gone left behind (``gc``); never a live owner's or another host's."""
+
+    def catalog(self) -> list[CatalogEntry]:
+        """The images and runtime volumes pvisor-host made, least recently used first."""
+
+    def prune(
+        self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> PruneResult:
+        """Remove pvisor-host images and runtime volumes least recently used first, never one in use."""
+
+    def agent_statuses(self) -> list[AgentStatus]:
+        """Every agent profile, and whether its image is present."""
+
+    def diagnose(self) -> list[Check]:
+        """The engine's side of ``doctor``: engine, architecture, disk, registry, base and agent images."""
+
+    def close(self) -> None:
+        """Release the connection (and anything else held open)."""

@@ -1,0 +1,165 @@
+"""The local Docker engine behind the backend seam: each method is one stage, wired to its module.
+
+=====================  ====================================================
+seam                   stage
+=====================  ====================================================
+``plan_image``         :func:`.build.resolve.plan_image` (labels, no container)
+``ensure_image``       :func:`.build.resolve.materialize` (build, probe, inject)
+``describe_sandbox``   :mod:`.sandbox.launch` (the hardened container spec)
+``open_gateway``       :class:`.gateway.Gateway`
+``run_attempt``        :func:`.sandbox.run.run_attempt` (stage, run, collect, record)
+``cancel``             kill this session's running replay containers
+``sweep``              :func:`.cleanup.gc.collect_garbage`
+``catalog``/``prune``  :mod:`.cleanup.catalog`
+``diagnose``           :mod:`.doctor`
+=====================  ====================================================
+
+Every method maps engine failures through :func:`.engine.engine_errors`, so nothing above the seam ever
+sees a Docker exception.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import os
+import threading
+
+import docker
+from docker.models.containers import Container
+from loguru import logger
+
+from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+from ...models.ownership import Ownership
+from ...models.record import ReplayRecord
+from ...models.replay import Attempt, PreparedReplay, SandboxPlan
+from ...models.spec import ModelUpstream, parse_user
+from ..base import ModelGateway
+from . import doctor
+from . import labels as L
+from .build import resolve
+from .build.inject import Injector
+from .cleanup import catalog, gc
+from .engine import ENGINE_ERRORS, connect, describe, engine_errors
+from .gateway import Gateway
+from .sandbox import launch, run
+from .sandbox.stage import planned_staging, staging_root
+
+
+class DockerBackend:
+    """Sandboxes as containers of the local Docker engine (see the module docstring)."""
+
+    def __init__(self, client: docker.DockerClient, ownership: Ownership) -> None:
+        self.client = client
+        self._ownership = ownership
+        self._injector = Injector(client, ownership)
+
+    @classmethod
+    def connect(cls, ownership: Ownership, *, pool_size: int = 10, timeout: float = 120) -> DockerBackend:
+        """The engine at ``DOCKER_HOST`` (or the default socket), checked with a ping.
+
+        Raises:
+            PrerequisiteError: no engine answers.
+        """
+        return cls(connect(timeout=timeout, pool_size=pool_size), ownership)
+
+    @property
+    def ownership(self) -> Ownership:
+        """The owner labels of everything this backend creates."""
+        return self._ownership
+
+    # -- images ---------------------------------------------------------------------------------------------
+
+    def plan_image(self, request: ImageRequest) -> ImagePlan:
+        """See :meth:`pvisor_host.backend.base.Backend.plan_image`."""
+        with engine_errors("inspect the image"):
+            return resolve.plan_image(self.client, request)
+
+    def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
+        """See :meth:`pvisor_host.backend.base.Backend.ensure_image`."""
+        with engine_errors("make the image ready"):
+            return resolve.materialize(self.client, self._ownership, self._injector, plan, build)
+
+    def preview_image(self, plan: ImagePlan) -> ImagePreview:
+        """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
+        with engine_errors("look the image up"):
+            return resolve.preview(self.client, plan)
+
+    # -- sandboxes ------------------------------------------------------------------------------------------
+
+    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
+        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
+        attempt = Attempt(run_id=prepared.run_id, run_dir=prepared.out_dir)
+        staging = planned_staging(staging_root(prepared.out_dir), prepared.trajectory.path)
+        cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
+        return launch.describe(prepared, cspec)
+
+    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ModelGateway:
+        """See :meth:`pvisor_host.backend.base.Backend.open_gateway`."""
+        uid, _ = parse_user(user)
+        gateway = Gateway(
+            upstream, os.environ[upstream.api_key_env], client=self.client, ownership=self._ownership, sandbox_uid=uid
+        )
+        return gateway.start()
+
+    def run_attempt(
+        self,
+        prepared: PreparedReplay,
+        attempt: Attempt,
+        *,
+        gateway: ModelGateway | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ReplayRecord:
+        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`."""
+        if gateway is not None and not isinstance(gateway, Gateway):
+            raise TypeError(f"a Docker sandbox cannot use {type(gateway).__name__} as its model gateway")
+        return run.run_attempt(self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel)
+
+    def cancel(self) -> None:
+        """Kill (in parallel) every running replay container of this session; their workers remove them."""
+        filters = {"label": [f"{L.SESSION}={self._ownership.session}", f"{L.ROLE}=replay"]}
+        try:
+            containers = self.client.containers.list(filters=filters)
+        except ENGINE_ERRORS as exc:
+            logger.warning("could not list this session's containers ({}); each worker removes its own", describe(exc))
+            return
+        with futures.ThreadPoolExecutor(max_workers=16) as killers:
+            for container in containers:
+                killers.submit(_kill_quietly, container)
+
+    # -- housekeeping ---------------------------------------------------------------------------------------
+
+    def sweep(self, *, dry_run: bool = False) -> GcReport:
+        """See :meth:`pvisor_host.backend.base.Backend.sweep`."""
+        return gc.collect_garbage(self.client, self._ownership, dry_run=dry_run)
+
+    def catalog(self) -> list[CatalogEntry]:
+        """See :meth:`pvisor_host.backend.base.Backend.catalog`."""
+        return catalog.list_catalog(self.client)
+
+    def prune(
+        self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> PruneResult:
+        """See :meth:`pvisor_host.backend.base.Backend.prune`."""
+        return catalog.prune(self.client, keep_bytes=keep_bytes, older_than=older_than, dry_run=dry_run)
+
+    def agent_statuses(self) -> list[AgentStatus]:
+        """See :meth:`pvisor_host.backend.base.Backend.agent_statuses`."""
+        with engine_errors("look the agent images up"):
+            return catalog.agent_statuses(self.client)
+
+    def diagnose(self) -> list[Check]:
+        """See :meth:`pvisor_host.backend.base.Backend.diagnose`."""
+        with engine_errors("check the engine"):
+            return doctor.diagnose(self.client)
+
+    def close(self) -> None:
+        """Close the engine connection."""
+        self.client.close()
+
+
+def _kill_quietly(container: Container) -> None:
+    try:
+        container.kill()
+    except ENGINE_ERRORS as exc:  # already gone, or the engine is away: its worker removes it
+        logger.debug("could not kill {}: {}", container.short_id, describe(exc))

@@ -1,0 +1,80 @@
+"""``pvisor-host gc``: remove what a controller that died without cleaning up (``kill -9``) left in Docker.
+
+Every container, network and per-run volume pvisor-host creates carries ``pvisor-host.owner`` =
+``<host>/<pid>/<start ticks>`` of the controller process. A resource is an orphan when that process is
+gone (the pid no longer runs, or runs a different process since the start time differs). Resources of a
+live controller, of a controller on another host (sharing the engine) and anything without the label —
+including the shared runtime volumes and images, which ``images prune`` manages — are never touched.
+"""
+
+from __future__ import annotations
+
+import docker
+from docker.errors import NotFound
+from loguru import logger
+
+from ....models.housekeeping import GcReport, Resource, ResourceKind
+from ....models.ownership import Ownership
+from .. import labels as L
+from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
+
+
+@engine_errors("list pvisor-host's containers, networks and volumes")
+@retrying()
+def labelled_resources(client: docker.DockerClient) -> list[Resource]:
+    """Every container (running or not), network and volume carrying a ``pvisor-host.owner`` label."""
+    filters = {"label": L.OWNER}
+    found: list[Resource] = []
+    for container in client.containers.list(all=True, filters=filters):
+        found.append(_resource("container", container.id, container.name, container.labels))
+    for network in client.networks.list(filters=filters):
+        found.append(_resource("network", network.id, network.name, network.attrs.get("Labels") or {}))
+    for volume in client.volumes.list(filters=filters):
+        found.append(_resource("volume", volume.id, volume.name, volume.attrs.get("Labels") or {}))
+    return found
+
+
+def _resource(kind: ResourceKind, resource_id: str, name: str, labels: dict[str, str]) -> Resource:
+    return Resource(
+        kind=kind, id=resource_id, name=name, owner=labels[L.OWNER], role=labels.get(L.ROLE), run=labels.get(L.RUN)
+    )
+
+
+def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_run: bool = False) -> GcReport:
+    """Find the orphans (see the module docstring) and remove them: containers first, then networks and volumes.
+
+    Owners are judged on ``ownership.host``, this host: another host's resources are counted, never removed.
+    """
+    orphans: list[Resource] = []
+    live = other_hosts = 0
+    for resource in labelled_resources(client):
+        alive = ownership.owner_alive(resource.owner)
+        if alive is None:
+            other_hosts += 1
+        elif alive:
+            live += 1
+        else:
+            orphans.append(resource)
+    report = GcReport(orphans=orphans, live=live, other_hosts=other_hosts)
+    if dry_run:
+        return report
+    for resource in orphans:  # already in order: containers, networks, volumes
+        try:
+            _remove(client, resource)
+        except ENGINE_ERRORS as exc:
+            report.failed[resource.name] = describe(exc)
+            logger.warning("could not remove {} {}: {}", resource.kind, resource.name, describe(exc))
+    return report
+
+
+@retrying()
+def _remove(client: docker.DockerClient, resource: Resource) -> None:
+    try:
+        if resource.kind == "container":
+            client.containers.get(resource.id).remove(force=True, v=True)
+        elif resource.kind == "network":
+            client.networks.get(resource.id).remove()
+        else:
+            client.volumes.get(resource.id).remove(force=True)
+    except NotFound:
+        pass  # gone meanwhile (its owner's own cleanup, or the engine's auto-removal)

@@ -1,0 +1,108 @@
+"""The engine's side of ``pvisor-host doctor``: the engine, its architecture and disk, the base and agent images.
+
+Each check says what it found and, when it fails, how to fix it. The host's side (pvisor on the host, the
+registry) is :mod:`pvisor_host.preflight.doctor`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import docker
+
+from ..._version import PVISOR_VERSION
+from ...models.housekeeping import Check
+from ...models.profiles import all_profiles
+from ...models.units import format_size
+from .build.base import default_base, find_image, resolve_base_offline
+from .build.recipe import expected_tag
+from .engine import engine_address, engine_errors
+
+_LOW_DISK = 10 * 1024**3
+_TOO_LOW_DISK = 2 * 1024**3
+
+
+def diagnose(client: docker.DockerClient) -> list[Check]:
+    """The engine checks, in the order ``doctor`` shows them."""
+    with engine_errors("read the engine's information"):
+        info = client.info()
+        version = client.version()
+    engine = Check(
+        name="engine",
+        status="ok",
+        detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
+    )
+    return [engine, _architecture(info), _disk(info), *_images(client)]
+
+
+def _architecture(info: dict[str, object]) -> Check:
+    arch = str(info.get("Architecture"))
+    if arch in ("x86_64", "amd64"):
+        return Check(name="architecture", status="ok", detail=f"{arch} (pvisor {PVISOR_VERSION} ships x86_64 binaries)")
+    return Check(
+        name="architecture",
+        status="fail",
+        detail=f"the engine runs on {arch}; pvisor {PVISOR_VERSION} ships only x86_64 Linux binaries",
+        fix="use an x86_64 Docker host",
+    )
+
+
+def _disk(info: dict[str, object]) -> Check:
+    root = str(info.get("DockerRootDir") or "/var/lib/docker")
+    local = engine_address().startswith("unix://")
+    if not local or not os.path.isdir(root):
+        return Check(
+            name="disk", status="warn", detail=f"cannot measure {root} from here (remote engine)", required=False
+        )
+    free = shutil.disk_usage(root).free
+    detail = f"{format_size(free)} free for the Docker data root {root}"
+    if free < _TOO_LOW_DISK:
+        return Check(name="disk", status="fail", detail=detail, fix="free disk space (pvisor-host images prune)")
+    if free < _LOW_DISK:
+        return Check(name="disk", status="warn", detail=detail, fix="pvisor-host images prune", required=False)
+    return Check(name="disk", status="ok", detail=detail)
+
+
+def _images(client: docker.DockerClient) -> list[Check]:
+    base = resolve_base_offline(client)
+    if base is None:
+        return [
+            Check(
+                name="base image",
+                status="warn",
+                detail=f"neither {default_base()} nor a bootstrapped base is present",
+                fix="pvisor-host build --agent claude-code (gets or bootstraps one)",
+                required=False,
+            )
+        ]
+    checks = [Check(name="base image", status="ok", detail=f"{base.ref} ({base.source})", required=False)]
+    for profile in all_profiles().values():
+        if not profile.installable:
+            checks.append(
+                Check(name=f"image {profile.agent}", status="warn", detail="cannot be built here", required=False)
+            )
+            continue
+        tag = expected_tag(client, profile)
+        if tag is None:  # its Debian release's base is not here yet (OpenHands builds on trixie)
+            checks.append(
+                Check(
+                    name=f"image {profile.agent}",
+                    status="warn",
+                    detail=f"not built yet (its {profile.suite} base is not present either)",
+                    fix=f"pvisor-host build --agent {profile.agent}",
+                    required=False,
+                )
+            )
+            continue
+        present = find_image(client, tag) is not None
+        checks.append(
+            Check(
+                name=f"image {profile.agent}",
+                status="ok" if present else "warn",
+                detail=tag if present else f"{tag} not built yet",
+                fix=None if present else f"pvisor-host build --agent {profile.agent}",
+                required=False,
+            )
+        )
+    return checks

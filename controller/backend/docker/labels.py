@@ -1,0 +1,46 @@
+"""Labels on everything pvisor-host creates in Docker, built from the :class:`Ownership` the backend is given.
+
+Every container, volume, network and image we create carries ``pvisor-host.*`` labels: ``session`` (one per
+controller invocation: cancelling finds its sandboxes by it) and ``owner`` (``host/pid/start-ticks`` of
+the creating process: ``gc`` tells a live owner from a dead one by it, even when the pid has been reused).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from ..._version import __version__
+from ...models.ownership import Ownership
+
+PREFIX = "pvisor-host."
+MANAGED = PREFIX + "managed"
+RUN = PREFIX + "run"
+SESSION = PREFIX + "session"
+OWNER = PREFIX + "owner"
+STARTED = PREFIX + "started"
+VERSION = PREFIX + "version"
+ROLE = PREFIX + "role"
+
+# Image labels written at build time (the record of what was verified inside the image).
+AGENT = PREFIX + "agent"
+AGENT_VERSION = PREFIX + "agent-version"
+AGENT_ENTRYPOINT = PREFIX + "agent-entrypoint"
+PVISOR_VERSION = PREFIX + "pvisor-version"
+PVISOR_PATH = PREFIX + "pvisor-path"
+RECIPE_HASH = PREFIX + "recipe-hash"
+BASE_IMAGE = PREFIX + "base-image"
+
+
+def resource_labels(ownership: Ownership, role: str, run_id: str | None = None) -> dict[str, str]:
+    """Labels for a container, volume or network created on behalf of ``ownership``."""
+    labels = {
+        MANAGED: "true",
+        ROLE: role,
+        SESSION: ownership.session,
+        OWNER: ownership.owner,
+        STARTED: datetime.now(UTC).isoformat(timespec="seconds"),
+        VERSION: __version__,
+    }
+    if run_id:
+        labels[RUN] = run_id
+    return labels

@@ -1,0 +1,133 @@
+"""What a replay sandbox runs and gets: the ``pvisor replay`` command line, the hardened container spec,
+its mounts, its environment (secret values only through env.sh) and the limits recorded for it."""
+
+from __future__ import annotations
+
+from ....models.ownership import Ownership
+from ....models.record import Limits
+from ....models.replay import Attempt, PreparedReplay, SandboxPlan
+from .. import labels as L
+from ..build.inject import RUNTIME_MOUNT
+from ..build.recipe import RELAY_PATH
+from ..gateway import SOCKET_MOUNT, ModelAccess
+from . import container as sandbox
+from .stage import INPUT_MOUNT, RUN_MOUNT, Staging
+
+_MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
+
+
+def pvisor_command(prepared: PreparedReplay, attempt: Attempt, trajectory_in_sandbox: str) -> list[str]:
+    """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
+    spec = prepared.spec
+    command = [
+        "/bin/sh", f"{INPUT_MOUNT}/entry.sh", prepared.image.pvisor_path, "replay",
+        "--agent", prepared.profile.agent,
+        "--trajectory", trajectory_in_sandbox,
+        "--after-step", str(spec.after_step),
+        *_MODE_FLAGS[spec.mode],
+        "--workspace", prepared.workspace_path,
+        "--state-dir", f"{RUN_MOUNT}/state",
+        "--output-dir", f"{RUN_MOUNT}/output",
+        "--run-id", attempt.run_id,
+    ]  # fmt: skip
+    if spec.mode != "prepare-only":
+        if prepared.image.runtime_root:
+            command += ["--agent-runtime", prepared.image.runtime_root]
+        else:
+            command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
+    if spec.max_steps is not None:
+        command += ["--max-steps", str(spec.max_steps)]
+    if spec.session_id:
+        command += ["--session-id", spec.session_id]
+    if spec.boundary_user_prompt:
+        command += ["--boundary-user-prompt", spec.boundary_user_prompt]
+    if spec.disable_thinking:
+        command.append("--disable-thinking")
+    if spec.allow_stale_observations:
+        command.append("--allow-stale-observations")
+    return command
+
+
+def secret_env(prepared: PreparedReplay, model: ModelAccess | None, host_env: dict[str, str]) -> dict[str, str]:
+    """Variables handed over through env.sh (never in the container config): ``--env`` values and the model's."""
+    env = dict(host_env)
+    if model is not None:
+        env |= prepared.profile.continuation.sandbox_model_env(
+            base_url=model.base_url, api_key=model.api_key, model=model.model
+        )
+    return env
+
+
+def container_spec(
+    prepared: PreparedReplay,
+    attempt: Attempt,
+    staging: Staging,
+    *,
+    ownership: Ownership,
+    model: ModelAccess | None = None,
+) -> sandbox.ContainerSpec:
+    """The hardened container for one attempt (every relaxation comes from an explicit flag)."""
+    spec = prepared.spec
+    environment = {**prepared.profile.sandbox_env, "HOME": "/tmp", "TMPDIR": "/tmp"}
+    mounts: list[sandbox.BindMount | sandbox.VolumeMount] = [
+        sandbox.BindMount(source=staging.input_dir, target=INPUT_MOUNT, read_only=True),
+        sandbox.BindMount(source=staging.workspace_dir, target=prepared.workspace_path),
+        sandbox.BindMount(source=staging.run_dir, target=RUN_MOUNT),
+    ]
+    if prepared.image.runtime_volume:
+        mounts.append(sandbox.VolumeMount(volume=prepared.image.runtime_volume, target=RUNTIME_MOUNT))
+    network: str = spec.network
+    if model is not None:
+        network = model.network
+        environment |= model.container_env
+        if model.container_env:
+            environment["PVISOR_HOST_RELAY_BIN"] = (
+                f"{RUNTIME_MOUNT}/relay" if prepared.image.runtime_volume else RELAY_PATH
+            )
+        if model.socket_dir is not None:
+            mounts.append(sandbox.BindMount(source=model.socket_dir, target=SOCKET_MOUNT, read_only=True))
+    return sandbox.ContainerSpec(
+        image=prepared.image.id,
+        command=pvisor_command(prepared, attempt, staging.trajectory_in_sandbox),
+        name=f"pvisor-host-{attempt.run_id}",
+        labels=L.resource_labels(ownership, "replay", attempt.run_id),
+        user=prepared.user,
+        working_dir=prepared.workspace_path,
+        environment=environment,
+        mounts=mounts,
+        network=network,
+        read_only_rootfs=not spec.writable_rootfs,
+        tmpfs_size=spec.tmp_size,
+        cap_add=spec.cap_add,
+        no_new_privileges=not spec.allow_privilege_escalation,
+        memory=spec.memory,
+        cpus=spec.cpus,
+        pids=spec.pids,
+    )
+
+
+def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
+    """The hardening and limits the container really got, for the record."""
+    return Limits(
+        user=cspec.user,
+        network=cspec.network,
+        read_only_rootfs=cspec.read_only_rootfs,
+        cap_drop=["ALL"],
+        cap_add=cspec.cap_add,
+        no_new_privileges=cspec.no_new_privileges,
+        memory=cspec.memory,
+        cpus=cspec.cpus,
+        pids=cspec.pids,
+        tmp_size=cspec.tmpfs_size,
+        timeout=prepared.spec.timeout,
+        collect_limit=prepared.spec.collect_limit,
+    )
+
+
+def describe(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> SandboxPlan:
+    """The sandbox ``cspec`` would be, as ``batch --plan`` shows it."""
+    mounts = [
+        f"{m.source if isinstance(m, sandbox.BindMount) else m.volume}:{m.target}:{'ro' if m.read_only else 'rw'}"
+        for m in cspec.mounts
+    ]
+    return SandboxPlan(mounts=mounts, limits=limits(prepared, cspec), command=cspec.command)

@@ -1,0 +1,235 @@
+"""Record stage: what one attempt amounted to — its status, its artifacts, and ``record.json``.
+
+:func:`classify` decides the status from how the container ended and what pvisor printed;
+:func:`build_record` turns an attempt's state into a :class:`~pvisor_host.models.record.ReplayRecord`.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ...._version import __version__
+from ....files.digest import hash_file
+from ....files.trees import diff_trees
+from ....models.ownership import Ownership
+from ....models.record import (
+    Artifact,
+    Collection,
+    ContainerInfo,
+    Failure,
+    Inputs,
+    ModelInfo,
+    ReplayRecord,
+    ReplayStatus,
+    TrajectoryRef,
+)
+from ....models.replay import Attempt, PreparedReplay
+from ....models.result import ReplayResult
+from ....models.units import format_duration, format_size
+from . import container as sandbox
+from .collect import Collected
+from .launch import limits
+from .stage import Staging
+
+#: The gateway's journal of a live continuation, relative to the run directory.
+MODEL_JOURNAL = "model-traffic.jsonl"
+
+
+class AttemptState:
+    """What one attempt has found out so far; :func:`build_record` makes its record."""
+
+    def __init__(self, prepared: PreparedReplay, attempt: Attempt) -> None:
+        self.prepared = prepared
+        self.attempt = attempt
+        self.timings = dict(prepared.timings) if attempt.number == 1 else {}
+        self.started_at = datetime.now(UTC)
+        self.outcome = sandbox.WaitOutcome(exit_code=None)
+        self.result: ReplayResult | None = None
+        self.protocol_error: str | None = None
+        self.collected = Collected()
+        self.logs_truncated = False
+        self.interrupted = False
+        self.infra_error: str | None = None
+        self.used_gateway = False
+
+    def phase(self, name: str, since: float) -> float:
+        """Note that phase ``name`` took from ``since`` until now; return now."""
+        now = time.monotonic()
+        self.timings[name] = round(now - since, 4)
+        return now
+
+
+def classify(
+    outcome: sandbox.WaitOutcome,
+    result: ReplayResult | None,
+    *,
+    interrupted: bool = False,
+    infra_error: str | None = None,
+    protocol_error: str | None = None,
+    timeout: float,
+    memory: int,
+) -> tuple[ReplayStatus, Failure | None]:
+    """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
+
+    An OOM kill anywhere in the sandbox counts as ``oom`` even when pvisor survived it: a replayed
+    tool that ran out of memory produced a different observation than the recording.
+    """
+    if interrupted:
+        return "interrupted", Failure(category="interrupted", message="interrupted by the user (Ctrl-C or SIGTERM)")
+    if outcome.timed_out:
+        return "timeout", Failure(
+            category="timeout", message=f"the sandbox ran past --timeout {format_duration(timeout)} and was killed"
+        )
+    if outcome.oom_killed:
+        return "oom", Failure(
+            category="oom",
+            message=f"the sandbox ran out of memory (--memory {format_size(memory)}); the kernel killed a process",
+        )
+    if infra_error:
+        return "infra_error", Failure(category="infra_error", message=infra_error)
+    if result is None:
+        message = protocol_error or "pvisor printed no result"
+        return "infra_error", Failure(category="infra_error", message=f"{message} (exit code {outcome.exit_code})")
+    if result.failure is not None:
+        return "replay_failed", Failure(
+            category=result.failure.category, message=result.failure.message, retryable=result.retryable
+        )
+    if outcome.exit_code != 0:
+        return "infra_error", Failure(
+            category="infra_error", message=f"pvisor exited {outcome.exit_code} although its result reports success"
+        )
+    return "ok", None
+
+
+def build_record(
+    state: AttemptState,
+    staging: Staging,
+    cspec: sandbox.ContainerSpec,
+    info: ContainerInfo,
+    ownership: Ownership,
+) -> ReplayRecord:
+    """The attempt's record (see :mod:`pvisor_host.models.record`)."""
+    prepared = state.prepared
+    status, failure = classify(
+        state.outcome,
+        state.result,
+        interrupted=state.interrupted,
+        infra_error=state.infra_error or state.collected.error,
+        protocol_error=state.protocol_error,
+        timeout=prepared.spec.timeout,
+        memory=prepared.spec.memory,
+    )
+    info.exit_code = state.outcome.exit_code
+    info.oom_killed = state.outcome.oom_killed
+    info.timed_out = state.outcome.timed_out
+    reports = state.collected.reports
+    workspace = reports.get("workspace")
+    changes = None
+    if workspace is not None:
+        changes = diff_trees(staging.workspace_before, workspace.entries, complete=not workspace.truncated)
+    state.timings["total"] = round(sum(v for k, v in state.timings.items() if k != "total"), 4)
+    return ReplayRecord(
+        pvisor_host_version=__version__,
+        run_id=state.attempt.run_id,
+        status=status,
+        failure=failure,
+        started_at=state.started_at,
+        finished_at=datetime.now(UTC),
+        timings=state.timings,
+        inputs=_inputs(prepared, staging.trajectory_in_sandbox),
+        image=prepared.image,
+        limits=limits(prepared, cspec),
+        container=info,
+        result=state.result,
+        artifacts=_artifacts(state),
+        workspace_changes=changes,
+        collection=Collection(
+            truncated=any(r.truncated for r in reports.values()),
+            bytes=sum(r.bytes for r in reports.values()),
+            skipped=[s for r in reports.values() for s in r.skipped],
+            logs_truncated=state.logs_truncated,
+        ),
+        model=_model_info(state),
+        attempt=state.attempt.number,
+        host={"hostname": socket.gethostname(), "owner": ownership.owner},
+    )
+
+
+def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
+    spec = prepared.spec
+    return Inputs(
+        agent=prepared.profile.agent,
+        after_step=spec.after_step,
+        mode=spec.mode,
+        max_steps=spec.max_steps,
+        boundary_user_prompt=spec.boundary_user_prompt,
+        disable_thinking=spec.disable_thinking,
+        allow_stale_observations=spec.allow_stale_observations,
+        session_id=spec.session_id,
+        workspace_dir=str(spec.workspace_dir.absolute()) if spec.workspace_dir else None,
+        workspace_from_image=spec.image_workspace,
+        workspace_path=prepared.workspace_path,
+        collect_workspace=not spec.no_workspace,
+        env_names=list(spec.env),
+        trajectory=TrajectoryRef(
+            path=str(prepared.trajectory.path),
+            size=prepared.trajectory.size,
+            sha256=prepared.trajectory.sha256,
+            mounted_at=staging_path,
+        ),
+    )
+
+
+def _artifacts(state: AttemptState) -> list[Artifact]:
+    out = state.attempt.run_dir
+    roles = _result_roles(state.result)
+    artifacts: list[Artifact] = []
+    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", MODEL_JOURNAL):
+        path = out / name
+        if path.is_file():
+            size, digest = hash_file(path)
+            artifacts.append(Artifact(path=name, size=size, sha256=digest))
+    for tree, report in state.collected.reports.items():
+        for entry in report.entries:
+            if entry.kind == "file" and entry.sha256 is not None:
+                relative = f"{tree}/{entry.path}"
+                role, fmt = roles.get(relative, (None, None)) if tree == "output" else (None, None)
+                if role is None and tree == "output":
+                    role, fmt = _directory_role(roles, relative)
+                artifacts.append(Artifact(path=relative, size=entry.size, sha256=entry.sha256, role=role, format=fmt))
+    return artifacts
+
+
+def _result_roles(result: ReplayResult | None) -> dict[str, tuple[str, str]]:
+    if result is None or not result.output_dir:
+        return {}
+    prefix = result.output_dir.rstrip("/") + "/"
+    return {
+        "output/" + a.path[len(prefix) :]: (a.role, a.format) for a in result.artifacts if a.path.startswith(prefix)
+    }
+
+
+def _directory_role(roles: dict[str, tuple[str, str]], relative: str) -> tuple[str | None, str | None]:
+    for path, (role, fmt) in roles.items():
+        if relative.startswith(path.rstrip("/") + "/"):
+            return role, fmt
+    return None, None
+
+
+def _model_info(state: AttemptState) -> ModelInfo | None:
+    upstream = state.prepared.spec.continuation
+    if upstream is None or not state.used_gateway:
+        return None
+    journal: Path = state.attempt.run_dir / MODEL_JOURNAL
+    requests_seen = len(journal.read_text(encoding="utf-8").splitlines()) if journal.is_file() else 0
+    return ModelInfo(
+        upstream=upstream.base_url,
+        model=upstream.model,
+        network=upstream.network,
+        api_key_env=upstream.api_key_env,
+        journal=MODEL_JOURNAL if upstream.gateway else None,
+        requests=requests_seen,
+    )

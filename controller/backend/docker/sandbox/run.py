@@ -1,0 +1,170 @@
+"""Run stage: one prepared replay's attempt in one hardened container, from staging to ``record.json``.
+
+:func:`run_attempt` stages the run directory (:mod:`.stage`), runs ``pvisor replay`` in a container made by
+:func:`~.container.sandbox_container` (removed on every path), waits with the timeout, collects logs and
+trees (:mod:`.collect`), parses pvisor's result, and writes ``result.json`` and ``record.json`` atomically
+(:mod:`.outcome`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import docker
+from loguru import logger
+
+from ....errors import InfrastructureError, Interrupted, UsageError
+from ....files.archive import Budget
+from ....files.atomic import write_atomic
+from ....files.trees import Entry
+from ....models.ownership import Ownership
+from ....models.record import ContainerInfo, ReplayRecord, save_record
+from ....models.replay import Attempt, PreparedReplay
+from ....models.result import parse_result
+from ....signals import deferred_interrupts
+from ..cleanup import usage
+from ..gateway import Gateway, ModelAccess
+from . import container as sandbox
+from . import launch
+from .collect import collect_logs, collect_trees
+from .outcome import MODEL_JOURNAL, AttemptState, build_record
+from .seed import seed_from_image
+from .stage import RUN_MOUNT, Staging, remove_staging, stage, staging_root
+
+
+def run_attempt(
+    client: docker.DockerClient,
+    ownership: Ownership,
+    prepared: PreparedReplay,
+    attempt: Attempt,
+    *,
+    gateway: Gateway | None = None,
+    cancel: threading.Event | None = None,
+) -> ReplayRecord:
+    """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
+
+    An attempt that ran always yields a record, whatever its status. Ctrl-C (or ``cancel``) removes the
+    container, writes a record with status ``interrupted`` and raises :class:`Interrupted`.
+    """
+    model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL) if gateway is not None else None
+    try:
+        return _run(client, ownership, prepared, attempt, model, cancel)
+    finally:
+        if gateway is not None and model is not None:
+            gateway.release(model.token)
+
+
+def _run(
+    client: docker.DockerClient,
+    ownership: Ownership,
+    prepared: PreparedReplay,
+    attempt: Attempt,
+    model: ModelAccess | None,
+    cancel: threading.Event | None,
+) -> ReplayRecord:
+    state = AttemptState(prepared, attempt)
+    state.used_gateway = model is not None
+    out = attempt.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    clock = time.monotonic()
+    staging: Staging | None = None
+    cspec: sandbox.ContainerSpec | None = None
+    info: ContainerInfo | None = None
+    try:
+        staging = stage(
+            staging_root(out),
+            trajectory=prepared.trajectory.path,
+            trajectory_sha256=prepared.trajectory.sha256,
+            workspace_source=prepared.spec.workspace_dir,
+            user=prepared.user,
+            env=launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env}),
+            workspace_seed=_image_seed(client, ownership, prepared),
+        )
+        clock = state.phase("stage", clock)
+        cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
+        info = ContainerInfo(name=cspec.name, command=cspec.command)
+        _run_container(client, state, cspec, info, cancel, clock)
+    except KeyboardInterrupt:
+        state.interrupted = True
+    except InfrastructureError as exc:
+        state.infra_error = exc.one_line()
+    except UsageError:
+        if staging is None:  # the staging itself was refused (e.g. --image-workspace): nothing ran
+            remove_staging(staging_root(out))
+        raise
+    finally:
+        if staging is not None:
+            with deferred_interrupts():
+                remove_staging(staging.root)
+    if staging is None or cspec is None or info is None:
+        raise Interrupted("interrupted before the sandbox started; nothing ran")
+    record = build_record(state, staging, cspec, info, ownership)
+    save_record(record, out)
+    if state.interrupted:
+        raise Interrupted("interrupted; the container was removed and record.json says status interrupted")
+    return record
+
+
+def _image_seed(
+    client: docker.DockerClient, ownership: Ownership, prepared: PreparedReplay
+) -> Callable[[Path], list[Entry]] | None:
+    if not prepared.spec.image_workspace:
+        return None
+    budget = Budget(prepared.spec.collect_limit)
+    return lambda dest: seed_from_image(client, ownership, prepared.image.id, prepared.workspace_path, dest, budget)
+
+
+def _run_container(
+    client: docker.DockerClient,
+    state: AttemptState,
+    cspec: sandbox.ContainerSpec,
+    info: ContainerInfo,
+    cancel: threading.Event | None,
+    clock: float,
+) -> None:
+    prepared = state.prepared
+    spec = prepared.spec
+    out = state.attempt.run_dir
+    with sandbox.sandbox_container(client, cspec) as box:
+        info.id = box.id
+        built = prepared.built
+        usage.record_use(prepared.image.id, prepared.image.runtime_volume, built.id if built else None)
+        clock = state.phase("create", clock)
+        sandbox.start(box)
+        logger.info(
+            "running {} {} (after step {}) in container {} [{}]",
+            prepared.profile.agent,
+            spec.mode,
+            spec.after_step,
+            box.short_id,
+            cspec.name,
+        )
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
+        state.outcome = sandbox.wait(box, spec.timeout)
+        clock = state.phase("run", clock)
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
+        state.logs_truncated = collect_logs(box, out / "logs")
+        _parse(state, out / "logs" / "stdout.log")
+        trees = {
+            "output": f"{RUN_MOUNT}/output/{state.attempt.run_id}",
+            "state": f"{RUN_MOUNT}/state/{state.attempt.run_id}",
+        }
+        if not spec.no_workspace:
+            trees["workspace"] = prepared.workspace_path
+        state.collected = collect_trees(box, trees, out, spec.collect_limit)
+        state.phase("collect", clock)
+
+
+def _parse(state: AttemptState, stdout: Path) -> None:
+    try:
+        raw, state.result = parse_result(stdout.read_bytes())
+    except Exception as exc:  # ResultProtocolError, or an unreadable log
+        state.protocol_error = str(exc)
+        return
+    write_atomic(state.attempt.run_dir / "result.json", raw + b"\n")

@@ -1,0 +1,131 @@
+"""Stage stage: the per-run directory the sandbox sees, built on the host before the container starts.
+
+Layout under ``<out>/.pvisor-host-staging/`` (removed on every path when the run ends)::
+
+    input/       bound read-only at /pvisor-host/input: the trajectory copy (0444), entry.sh,
+                 env.sh (0400, the sandbox user's: values of --env variables)
+    workspace/   bound read-write at the workspace path: a fresh copy of --workspace-dir, or of the
+                 image's own directory there (--image-workspace), or empty
+    run/         bound read-write at /pvisor-host/run: pvisor's --state-dir and --output-dir roots
+
+The trajectory is copied (and hashed while copying) so the sandbox reads exactly the bytes the record
+names, whatever happens to the host file meanwhile, and so its permissions suit the sandbox user.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from ....errors import UsageError
+from ....files.digest import hash_file
+from ....files.trees import Entry, chown_tree, copy_tree, remove_tree
+from ....models.replay import STAGING_NAME
+from ....models.spec import parse_user
+
+INPUT_MOUNT = "/pvisor-host/input"
+RUN_MOUNT = "/pvisor-host/run"
+
+
+class Staging(BaseModel):
+    """A staged run directory."""
+
+    model_config = ConfigDict(frozen=True)
+
+    root: Path
+    input_dir: Path
+    workspace_dir: Path
+    run_dir: Path
+    trajectory_in_sandbox: str
+    workspace_before: list[Entry]
+
+
+def staging_root(out_dir: Path) -> Path:
+    """Where a run's staging directory lives (inside the run directory, removed after the run)."""
+    return out_dir / STAGING_NAME
+
+
+def _sandbox_owner(uid: int, gid: int) -> tuple[int | None, int | None]:
+    """Owner to give staged files: the sandbox user when we can chown (as root), else leave ours."""
+    if os.geteuid() == 0 and uid != 0:
+        return uid, gid
+    return None, None
+
+
+def planned_staging(root: Path, trajectory: Path) -> Staging:
+    """The layout :func:`stage` creates under ``root``, without creating anything (for ``batch --plan``)."""
+    return Staging(
+        root=root,
+        input_dir=root / "input",
+        workspace_dir=root / "workspace",
+        run_dir=root / "run",
+        trajectory_in_sandbox=f"{INPUT_MOUNT}/{_sandbox_name(trajectory.name)}",
+        workspace_before=[],
+    )
+
+
+def stage(
+    root: Path,
+    *,
+    trajectory: Path,
+    trajectory_sha256: str,
+    workspace_source: Path | None,
+    user: str,
+    env: dict[str, str],
+    workspace_seed: Callable[[Path], list[Entry]] | None = None,
+) -> Staging:
+    """Create the staging directory under ``root`` for one run (see the module docstring)."""
+    uid, gid = parse_user(user)
+    owner_uid, owner_gid = _sandbox_owner(uid, gid)
+    layout = planned_staging(root, trajectory)
+    root.mkdir(mode=0o755)
+    input_dir = layout.input_dir
+    input_dir.mkdir(mode=0o755)
+
+    copy = input_dir / Path(layout.trajectory_in_sandbox).name
+    shutil.copyfile(trajectory, copy)
+    if hash_file(copy)[1] != trajectory_sha256:
+        raise UsageError(f"trajectory {trajectory} changed while pvisor-host was checking it", hint="run again")
+    copy.chmod(0o444)
+
+    entry = input_dir / "entry.sh"
+    entry.write_bytes(resources.files("pvisor_host.assets").joinpath("entry.sh").read_bytes())
+    entry.chmod(0o555)
+    if env:
+        env_file = input_dir / "env.sh"
+        env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items()), encoding="utf-8")
+        env_file.chmod(0o400)
+        if owner_uid is not None:
+            os.chown(env_file, owner_uid, owner_gid if owner_gid is not None else owner_uid)
+
+    workspace = layout.workspace_dir
+    if workspace_source is not None:
+        before = copy_tree(workspace_source, workspace, uid=owner_uid, gid=owner_gid)
+    else:
+        workspace.mkdir(mode=0o755)
+        before = workspace_seed(workspace) if workspace_seed is not None else []
+        if owner_uid is not None:
+            chown_tree(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
+    run_dir = layout.run_dir
+    run_dir.mkdir(mode=0o700)
+    if owner_uid is not None:
+        os.chown(run_dir, owner_uid, owner_gid or owner_uid)
+    return layout.model_copy(update={"workspace_before": before})
+
+
+def _sandbox_name(name: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
+    if not safe or safe in {"entry.sh", "env.sh"}:
+        safe = "trajectory" + (Path(name).suffix or ".jsonl")
+    return safe
+
+
+def remove_staging(root: Path) -> None:
+    """Delete a staging directory, whatever the sandbox did to directory permissions inside it."""
+    remove_tree(root)

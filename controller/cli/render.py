@@ -1,0 +1,302 @@
+"""Human-readable output of the CLI (rich); ``--json`` output bypasses this module."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections import Counter
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..fanout.report import BatchSummary, ItemResult
+from ..models.housekeeping import AgentStatus, CatalogEntry, GcReport, HealthReport, PruneResult
+from ..models.image import BuiltImage
+from ..models.record import ReplayRecord
+from ..models.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from ..fanout.plan import ItemPlan
+
+_STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def built_image(console: Console, built: BuiltImage) -> None:
+    """One line per fact about a built (or found) image."""
+    how = "found (nothing to build)" if built.cached else f"built and verified in {format_duration(built.seconds)}"
+    console.print(f"[bold]{built.tag}[/bold] {how}")
+    console.print(
+        f"  agent {built.agent} {built.agent_version}, pvisor {built.pvisor_version}, {format_size(built.size)}"
+    )
+    console.print(f"  base {built.base.ref} ({built.base.source})")
+
+
+def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> None:
+    """The end-of-run summary: status, what pvisor did, what changed, where everything is."""
+    style = _STATUS_STYLE.get(record.status, "red")
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column()
+    table.add_row("status", f"[{style}]{record.status}[/{style}]")
+    if record.failure:
+        table.add_row("failure", f"{record.failure.category}: {record.failure.message}")
+    result = record.result
+    if result is not None and result.phase is not None:
+        table.add_row("phase", f"{result.phase} ({result.quality}), agent {result.agent_status}")
+        table.add_row(
+            "replayed",
+            f"{result.replayed_tool_calls} tool calls up to step {result.after_step}"
+            f" ({result.prefix_model_turns} model turns), {result.continued_steps} continued steps",
+        )
+    changes = record.workspace_changes
+    if changes is not None:
+        table.add_row(
+            "workspace", f"{len(changes.added)} added, {len(changes.changed)} changed, {len(changes.removed)} removed"
+        )
+    if record.collection.truncated:
+        table.add_row("collected", "[yellow]truncated at the collect limit[/yellow]")
+    table.add_row("image", f"{record.image.ref} ({record.image.agent} {record.image.agent_version})")
+    table.add_row("time", format_duration(record.timings.get("total", 0.0)))
+    table.add_row("artifacts", f"{_relative(out_dir)}/ ({len(record.artifacts)} files, record.json)")
+    console.print(table)
+
+
+def agents_table(console: Console, statuses: list[AgentStatus], *, engine: bool) -> None:
+    """``pvisor-host agents``: one row per agent, then why the unavailable ones are."""
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for column in ("agent", "version", "install source", "image", "inject", "continuation needs"):
+        table.add_column(column, overflow="fold")
+    for s in statuses:
+        if not s.installable:
+            image = "unavailable (below)"
+        elif not engine:
+            image = "unknown (no engine)"
+        else:
+            image = s.image or "not built"
+        needs = s.continuation_api + ": " + ", ".join(group[0] for group in s.continuation_env)
+        table.add_row(s.agent, s.version, s.install_source, image, "yes" if s.injectable else "no", needs)
+    console.print(table)
+    for s in statuses:
+        if s.unavailable_reason:
+            console.print(f"\n[bold]{s.agent}[/bold]: {s.unavailable_reason}", highlight=False)
+
+
+def catalog_table(console: Console, entries: list[CatalogEntry], *, show_all: bool = False) -> None:
+    """``pvisor-host images``: what a user can act on; the builder's untagged intermediate layers only with
+    ``show_all`` (otherwise counted in one line)."""
+    shown = [e for e in entries if show_all or e.role != "build-cache"]
+    hidden = len(entries) - len(shown)
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for column in ("name", "kind", "agent", "pvisor", "size", "created", "last used", "in use"):
+        table.add_column(column, overflow="fold")
+    for e in shown:
+        table.add_row(
+            e.name if e.name != "<none>" else f"<none> {e.id[7:19]}",
+            e.role,
+            f"{e.agent} {e.agent_version}" if e.agent else "",
+            e.pvisor_version or "",
+            format_size(e.size),
+            e.created.strftime("%Y-%m-%d %H:%M"),
+            e.last_used.strftime("%Y-%m-%d %H:%M") if e.last_used else "never",
+            "yes" if e.in_use else "",
+        )
+    console.print(table)
+    console.print(f"{len(shown)} items, {format_size(sum(e.size for e in shown))} (shared layers counted per image)")
+    if hidden:
+        console.print(
+            f"{hidden} intermediate build layers not shown: `pvisor-host images --all` lists them; "
+            "`pvisor-host images prune` removes those no image is built on",
+            highlight=False,
+        )
+
+
+def prune_result(console: Console, result: PruneResult, *, dry_run: bool) -> None:
+    """``pvisor-host images prune``."""
+    verb = "would remove" if dry_run else "removed"
+    for entry in result.removed:
+        console.print(f"{verb} {entry.name} ({entry.kind}, {format_size(entry.size)})")
+    for name, reason in result.kept.items():
+        console.print(f"kept {name}: {reason}")
+    console.print(f"{verb} {len(result.removed)} items, {format_size(result.freed)}")
+
+
+def doctor_report(console: Console, report: HealthReport) -> None:
+    """``pvisor-host doctor``: one line per check, with the fix where one is needed."""
+    marks = {"ok": "[green]ok[/green]  ", "warn": "[yellow]warn[/yellow]", "fail": "[red]FAIL[/red]"}
+    for check in report.checks:
+        line = f"{marks[check.status]} {check.name}: {check.detail}"
+        if check.fix and check.status != "ok":
+            line += f" [dim]→ {check.fix}[/dim]"
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def _counts(counts: dict[str, int] | Counter[str]) -> str:
+    return ", ".join(f"{status} {count}" for status, count in sorted(counts.items())) or "none yet"
+
+
+class _StderrConsole(Console):
+    """A console whose closed pipe is an ``OSError`` to handle, not rich's ``SystemExit(1)``."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+class BatchProgress:
+    """Progress of a batch on stderr: a live bar on a terminal; a plain line every ``interval`` seconds and at
+    the end otherwise (CI logs); nothing with ``quiet``. Call it with each finished item."""
+
+    def __init__(self, total: int, *, quiet: bool = False, interval: float = 30.0) -> None:
+        self.total = total
+        self.quiet = quiet
+        self.interval = interval
+        self.console = _StderrConsole(stderr=True)
+        self.counts: Counter[str] = Counter()
+        self.done = 0
+        self.ran = 0
+        self.started = time.monotonic()
+        self.last_line = self.started
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __enter__(self) -> BatchProgress:
+        if not self.quiet and self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold]batch[/bold]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(_counts(self.counts), total=self.total, rate="")
+        return self
+
+    def __call__(self, result: ItemResult) -> None:
+        self.counts[result.status] += 1
+        self.done += 1
+        self.ran += result.ran
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=self.done, description=_counts(self.counts), rate=self._rate())
+        elif not self.quiet and time.monotonic() - self.last_line >= self.interval:
+            self._line()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif not self.quiet:
+            self._line()
+
+    def _rate(self) -> str:
+        minutes = (time.monotonic() - self.started) / 60
+        return f"{self.ran / minutes:.1f}/min" if minutes > 0 and self.ran else ""
+
+    def _line(self) -> None:
+        self.last_line = time.monotonic()
+        minutes = (self.last_line - self.started) / 60
+        rate = self.ran / minutes if minutes > 0 else 0.0
+        left = self.total - self.done
+        eta = f", eta {format_duration(left / rate * 60)}" if rate > 0 and left > 0 else ""
+        line = f"batch: {self.done}/{self.total} done ({_counts(self.counts)}), {rate:.1f} replays/min{eta}"
+        try:
+            self.console.print(line, highlight=False, soft_wrap=True)
+        except OSError:
+            self.quiet = True  # stderr is gone (a closed pipe): the batch goes on, its reports are files
+
+
+def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:
+    """The end of ``batch``: counts per status and failure category, timings, and where the results are."""
+    where = f"{_relative(out)}/summary.json, junit.xml"
+    head = f"{summary.items} items: {summary.ran} ran, {summary.skipped} skipped (finished earlier)"
+    if summary.interrupted:
+        head += ", [yellow]interrupted[/yellow]"
+    if summary.deadline_reached:
+        head += ", [yellow]deadline reached[/yellow]"
+    if quiet:
+        console.print(f"{head}; {_counts(summary.counts)}; {where}", highlight=False, soft_wrap=True)
+        return
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    table.add_column("status")
+    table.add_column("items", justify="right")
+    for status, count in summary.counts.items():
+        style = _STATUS_STYLE.get(status, "red")
+        table.add_row(f"[{style}]{status}[/{style}]", str(count))
+    console.print(head, highlight=False)
+    console.print(table)
+    if summary.categories:
+        console.print("failures: " + _counts(summary.categories), highlight=False, soft_wrap=True)
+    total = summary.timings.get("total", {})
+    console.print(
+        f"per item p50 {format_duration(total.get('p50', 0))}, p90 {format_duration(total.get('p90', 0))}; "
+        f"{summary.replays_per_minute} replays/min; {where}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def batch_plan(console: Console, plans: list[ItemPlan], *, json_output: bool) -> None:
+    """``batch --plan``: per item what would run, then the counts."""
+    if json_output:
+        console.print_json(data=[p.model_dump(mode="json") for p in plans])
+        return
+    for plan in plans:
+        style = {"run": "green", "skip": "dim", "reject": "red"}[plan.action]
+        console.print(f"[bold]{plan.id}[/bold] (line {plan.line}): [{style}]{plan.action}[/{style}]", highlight=False)
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="dim")
+        grid.add_column(overflow="fold")
+        if plan.reason:
+            grid.add_row("why", plan.reason)
+        if plan.action != "reject":
+            grid.add_row("image", f"{plan.image or '-'} {plan.image_id or ''}".strip())
+            if plan.image_note:
+                grid.add_row("", plan.image_note)
+            grid.add_row("mounts", "\n".join(plan.mounts))
+            if plan.limits is not None:
+                lim = plan.limits
+                grid.add_row(
+                    "limits",
+                    f"memory {format_size(lim.memory)}, cpus {lim.cpus:g}, pids {lim.pids}, "
+                    f"timeout {format_duration(lim.timeout)}, network {lim.network}, user {lim.user}, "
+                    f"{'read-only' if lim.read_only_rootfs else 'writable'} rootfs",
+                )
+            if plan.model_gateway:
+                grid.add_row("model", f"host-side gateway over {plan.model_gateway}")
+            grid.add_row("command", shlex.join(plan.command))
+            grid.add_row("key", plan.content_key or "known once the image is built")
+        console.print(grid)
+    actions = Counter(p.action for p in plans)
+    console.print(
+        f"{len(plans)} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
+    )
+
+
+def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:
+    """``pvisor-host gc``."""
+    verb = "would remove" if dry_run else "removed"
+    for r in report.orphans:
+        if r.name in report.failed:
+            console.print(f"[red]could not remove[/red] {r.kind} {r.name}: {report.failed[r.name]}", highlight=False)
+        else:
+            console.print(f"{verb} {r.kind} {r.name} (owner {r.owner} is gone)", highlight=False)
+    done = len(report.orphans) - len(report.failed)
+    console.print(
+        f"{verb} {done} resources; left {report.live} of live pvisor-host processes"
+        f" and {report.other_hosts} of other hosts",
+        highlight=False,
+    )

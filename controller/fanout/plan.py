@@ -1,0 +1,115 @@
+"""``batch --plan``: what every item would run, decided on the host. No container starts.
+
+Each item gets the same pre-flight ``replay`` does (including pvisor's own ``--prepare-only`` on the
+host), then the image it would use (the backend's preview), the mounts, limits and command of its sandbox
+(the backend's description), its content key and whether a rerun would skip it. Images still to be built
+are named by the tag ``build`` would give them; their content keys are known only once they exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+from pydantic import BaseModel
+
+from ..backend.base import Backend
+from ..errors import PvisorHostError
+from ..files.digest import tree_sha256
+from ..models.image import ImagePlan, ImagePreview
+from ..models.record import Limits
+from ..preflight.checks import agent_checks, check_inputs
+from ..preflight.prepare import assemble
+from .manifest import BatchItem
+from .memo import Memo
+from .resume import content_key, finished_result, item_run_id
+from .scheduler import BatchOptions, image_key, image_request
+
+
+class ItemPlan(BaseModel):
+    """One item of a batch plan."""
+
+    id: str
+    line: int
+    action: Literal["run", "skip", "reject"]
+    """``skip``: a complete record with the same content key exists; ``reject``: pre-flight refused it."""
+    reason: str | None = None
+    """Why it is skipped or rejected."""
+    agent: str | None = None
+    image: str | None = None
+    image_id: str | None = None
+    """None while the image is still to be built."""
+    image_note: str | None = None
+    """What happens to the image before the first run (a build, a probe)."""
+    mounts: list[str] = []
+    """``source:target:ro|rw`` (a volume by name)."""
+    limits: Limits | None = None
+    command: list[str] = []
+    """The command in the sandbox (the run id's suffix is drawn anew at run time)."""
+    model_gateway: str | None = None
+    """How a live continuation reaches the host-side gateway (its socket or network is made per run)."""
+    content_key: str | None = None
+    exit_code: int | None = None
+    """For ``reject``: the exit code the refusal maps to (2 for a bad item, 6 for an engine failure)."""
+
+
+def plan_batch(items: Iterable[BatchItem], backend: Backend, options: BatchOptions) -> Iterator[ItemPlan]:
+    """Plan every item, one at a time (see the module docstring)."""
+    previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
+    workspaces: Memo[str] = Memo()
+    for item in items:
+        try:
+            yield _plan_item(item, backend, options, previews, workspaces)
+        except PvisorHostError as exc:
+            yield ItemPlan(
+                id=item.id,
+                line=item.line,
+                action="reject",
+                reason=exc.one_line(),
+                agent=item.spec.agent,
+                exit_code=exc.exit_code,
+            )
+
+
+def _plan_item(
+    item: BatchItem,
+    backend: Backend,
+    options: BatchOptions,
+    previews: Memo[tuple[ImagePlan, ImagePreview]],
+    workspaces: Memo[str],
+) -> ItemPlan:
+    spec = item.spec
+    run_dir = options.out / item.id
+    checked = check_inputs(spec, run_id=item_run_id(item.id), out_dir=run_dir)
+
+    def look_up() -> tuple[ImagePlan, ImagePreview]:
+        plan = backend.plan_image(image_request(spec))
+        return plan, backend.preview_image(plan)
+
+    plan, preview = previews.get(image_key(spec), look_up)
+    agent = agent_checks(checked, plan.profile)
+    key = None
+    if preview.exists:
+        source = spec.workspace_dir
+        workspace = workspaces.get(source, lambda: tree_sha256(source)) if source is not None else None
+        key = content_key(spec, checked.trajectory.sha256, preview.image, workspace)
+    sandbox = backend.describe_sandbox(assemble(checked, agent, preview.image))
+    upstream = spec.continuation
+    result = ItemPlan(
+        id=item.id,
+        line=item.line,
+        action="run",
+        agent=plan.profile.agent,
+        image=preview.image.ref if preview.exists else None,
+        image_id=preview.image.id if preview.exists else None,
+        image_note=preview.note,
+        mounts=sandbox.mounts,
+        limits=sandbox.limits,
+        command=sandbox.command,
+        model_gateway=upstream.network if upstream is not None else None,
+        content_key=key,
+    )
+    earlier = finished_result(run_dir, key, options.rerun_failed) if key is not None else None
+    if earlier is not None:
+        result = result.model_copy(update={"action": "skip", "reason": f"finished earlier: {earlier.status}"})
+    return result

@@ -1,0 +1,221 @@
+"""Batch results for people and machines: ``summary.json``, ``junit.xml``, a GitHub step summary, a table."""
+
+from __future__ import annotations
+
+import math
+import os
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ..errors import ExitCode, UsageError
+from ..files.atomic import write_atomic
+
+SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
+#: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
+FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
+#: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
+JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
+JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
+PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
+
+
+class ItemResult(BaseModel):
+    """How one batch item ended (this run, or in an earlier run it was skipped for)."""
+
+    id: str
+    line: int
+    agent: str | None = None
+    status: str
+    """A record status (``ok``, ``replay_failed``, ``timeout``, ``oom``, ``infra_error``, ``interrupted``),
+    ``rejected`` (refused before a sandbox started) or ``not_run`` (the deadline passed first)."""
+    category: str | None = None
+    message: str | None = None
+    timings: dict[str, float] = {}
+    attempts: int = 0
+    skipped: bool = False
+    """Finished in an earlier run with the same content key, so not run again."""
+    path: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        """Ran to a final status in this run."""
+        return not self.skipped and self.status in FINAL_STATUSES
+
+
+class BatchSummary(BaseModel):
+    """``summary.json``."""
+
+    schema_version: str = SUMMARY_SCHEMA
+    started_at: datetime
+    finished_at: datetime
+    items: int
+    """Items in the manifest (an interrupted batch has results for fewer)."""
+    ran: int
+    """Items that ran to a final status in this run (not skipped, refused, interrupted or left unstarted)."""
+    skipped: int
+    interrupted: bool = False
+    deadline_reached: bool = False
+    counts: dict[str, int]
+    """Items per status."""
+    categories: dict[str, int]
+    """Items per failure category (pvisor's for ``replay_failed``; the status otherwise)."""
+    timings: dict[str, dict[str, float]]
+    """Per phase: p50, p90, p99 and max seconds over the items that have a record."""
+    replays_per_minute: float
+    failed: list[str]
+    """Ids of the items that did not end ``ok``."""
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def summarize(
+    results: list[ItemResult],
+    *,
+    total: int,
+    started: datetime,
+    finished: datetime,
+    interrupted: bool,
+    deadline: bool,
+) -> BatchSummary:
+    """Counts, categories, percentiles and throughput of a batch."""
+    ran = [r for r in results if r.ran]
+    minutes = max((finished - started).total_seconds() / 60, 1e-9)
+    timings = {}
+    for phase in PHASES:
+        values = [r.timings[phase] for r in results if phase in r.timings]
+        timings[phase] = {
+            "p50": percentile(values, 0.5),
+            "p90": percentile(values, 0.9),
+            "p99": percentile(values, 0.99),
+            "max": max(values, default=0.0),
+        }
+    return BatchSummary(
+        started_at=started,
+        finished_at=finished,
+        items=total,
+        ran=len(ran),
+        skipped=sum(r.skipped for r in results),
+        interrupted=interrupted,
+        deadline_reached=deadline,
+        counts=dict(sorted(Counter(r.status for r in results).items())),
+        categories=dict(sorted(Counter(r.category for r in results if r.category).items())),
+        timings=timings,
+        replays_per_minute=round(len(ran) / minutes, 2),
+        failed=[r.id for r in results if r.status != "ok"],
+    )
+
+
+def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
+    """One testcase per item; failures carry the category and message, errors the infrastructure ones."""
+    suite = ET.Element(
+        "testsuite",
+        name="pvisor-host batch",
+        tests=str(len(results)),
+        failures=str(sum(r.status in JUNIT_FAILURES for r in results)),
+        errors=str(sum(r.status in JUNIT_ERRORS for r in results)),
+        skipped=str(sum(r.status == "not_run" for r in results)),
+        time=f"{(summary.finished_at - summary.started_at).total_seconds():.3f}",
+        timestamp=summary.started_at.isoformat(timespec="seconds"),
+    )
+    for r in results:
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            name=r.id,
+            classname=f"pvisor-host.{r.agent or 'replay'}",
+            time=f"{r.timings.get('total', 0):.3f}",
+        )
+        message = f"{r.category}: {r.message}" if r.message else (r.category or r.status)
+        if r.status in JUNIT_FAILURES:
+            ET.SubElement(case, "failure", type=r.category or r.status, message=message).text = message
+        elif r.status in JUNIT_ERRORS:
+            ET.SubElement(case, "error", type=r.category or r.status, message=message).text = message
+        elif r.status == "not_run":
+            ET.SubElement(case, "skipped", message="the batch deadline passed before this item started")
+        if r.path:
+            ET.SubElement(case, "system-out").text = f"run directory: {r.path}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
+
+
+def markdown(summary: BatchSummary, out: Path) -> str:
+    """The GitHub step summary."""
+    lines = [
+        "### pvisor-host batch",
+        "",
+        f"{summary.items} items: {summary.ran} ran, {summary.skipped} skipped (finished earlier); "
+        f"{summary.replays_per_minute} replays/minute"
+        + (" — **interrupted**" if summary.interrupted else "")
+        + (" — **deadline reached**" if summary.deadline_reached else ""),
+        "",
+        "| status | items |",
+        "|---|---|",
+        *(f"| {status} | {count} |" for status, count in summary.counts.items()),
+    ]
+    if summary.categories:
+        lines += ["", "| failure category | items |", "|---|---|"]
+        lines += [f"| {category} | {count} |" for category, count in summary.categories.items()]
+    run = summary.timings.get("total", {})
+    lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. Results: `{out}`", ""]
+    return "\n".join(lines)
+
+
+def write_reports(out: Path, results: list[ItemResult], summary: BatchSummary) -> None:
+    """``summary.json`` and ``junit.xml`` (atomically), and the GitHub step summary when it is asked for."""
+    write_atomic(out / "summary.json", summary.model_dump_json(indent=2).encode() + b"\n")
+    write_atomic(out / "junit.xml", junit(results, summary))
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:
+        with open(step_summary, "a", encoding="utf-8") as handle:
+            handle.write(markdown(summary, out) + "\n")
+
+
+def allowed_failures(text: str | None) -> Callable[[int], int]:
+    """``--allow-failures``: ``N`` items, or ``P%`` of the total (rounded down); none when not given.
+
+    Returns how many failures a batch of a given size may have (parsed now, so a bad value fails first).
+    """
+    if text is None:
+        return lambda total: 0
+    value = text.strip()
+    try:
+        if value.endswith("%"):
+            percent = float(value[:-1])
+            if not 0 <= percent <= 100:
+                raise ValueError
+            return lambda total: math.floor(total * percent / 100)
+        count = int(value)
+        if count < 0:
+            raise ValueError
+        return lambda total: count
+    except ValueError:
+        raise UsageError(f"--allow-failures {text!r}: pass a number of items (3) or a percentage (5%)") from None
+
+
+def exit_code(summary: BatchSummary, allowed: int) -> ExitCode:
+    """130 when interrupted; 0 when at most ``allowed`` items are not ok; else 4 if the deadline cut the batch
+    short; 6 when every item that is not ok failed on the infrastructure (the engine, a build), not on its
+    replay; 1 otherwise. Items never started count as not ok."""
+    if summary.interrupted:
+        return ExitCode.INTERRUPTED
+    not_ok = summary.items - summary.counts.get("ok", 0)
+    if not_ok <= allowed:
+        return ExitCode.OK
+    if summary.deadline_reached:
+        return ExitCode.TIMEOUT
+    if summary.counts.get("infra_error", 0) == not_ok:
+        return ExitCode.INFRASTRUCTURE
+    return ExitCode.REPLAY_FAILED

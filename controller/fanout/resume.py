@@ -1,0 +1,90 @@
+"""Resuming a batch: an item's content key, what an earlier run left for it, and setting that aside.
+
+Each item has a content key — sha256 over the trajectory's sha256, the image id (and the agent image an
+injected runtime comes from), the workspace directory's content and every option that changes the
+outcome. An item whose directory holds a complete record with the same key is skipped (unless it failed
+and ``--rerun-failed``); anything else in its directory is moved to ``.previous/<id>/<time>/`` first, so
+nothing is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+
+from ..files.trees import remove_tree
+from ..models.image import ImageRef
+from ..models.record import ReplayRecord, load_record
+from ..models.replay import STAGING_NAME
+from ..models.spec import ReplaySpec
+from .report import FINAL_STATUSES, ItemResult
+
+#: Options that do not change an item's outcome, so changing them does not rerun it.
+NOT_OUTCOME: dict[str, bool | set[str]] = {
+    **dict.fromkeys(("trajectory", "out", "run_id", "workspace_dir", "attempts", "retry_backoff"), True),
+    "upstream": {"body_limit"},
+}
+
+
+def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageRef, workspace_sha256: str | None) -> str:
+    """The item's identity for resuming (see the module docstring)."""
+    material = {
+        "options": spec.model_dump(mode="json", exclude=NOT_OUTCOME),
+        "trajectory": trajectory_sha256,
+        "image": image.id,
+        "agent_image": image.agent_image,
+        "workspace": workspace_sha256,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def item_result(record: ReplayRecord, *, item_id: str, line: int, skipped: bool = False) -> ItemResult:
+    """An item's result from its record."""
+    return ItemResult(
+        id=item_id,
+        line=line,
+        agent=record.inputs.agent,
+        status=record.status,
+        category=record.failure.category if record.failure else None,
+        message=record.failure.message if record.failure else None,
+        timings=record.timings,
+        attempts=max(1, len(record.attempts)),
+        skipped=skipped,
+        path=item_id,
+    )
+
+
+def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult | None:
+    """The earlier result of an item, if its record is complete, has the same key and need not rerun."""
+    try:
+        record = load_record(run_dir / "record.json")
+    except (OSError, ValueError):
+        return None
+    if record.batch is None or record.batch.content_key != key or record.status not in FINAL_STATUSES:
+        return None
+    if rerun_failed and record.status != "ok":
+        return None
+    return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True)
+
+
+def set_aside(out: Path, item_id: str) -> None:
+    """Move whatever an earlier run left in the item's directory to ``.previous/<id>/<time>/``."""
+    run_dir = out / item_id
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return
+    # A controller killed mid-run leaves its staging behind, env.sh with secret values included: drop it.
+    for staging in [run_dir / STAGING_NAME, *run_dir.glob(f"attempts/*/{STAGING_NAME}")]:
+        remove_tree(staging)
+    target = out / ".previous" / item_id / datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%f")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(run_dir), str(target))
+
+
+def item_run_id(item_id: str) -> str:
+    """A run id for the item's first attempt: its id made pvisor-safe, plus a unique suffix."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', item_id)[:80]}-{secrets.token_hex(3)}"

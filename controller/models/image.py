@@ -1,0 +1,159 @@
+"""Images at the backend seam: what a replay asks for, how the backend means to get it, and what it got.
+
+The decision is a discriminated union (:data:`ImagePlan`): each kind carries exactly what it needs, and the
+agent's profile, resolved once, travels with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .profiles import AgentProfile
+
+#: Where an injected runtime's agent lives inside a sandbox (pvisor's ``--agent-runtime``).
+RUNTIME_ROOT = "/pvisor-host/runtime/agent"
+
+
+class ImageRef(BaseModel):
+    """The sandbox image and what it carries."""
+
+    ref: str
+    """The reference the image was asked for or built as (a tag)."""
+    id: str
+    """The engine's image id."""
+    agent: str
+    agent_version: str
+    pvisor_version: str
+    agent_entrypoint: str
+    """The agent executable inside the sandbox (under the runtime volume for ``inject``)."""
+    pvisor_path: str
+    verified_by: Literal["labels", "probe", "build", "inject"]
+    """How the versions were established: built and probed, the image's labels, a probe, or injected from a
+    verified agent image."""
+    runtime_volume: str | None = None
+    """``--inject``: the read-only runtime volume mounted at /pvisor-host/runtime."""
+    agent_image: str | None = None
+    """``--inject``: the verified agent image the runtime volume was filled from."""
+
+    @property
+    def runtime_root(self) -> str | None:
+        """pvisor's ``--agent-runtime`` directory when the agent is injected."""
+        return RUNTIME_ROOT if self.runtime_volume else None
+
+
+class BaseImage(BaseModel):
+    """The base an agent image builds on."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ref: str
+    id: str
+    source: Literal["local", "pulled", "bootstrapped", "bootstrapped-earlier"]
+    """Found locally, pulled from a registry, bootstrapped now with mmdebstrap, or bootstrapped earlier."""
+
+
+class BuiltImage(BaseModel):
+    """An agent image ready for replays (what ``pvisor-host build`` reports)."""
+
+    tag: str
+    id: str
+    agent: str
+    agent_version: str
+    pvisor_version: str
+    recipe_hash: str
+    """sha256 over the recipe files, build arguments, labels and the base image id."""
+    base: BaseImage
+    cached: bool
+    """True when the tag already existed and nothing was built."""
+    seconds: float = 0.0
+    size: int = 0
+
+
+class BuildOptions(BaseModel):
+    """How agent images are built when one must be (``--base``, ``--ca-bundle``, ``--bootstrap``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base: str | None = None
+    """Base image; default ``debian:<suite>-slim``, bootstrapped with mmdebstrap when no registry answers."""
+    ca_bundle: Path | None = None
+    """CA bundle for the build's downloads; default: ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE`` or ``PIP_CERT``."""
+    force_bootstrap: bool = False
+    """Bootstrap the Debian base even when a registry might have it."""
+
+
+class ImageRequest(BaseModel):
+    """The image part of a replay request: ``--image``, ``--agent`` (resolved to its profile), ``--inject``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    image: str | None = None
+    profile: AgentProfile | None = None
+    inject: bool = False
+
+
+class _Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    profile: AgentProfile
+    """The agent the image is for (given with ``--agent``, or named by the image's label)."""
+
+
+class BuildPlan(_Plan):
+    """Use the image ``pvisor-host build`` makes for the agent, building it when it is missing."""
+
+    action: Literal["build"] = "build"
+
+
+class _Existing(_Plan):
+    ref: str
+    """The image as the user named it."""
+    id: str
+    labels: dict[str, str] = {}
+
+
+class LabelledPlan(_Existing):
+    """An image pvisor-host built: its labels vouch for the pinned versions (no container needed)."""
+
+    action: Literal["labels"] = "labels"
+
+
+class ProbePlan(_Existing):
+    """An image pvisor-host did not build: a probe container must confirm the versions first."""
+
+    action: Literal["probe"] = "probe"
+
+
+class InjectPlan(_Existing):
+    """A task image used unchanged: pvisor and the agent come from a runtime volume filled from the agent image."""
+
+    action: Literal["inject"] = "inject"
+
+
+ImagePlan = Annotated[BuildPlan | LabelledPlan | ProbePlan | InjectPlan, Field(discriminator="action")]
+"""The image decision, made before anything runs."""
+
+
+class ResolvedImage(BaseModel):
+    """An image ready to run replays in."""
+
+    profile: AgentProfile
+    """The agent it runs (its profile, resolved once with the plan)."""
+    image: ImageRef
+    built: BuiltImage | None = None
+    """The agent image built or found on the way: the image itself for ``--agent`` alone, the runtime's source
+    for ``--inject``; None for an image the user named."""
+
+
+class ImagePreview(BaseModel):
+    """What :class:`ResolvedImage` a plan would give, found without building, probing or filling anything."""
+
+    image: ImageRef
+    """The image; while it is still to be built, a stand-in with the tag and versions it will have."""
+    exists: bool
+    """False while the image is still to be built (its id, and so content keys, are not known yet)."""
+    note: str | None = None
+    """What the first run does first (a build, a probe)."""

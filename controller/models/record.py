@@ -1,0 +1,199 @@
+"""pvisor-host's own record of one replay (``record.json``), versioned and written atomically.
+
+The record says what went in (inputs, the trajectory's sha256, the image and its versions, the limits
+applied), what happened (container, exit code, per-phase timings, status) and what came out (pvisor's
+parsed v3 result, every collected artifact with size and sha256, the workspace changes). It never holds
+secret values: environment variables appear by name only.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import BaseModel
+
+from ..files.archive import Skipped
+from ..files.atomic import write_atomic
+from ..files.trees import WorkspaceChanges
+from .image import ImageRef
+from .result import ReplayResult
+
+RECORD_SCHEMA: Final = "pvisor-host.record/v1"
+
+ReplayStatus = Literal["ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted"]
+
+
+class TrajectoryRef(BaseModel):
+    """The trajectory as it entered the sandbox."""
+
+    path: str
+    size: int
+    sha256: str
+    mounted_at: str
+
+
+class Inputs(BaseModel):
+    """The replay request, as run."""
+
+    agent: str
+    after_step: int
+    mode: str
+    max_steps: int | None
+    boundary_user_prompt: str | None
+    disable_thinking: bool
+    allow_stale_observations: bool
+    session_id: str | None
+    workspace_dir: str | None
+    workspace_from_image: bool = False
+    workspace_path: str
+    collect_workspace: bool
+    env_names: list[str]
+    trajectory: TrajectoryRef
+
+
+class Limits(BaseModel):
+    """The hardening and limits the container really got."""
+
+    user: str
+    network: str
+    read_only_rootfs: bool
+    cap_drop: list[str]
+    cap_add: list[str]
+    no_new_privileges: bool
+    memory: int
+    cpus: float
+    pids: int
+    tmp_size: int
+    timeout: float
+    collect_limit: int
+    init: bool = True
+
+
+class ContainerInfo(BaseModel):
+    """The container that ran pvisor."""
+
+    id: str | None = None
+    name: str
+    command: list[str]
+    exit_code: int | None = None
+    oom_killed: bool = False
+    timed_out: bool = False
+
+
+class Artifact(BaseModel):
+    """One collected file under the run directory."""
+
+    path: str
+    """Relative to the run directory (``output/manifest.json``, ``workspace/f.txt``, ...)."""
+    size: int
+    sha256: str
+    role: str | None = None
+    """pvisor's artifact role when pvisor listed the file in its result."""
+    format: str | None = None
+
+
+class Collection(BaseModel):
+    """How collection went."""
+
+    truncated: bool = False
+    """True when the collect limit cut the collection short."""
+    bytes: int = 0
+    skipped: list[Skipped] = []
+    logs_truncated: bool = False
+
+
+class Failure(BaseModel):
+    """Why the replay did not end ``ok``."""
+
+    category: str
+    """pvisor's ``failure.category`` for ``replay_failed``; otherwise the status itself."""
+    message: str
+    retryable: bool = False
+
+
+class ModelInfo(BaseModel):
+    """The live continuation's model, as the gateway saw it (never the key)."""
+
+    upstream: str
+    model: str
+    network: str
+    """``unix``, ``internal`` or ``pass-through``."""
+    api_key_env: str
+    """The name of the host variable the key came from."""
+    journal: str | None = None
+    """``model-traffic.jsonl`` (relative to the run directory); none with ``pass-through``."""
+    requests: int = 0
+
+
+class AttemptSummary(BaseModel):
+    """One attempt of a replay that was retried (each in a fresh sandbox with a new run id)."""
+
+    attempt: int
+    run_id: str
+    status: ReplayStatus
+    failure: Failure | None = None
+    started_at: datetime
+    finished_at: datetime
+    container_id: str | None = None
+    path: str
+    """Where the attempt's files are, relative to the run directory (``.`` for the final attempt)."""
+
+
+class BatchInfo(BaseModel):
+    """Where a batch item came from, and the key that decides whether a rerun may skip it."""
+
+    item_id: str
+    line: int
+    content_key: str
+    """sha256 over the trajectory's sha256, the image id and every option that changes the outcome."""
+
+
+class ReplayRecord(BaseModel):
+    """Everything about one replay; ``record.json`` in the run directory."""
+
+    schema_version: Literal["pvisor-host.record/v1"] = RECORD_SCHEMA
+    pvisor_host_version: str
+    run_id: str
+    status: ReplayStatus
+    failure: Failure | None = None
+    started_at: datetime
+    finished_at: datetime
+    timings: dict[str, float]
+    """Seconds per phase: preflight, image, stage, create, run, collect, total."""
+    inputs: Inputs
+    image: ImageRef
+    limits: Limits
+    container: ContainerInfo
+    result: ReplayResult | None = None
+    """pvisor's parsed ``sandbox-playback.result/v3``, when it printed one."""
+    artifacts: list[Artifact] = []
+    workspace_changes: WorkspaceChanges | None = None
+    collection: Collection = Collection()
+    model: ModelInfo | None = None
+    attempt: int = 1
+    """Which attempt this record is (pvisor's retryable failures are retried in fresh sandboxes)."""
+    attempts: list[AttemptSummary] = []
+    """Every attempt of the replay, this one last (in the top-level record only)."""
+    batch: BatchInfo | None = None
+    """For batch items: the item and its content key."""
+    host: dict[str, str] = {}
+
+    @property
+    def ok(self) -> bool:
+        """The replay ended with status ``ok``."""
+        return self.status == "ok"
+
+
+def save_record(record: ReplayRecord, run_dir: Path) -> Path:
+    """Write ``record.json`` atomically into ``run_dir``."""
+    path = run_dir / "record.json"
+    write_atomic(path, record.model_dump_json(indent=2).encode() + b"\n")
+    return path
+
+
+def load_record(path: Path) -> ReplayRecord:
+    """Read a ``record.json`` back."""
+    return ReplayRecord.model_validate(json.loads(path.read_text(encoding="utf-8")))

@@ -1,0 +1,326 @@
+"""What a user asks for: one replay, as a validated model.
+
+:class:`ReplaySpec` takes the options of ``pvisor-host replay`` one to one (field names are the option names
+with underscores), so the CLI, a batch manifest line and library callers all validate the same way. The
+``--model-*`` options only make sense together: they are grouped into one :class:`ModelUpstream` (all of
+the three it needs, or none). Sizes and durations accept the CLI's strings (``4g``, ``90m``) or numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import UsageError
+from .units import parse_duration, parse_size
+
+Mode = Literal["continue", "replay-only", "prepare-only"]
+Network = Literal["none", "bridge"]
+ModelNetwork = Literal["unix", "internal", "pass-through"]
+"""How a sandbox reaches its model: a mounted unix socket (no network), an internal Docker network, or
+straight to the upstream with the real key (``pass-through``)."""
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_USER = re.compile(r"^(root|\d+)(:\d+)?$")
+_CAPABILITY = re.compile(r"^(CAP_)?[A-Z_]+$")
+# Paths a workspace must not cover: the sandbox needs them as the image made them.
+_RESERVED_PATHS = ("/", "/bin", "/sbin", "/lib", "/lib64", "/usr", "/etc", "/opt", "/var", "/tmp", "/root", "/home")
+_RESERVED_TREES = ("/proc", "/sys", "/dev", "/pvisor-host", "/usr", "/opt/pvisor", "/etc", "/bin", "/sbin", "/lib")
+
+
+def _size(value: Any) -> Any:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+def _duration(value: Any) -> Any:
+    return parse_duration(value) if isinstance(value, str) else value
+
+
+Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0)]
+Seconds = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+
+#: The flat ``--model-*`` options (and manifest keys) and the :class:`ModelUpstream` field each one sets.
+MODEL_OPTIONS = {
+    "model_base_url": "base_url",
+    "model": "model",
+    "model_api_key_env": "api_key_env",
+    "model_network": "network",
+    "model_body_limit": "body_limit",
+    "model_timeout": "timeout",
+}
+_MODEL_REQUIRED = ("model_base_url", "model", "model_api_key_env")
+
+
+class ModelUpstream(BaseModel):
+    """The real model a live continuation talks to, and how the sandbox reaches it. The key stays on the host:
+    a host-side gateway forwards the sandbox's requests with it (except with ``network="pass-through"``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_url: str
+    """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1`` (``--model-base-url``)."""
+    model: str
+    """Model name given to the agent as ``MODEL_NAME`` (``--model``)."""
+    api_key_env: str
+    """Name of the host variable holding the real key; the key itself is never taken from a flag."""
+    network: ModelNetwork = "unix"
+    """How the sandbox reaches the gateway (``--model-network``)."""
+    body_limit: Annotated[int, BeforeValidator(_size), Field(ge=0)] = 64 * 1024
+    """Bytes of each request and response body kept in ``model-traffic.jsonl``; 0 keeps none
+    (``--no-model-bodies``)."""
+    timeout: Seconds = 300.0
+    """Seconds the gateway waits for the upstream before answering 504 (``--model-timeout``)."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _key_env(cls, value: str) -> str:
+        if not _ENV_NAME.match(value):
+            raise ValueError(f"{value!r} is not a variable name (pass the name of the variable holding the key)")
+        return value
+
+    @property
+    def gateway(self) -> bool:
+        """Whether a host-side gateway stands between the sandbox and the upstream."""
+        return self.network != "pass-through"
+
+
+class ReplaySpec(BaseModel):
+    """One replay request. Every field is the ``pvisor-host replay`` option of the same name, but ``upstream``,
+    which the ``--model-*`` options (or manifest keys) fill in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    trajectory: Path
+    """The agent's native trajectory on the host (read-only in the sandbox)."""
+    agent: str | None = None
+    """pvisor agent name; with ``image`` it defaults to the image's ``pvisor-host.agent`` label."""
+    image: str | None = None
+    """Sandbox image; without it, the image ``pvisor-host build --agent`` makes (built when missing)."""
+    inject: bool = False
+    """Run in ``image`` unchanged (a task image without pvisor or the agent): both come from a read-only
+    runtime volume built from the verified agent image."""
+    after_step: int = Field(ge=1)
+    """1-based ordinal of the complete tool batch after which live execution resumes."""
+    mode: Mode = "continue"
+    """``continue`` (replay, then the live agent), ``replay-only`` or ``prepare-only``."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Total action budget including the replayed prefix."""
+    boundary_user_prompt: str | None = None
+    """One user message appended after the boundary observation before the first live request."""
+    disable_thinking: bool = False
+    """Force the live continuation's model requests to disable thinking."""
+    allow_stale_observations: bool = False
+    """Let Claude Code reuse recorded observations it cannot reproduce (the result is marked ``degraded``)."""
+    session_id: str | None = None
+    """Model-router session key (pvisor's default: the run id)."""
+    run_id: str | None = None
+    """Run id (``[A-Za-z0-9_-]``); a fresh one is generated when absent."""
+    workspace_dir: Path | None = None
+    """Host directory copied fresh into the sandbox as the workspace (empty when absent)."""
+    workspace_path: str | None = None
+    """Absolute workspace path in the sandbox; default: the recording's cwd, else ``/workspace``."""
+    image_workspace: bool = False
+    """Start from a copy of the image's own directory at the workspace path (a task checkout, say)."""
+    no_workspace: bool = False
+    """Do not collect the final workspace."""
+    out: Path | None = None
+    """Run directory on the host; default ``./pvisor-runs/<run-id>``. Must be new or empty."""
+    timeout: Seconds = 7200.0
+    """Wall-clock limit for the container; past it the container is killed and the status is ``timeout``."""
+    memory: Bytes = 4 * 1024**3
+    """Memory limit (no swap on top); the ``/tmp`` tmpfs counts against it."""
+    cpus: float = Field(default=2.0, gt=0)
+    """CPU limit (fractions allowed)."""
+    pids: int = Field(default=1024, ge=16)
+    """Most processes and threads the sandbox may have at once."""
+    tmp_size: Bytes = 1024**3
+    """Size of the tmpfs mounted at ``/tmp`` (the root filesystem is read-only)."""
+    collect_limit: Bytes = 4 * 1024**3
+    """Cap on the bytes collected from the sandbox; past it the record says ``truncated``."""
+    network: Network = "none"
+    """``none`` (no interface but loopback) or ``bridge`` (the engine's default bridge)."""
+    env: list[str] = []
+    """Names of host variables passed into the sandbox (values never enter the container config)."""
+    user: str | None = None
+    """``UID[:GID]`` or ``root``; default: a non-root uid (yours, or 65532 when you are root)."""
+    cap_add: list[str] = []
+    """Capabilities kept despite ``cap_drop=ALL``."""
+    writable_rootfs: bool = False
+    """Relax the read-only root filesystem."""
+    allow_privilege_escalation: bool = False
+    """Relax ``no-new-privileges``."""
+    upstream: ModelUpstream | None = None
+    """The model a live continuation calls, from ``--model-base-url``, ``--model`` and ``--model-api-key-env``
+    (all three, or none) and the other ``--model-*`` options; without it the user brings the endpoint
+    (``--network bridge`` and ``--env``)."""
+    attempts: int = Field(default=3, ge=1, le=20)
+    """Attempts for results pvisor marks retryable (model rate limits, 5xx, connection errors)."""
+    retry_backoff: Seconds = 5.0
+    """Seconds before the first retry; doubled for each further one."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        if value is not None and not _RUN_ID.match(value):
+            raise ValueError("may contain only letters, digits, '-' and '_' (at most 100)")
+        return value
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_id(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c in value for c in "\0\r\n")):
+            raise ValueError("must be non-empty and contain no NUL, CR or LF")
+        return value
+
+    @field_validator("boundary_user_prompt")
+    @classmethod
+    def _prompt(cls, value: str | None) -> str | None:
+        if value is not None and value and not value.strip():
+            raise ValueError("must contain a non-whitespace character")
+        return value or None
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if "=" in name:
+                raise ValueError(
+                    f"{name.split('=')[0]}=...: pass only the name; the value is read from your environment"
+                )
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not a variable name")
+        return list(dict.fromkeys(names))
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: str | None) -> str | None:
+        if value is not None and not _USER.match(value):
+            raise ValueError("must be UID, UID:GID or root")
+        return value
+
+    @field_validator("cap_add")
+    @classmethod
+    def _caps(cls, caps: list[str]) -> list[str]:
+        for cap in caps:
+            if not _CAPABILITY.match(cap):
+                raise ValueError(f"{cap!r} is not a capability name")
+        return [cap.removeprefix("CAP_") for cap in caps]
+
+    @field_validator("workspace_path")
+    @classmethod
+    def _workspace_path(cls, value: str | None) -> str | None:
+        return None if value is None else check_workspace_path(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _group_model_options(cls, fields: Any) -> Any:
+        """The flat ``--model-*`` options become one :class:`ModelUpstream` (all three it needs, or none)."""
+        if not isinstance(fields, dict) or not any(name in fields for name in (*MODEL_OPTIONS, "no_model_bodies")):
+            return fields
+        if "upstream" in fields:
+            raise ValueError("pass either upstream or the --model-* options, not both")
+        fields = dict(fields)
+        given = {name: fields.pop(name) for name in (*MODEL_OPTIONS, "no_model_bodies") if name in fields}
+        present = [name for name in _MODEL_REQUIRED if given.get(name) is not None]
+        if not present:
+            return fields  # tuning options alone (batch-wide defaults, say) change nothing without a model
+        if len(present) != len(_MODEL_REQUIRED):
+            missing = ", ".join(flag_name(name) for name in _MODEL_REQUIRED if name not in present)
+            raise ValueError(
+                f"a model gateway needs --model-base-url, --model and --model-api-key-env; missing {missing}"
+            )
+        upstream = {MODEL_OPTIONS[k]: v for k, v in given.items() if k in MODEL_OPTIONS and v is not None}
+        if given.get("no_model_bodies"):
+            upstream["body_limit"] = 0
+        fields["upstream"] = upstream
+        return fields
+
+    @model_validator(mode="after")
+    def _image_or_agent(self) -> ReplaySpec:
+        if not self.image and not self.agent:
+            raise ValueError("pass --agent, --image, or both")
+        if self.inject and not (self.image and self.agent):
+            raise ValueError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
+        if self.image_workspace and self.workspace_dir is not None:
+            raise ValueError("--image-workspace and --workspace-dir both set the starting workspace; pass one")
+        return self
+
+    @property
+    def continuation(self) -> ModelUpstream | None:
+        """The upstream of a live continuation (``--mode continue`` with ``--model-base-url``), else None."""
+        return self.upstream if self.mode == "continue" else None
+
+
+def check_workspace_path(value: str) -> str:
+    """Validate an in-sandbox workspace path: absolute, normalised, not covering system directories."""
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path")
+    normal = posixpath.normpath(value)
+    if normal != value.rstrip("/") and normal != value:
+        raise ValueError(f"{value!r} must be a normalised path (try {normal!r})")
+    if normal in _RESERVED_PATHS or any(normal == t or normal.startswith(t + "/") for t in _RESERVED_TREES):
+        raise ValueError(f"{normal!r} would cover a system directory of the sandbox; choose e.g. /workspace")
+    return normal
+
+
+_FLAG_NAMES = {"no_workspace": "--no-workspace"}
+_GROUPED = {f"upstream.{field}": option for option, field in MODEL_OPTIONS.items()}
+
+
+def flag_name(field: str) -> str:
+    """The CLI flag for a spec field (``after_step`` → ``--after-step``, ``upstream.base_url`` →
+    ``--model-base-url``)."""
+    field = _GROUPED.get(field, field)
+    return _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+def describe_validation_error(exc: ValidationError, *, flags: bool = True) -> str:
+    """One line for the first problem of a pydantic error, naming the flag (or manifest field) at fault."""
+    first = exc.errors()[0]
+    location = ".".join(str(part) for part in first["loc"] if not isinstance(part, int))
+    message = str(first["msg"]).removeprefix("Value error, ")
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, UsageError):
+        message = cause.one_line()
+    elif first["type"] == "missing":
+        message = "is required"
+    elif first["type"] == "extra_forbidden":
+        message = "is not a known option"
+    where = (flag_name(location) if flags else _GROUPED.get(location, location)) if location else ""
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {message}{more}" if where else message + more
+
+
+def build_spec(**fields: Any) -> ReplaySpec:
+    """Validate ``fields`` into a :class:`ReplaySpec`, raising :class:`UsageError` with one clear line."""
+    try:
+        return ReplaySpec(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError(describe_validation_error(exc)) from None
+
+
+def parse_user(user: str) -> tuple[int, int]:
+    """``UID[:GID]`` or ``root`` → (uid, gid)."""
+    if user == "root":
+        return 0, 0
+    uid_text, _, gid_text = user.partition(":")
+    return int(uid_text), int(gid_text or uid_text)
+
+
+def default_user() -> str:
+    """The sandbox's default uid:gid: the caller's own when not root, else 65532 (a conventional nonroot)."""
+    uid = os.getuid()
+    return "65532:65532" if uid == 0 else f"{uid}:{os.getgid()}"

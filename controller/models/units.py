@@ -1,0 +1,71 @@
+"""Human-friendly durations (``90s``, ``5m``, ``1h30m``) and sizes (``512m``, ``2GiB``)."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import UsageError
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
+_SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_duration(text: str, *, flag: str | None = None) -> float:
+    """Parse ``30``, ``30s``, ``5m``, ``1h30m`` or ``250ms`` into seconds (> 0).
+
+    A bare number means seconds.
+    """
+    where = f"{flag}: " if flag else ""
+    value = text.strip().lower()
+    if re.fullmatch(r"\d+(?:\.\d+)?", value):
+        seconds = float(value)
+    else:
+        parts = _DURATION_PART.findall(value)
+        if not parts or "".join(n + u for n, u in parts) != value:
+            raise UsageError(
+                f"{where}{text!r} is not a duration",
+                hint="use a number of seconds or units like 90s, 5m, 1h30m",
+            )
+        seconds = sum(float(n) * _DURATION_SECONDS[u] for n, u in parts)
+    if seconds <= 0:
+        raise UsageError(f"{where}{text!r} must be greater than zero")
+    return seconds
+
+
+def parse_size(text: str, *, flag: str | None = None) -> int:
+    """Parse ``1073741824``, ``512m``, ``512MiB``, ``2g`` or ``2GB`` into bytes (> 0).
+
+    Units are binary (k = 1024), as Docker's own ``--memory`` flag reads them.
+    """
+    where = f"{flag}: " if flag else ""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise UsageError(f"{where}{text!r} is not a size", hint="use bytes or units like 512m, 2g, 1GiB")
+    number, unit, _ = match.groups()
+    size = int(float(number) * 1024 ** _SIZE_POWER[unit.lower()])
+    if size <= 0:
+        raise UsageError(f"{where}{text!r} must be greater than zero")
+    return size
+
+
+def format_size(size: int) -> str:
+    """Render bytes as a short binary-unit string (``1.5 GiB``)."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float) -> str:
+    """Render seconds compactly (``850ms``, ``12.3s``, ``4m05s``)."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{rest:02d}s"

@@ -1,0 +1,267 @@
+"""Host checks: everything about a replay that can be decided without an engine, cheapest first.
+
+In order: the agent, the trajectory file, the environment variables, the workspace, the user, the output
+directory; then, once the agent is known (from ``--agent``, or later from the image's label), the
+agent-specific checks: the trajectory is not another agent's, pvisor's own ``--prepare-only`` on the host
+accepts the trajectory and boundary, the step budget fits the prefix, and the continuation has a model.
+Any failure is a one-line :class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing
+has been created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ..errors import UsageError
+from ..models.profiles import AgentProfile, all_profiles, get_profile
+from ..models.replay import PvisorPlan, TrajectoryInfo
+from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
+from .hostpvisor import prepare_only
+from .trajectory import check_agent, check_file, recorded_workspace
+
+DEFAULT_WORKSPACE = "/workspace"
+_GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
+
+
+class AgentChecks(BaseModel):
+    """What pre-flight learned once the agent was known."""
+
+    profile: AgentProfile
+    workspace_path: str
+    """The workspace's path in the sandbox: ``--workspace-path``, the recording's cwd, or ``/workspace``."""
+    plan: PvisorPlan | None
+    """pvisor's own pre-flight of the prefix; None when it was left to the sandbox (batch items)."""
+
+
+class CheckedInputs(BaseModel):
+    """The host-only part of pre-flight: everything that needs no engine."""
+
+    spec: ReplaySpec
+    trajectory: TrajectoryInfo
+    run_id: str
+    out_dir: Path
+    user: str
+    agent: AgentChecks | None = None
+    """Present when ``--agent`` was given; with ``--image`` alone the agent comes from the image's label."""
+    host_pvisor: bool = True
+    """Whether the agent checks run pvisor's own pre-flight on the host."""
+    seconds: float
+    """Time the checks took."""
+
+    @property
+    def profile(self) -> AgentProfile | None:
+        """The agent's profile, when ``--agent`` named it."""
+        return self.agent.profile if self.agent is not None else None
+
+
+def new_run_id() -> str:
+    """A sortable, unique run id: ``<UTC timestamp>-<6 hex>``."""
+    return f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def check_inputs(
+    spec: ReplaySpec,
+    *,
+    host_pvisor: bool = True,
+    run_id: str | None = None,
+    out_dir: Path | None = None,
+    trajectory: TrajectoryInfo | None = None,
+) -> CheckedInputs:
+    """Every check that needs no engine (see the module docstring), including the agent's when ``--agent`` is
+    given.
+
+    ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox (a batch
+    avoids a subprocess per item); ``run_id`` and ``out_dir`` override the spec's (a batch names them, and
+    has made sure ``out_dir`` is free); ``trajectory`` is the result of an earlier ``check_file`` of it.
+
+    Raises:
+        UsageError: the first problem found, in one line.
+        PrerequisiteError: the host's pvisor is missing.
+    """
+    started = time.monotonic()
+    profile = get_profile(spec.agent) if spec.agent is not None else None
+    trajectory = trajectory or check_file(spec.trajectory)
+    _env_values(spec)
+    _workspace_dir(spec)
+    user = _user(spec)
+    run_id = run_id or spec.run_id or new_run_id()
+    out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
+    checked = CheckedInputs(
+        spec=spec,
+        trajectory=trajectory,
+        run_id=run_id,
+        out_dir=out_dir,
+        user=user,
+        host_pvisor=host_pvisor,
+        seconds=0.0,
+    )
+    if profile is not None:
+        checked.agent = agent_checks(checked, profile)
+    checked.seconds = time.monotonic() - started
+    return checked
+
+
+def agent_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
+    """The agent-specific checks, once the agent is known (done already when ``--agent`` named it)."""
+    if checked.agent is not None:
+        return checked.agent
+    spec = checked.spec
+    path = checked.trajectory.path
+    check_agent(path, profile, all_profiles())
+    plan = None
+    if checked.host_pvisor:
+        _, plan = prepare_only(
+            agent=profile.agent,
+            trajectory=path,
+            after_step=spec.after_step,
+            run_id=checked.run_id,
+            session_id=spec.session_id,
+            boundary_user_prompt=spec.boundary_user_prompt,
+        )
+        _budget(spec, plan)
+    _continuation(spec, profile)
+    return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, path, profile), plan=plan)
+
+
+# -- the run directory -------------------------------------------------------------------------------------
+
+
+def check_out_dir(out: Path | None, run_id: str) -> Path:
+    """The run directory: ``--out`` or ``./pvisor-runs/<run-id>``; it must be new or empty, and writable.
+
+    Nothing is created here (see :func:`create_out_dir`).
+    """
+    path = (out or Path("pvisor-runs") / run_id).expanduser().absolute()
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise UsageError(f"--out {path} exists and is not a directory")
+        if any(path.iterdir()):
+            raise UsageError(
+                f"--out {path} is not empty", hint="pass a new directory; pvisor-host never overwrites a run"
+            )
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        # An unnamed temporary file (O_TMPFILE where supported): proves writability, leaves no trace.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {path} is not writable ({existing}: {exc.strerror})") from None
+    return path
+
+
+def create_out_dir(path: Path) -> None:
+    """Create the run directory (checked by :func:`check_out_dir`) and prove it takes a file."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".pvisor-host-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        release_out_dir(path)
+        raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None
+
+
+def release_out_dir(path: Path) -> None:
+    """Remove the run directory again if it is still empty (pre-flight failed after creating it)."""
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+# -- the individual checks ---------------------------------------------------------------------------------
+
+
+def _env_values(spec: ReplaySpec) -> None:
+    missing = [name for name in spec.env if name not in os.environ]
+    if missing:
+        raise UsageError(f"--env {missing[0]}: {missing[0]} is not set in this environment")
+
+
+def _continuation(spec: ReplaySpec, profile: AgentProfile) -> None:
+    if spec.mode != "continue":
+        return
+    if spec.upstream is not None:
+        _gateway_inputs(spec, spec.upstream, profile)
+        return
+    # Without a gateway the user brings the endpoint: the sandbox needs a network and the variables.
+    if spec.network == "none":
+        raise UsageError(
+            "--mode continue lets the agent call its model, which --network none cannot reach", hint=_GATEWAY_HINT
+        )
+    for group in profile.continuation.env:
+        if not any(name in spec.env for name in group):
+            raise UsageError(
+                f"--mode continue: {profile.agent} needs one of {', '.join(group)} passed with --env",
+                hint=_GATEWAY_HINT,
+            )
+
+
+def _gateway_inputs(spec: ReplaySpec, upstream: ModelUpstream, profile: AgentProfile) -> None:
+    if not os.environ.get(upstream.api_key_env):
+        raise UsageError(f"--model-api-key-env {upstream.api_key_env}: {upstream.api_key_env} is not set or empty")
+    if upstream.gateway and spec.network != "none":
+        raise UsageError(
+            f"--network {spec.network}: with --model-network {upstream.network} the sandbox reaches only the gateway",
+            hint="drop --network",
+        )
+    clash = sorted(set(spec.env) & set(profile.continuation.gateway_env))
+    if clash:
+        raise UsageError(f"--env {clash[0]}: the model gateway sets {clash[0]} for {profile.agent}; drop it")
+
+
+def _workspace_dir(spec: ReplaySpec) -> None:
+    source = spec.workspace_dir
+    if source is None:
+        return
+    if not source.exists():
+        raise UsageError(f"--workspace-dir {source} does not exist")
+    if not source.is_dir():
+        raise UsageError(f"--workspace-dir {source} is not a directory")
+    if not os.access(source, os.R_OK | os.X_OK):
+        raise UsageError(f"--workspace-dir {source} is not readable")
+
+
+def _user(spec: ReplaySpec) -> str:
+    user = spec.user or default_user()
+    uid, _ = parse_user(user)
+    if os.geteuid() != 0 and uid != os.geteuid():
+        raise UsageError(
+            f"--user {user}: as a non-root user pvisor-host can only run sandboxes as your own uid {os.geteuid()}"
+        )
+    return user
+
+
+def _workspace_path(spec: ReplaySpec, trajectory: Path, profile: AgentProfile) -> str:
+    if spec.workspace_path:
+        return spec.workspace_path
+    recorded = recorded_workspace(trajectory, profile)
+    if recorded is None:
+        return DEFAULT_WORKSPACE
+    try:
+        return check_workspace_path(recorded)
+    except ValueError as exc:
+        raise UsageError(
+            f"the trajectory recorded its workspace at {recorded}: {exc}", hint="pass --workspace-path"
+        ) from None
+
+
+def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
+    if spec.max_steps is None or spec.mode == "prepare-only":
+        return
+    prefix = plan.prefix_model_turns
+    if spec.mode == "replay-only" and spec.max_steps < prefix:
+        raise UsageError(f"--max-steps {spec.max_steps} is smaller than the selected replay prefix of {prefix} steps")
+    if spec.mode == "continue" and spec.max_steps <= prefix:
+        raise UsageError(
+            f"--max-steps {spec.max_steps} leaves no live step after the selected replay prefix of {prefix} steps",
+            hint=f"use at least {prefix + 1}",
+        )

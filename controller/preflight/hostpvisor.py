@@ -1,0 +1,142 @@
+"""The pinned pvisor on the host, used to validate a replay exactly as the sandbox will.
+
+``pvisor-sandbox`` is a dependency of pvisor-host, so its static binaries sit next to our own console
+script. Before any container starts, :func:`prepare_only` runs ``pvisor replay --prepare-only`` on the
+host against a throw-away workspace: it parses the trajectory and selects the boundary with the same
+code the sandbox runs, without executing a single tool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from .._version import PVISOR_VERSION
+from ..errors import InfrastructureError, PreflightRejected, PrerequisiteError
+from ..models.replay import PvisorPlan
+from ..models.result import ReplayResult, parse_result
+
+#: Seconds the host's pvisor may take to parse a trajectory (it takes milliseconds).
+_TIMEOUT = 120
+
+
+@cache
+def pvisor_binary() -> Path:
+    """The host's ``pvisor`` executable at the pinned version.
+
+    Raises:
+        PrerequisiteError: pvisor is missing or reports another version.
+        InfrastructureError: pvisor hung or could not be run.
+    """
+    candidates = [Path(sysconfig.get_path("scripts")) / "pvisor", Path(sys.executable).parent / "pvisor"]
+    found = shutil.which("pvisor")
+    if found:
+        candidates.append(Path(found))
+    for candidate in candidates:
+        if candidate.is_file():
+            break
+    else:
+        raise PrerequisiteError(
+            "pvisor is not installed on the host", hint=f"pip install pvisor-sandbox=={PVISOR_VERSION}"
+        )
+    version = _run([str(candidate), "--version"], timeout=30).stdout.decode(errors="replace").strip()
+    if version != f"pvisor {PVISOR_VERSION}":
+        raise PrerequisiteError(
+            f"{candidate} reports {version!r}; pvisor-host needs pvisor {PVISOR_VERSION}",
+            hint=f"pip install pvisor-sandbox=={PVISOR_VERSION}",
+        )
+    return candidate
+
+
+def prepare_only(
+    *,
+    agent: str,
+    trajectory: Path,
+    after_step: int,
+    run_id: str,
+    session_id: str | None = None,
+    boundary_user_prompt: str | None = None,
+) -> tuple[ReplayResult, PvisorPlan]:
+    """Run ``pvisor replay --prepare-only`` on the host in a temporary directory.
+
+    Raises:
+        PreflightRejected: pvisor reported a failure (its category and message are kept).
+        ResultProtocolError: pvisor printed no v3 result.
+        InfrastructureError: pvisor hung or could not be run.
+    """
+    extra = ["--run-id", run_id]
+    if session_id:
+        extra += ["--session-id", session_id]
+    if boundary_user_prompt:
+        extra += ["--boundary-user-prompt", boundary_user_prompt]
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-preflight-") as scratch:
+        root = Path(scratch)
+        done = _prepare_only(root, agent, trajectory, after_step, extra)
+        if done.returncode != 0 and not done.stdout.strip():
+            # clap argument errors print usage text on stderr and no JSON.
+            message = done.stderr.decode(errors="replace").strip().splitlines()
+            raise PreflightRejected("configuration_error", message[0] if message else f"exit {done.returncode}")
+        _, result = parse_result(done.stdout)
+        if result.failure is not None:
+            raise PreflightRejected(result.failure.category, result.failure.message)
+        manifest = root / "output" / run_id / "manifest.json"
+        tool_calls = _manifest_tool_calls(manifest)
+    return result, PvisorPlan(
+        after_step=after_step, prefix_model_turns=result.prefix_model_turns or after_step, tool_calls=tool_calls
+    )
+
+
+def _manifest_tool_calls(manifest: Path) -> int:
+    try:
+        boundary = json.loads(manifest.read_text(encoding="utf-8")).get("boundary", {})
+        return int(boundary.get("tool_calls", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
+_BATCHES = re.compile(r"trajectory has (\d+) complete batches")
+
+
+def complete_batches(agent: str, trajectory: Path) -> int | None:
+    """How many complete tool batches pvisor finds in ``trajectory`` (None: pvisor rejects the file itself)."""
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-count-") as scratch:
+        done = _prepare_only(Path(scratch), agent, trajectory.absolute(), 999_999_999, [])
+    found = _BATCHES.search(done.stdout.decode(errors="replace"))
+    return int(found.group(1)) if found else None
+
+
+def _prepare_only(
+    root: Path, agent: str, trajectory: Path, after_step: int, extra: list[str]
+) -> subprocess.CompletedProcess[bytes]:
+    """``pvisor replay --prepare-only`` with its workspace, state and output under the scratch ``root``."""
+    (root / "workspace").mkdir()
+    command = [
+        str(pvisor_binary()), "replay", "--agent", agent, "--trajectory", str(trajectory),
+        "--after-step", str(after_step), "--prepare-only", "--workspace", str(root / "workspace"),
+        "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), *extra,
+    ]  # fmt: skip
+    return _run(command, timeout=_TIMEOUT, cwd=root)
+
+
+def _run(command: list[str], *, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+    """Run the host's pvisor; a pvisor that hangs or cannot be started is an infrastructure error.
+
+    Raises:
+        InfrastructureError: pvisor did not finish within ``timeout`` seconds, or could not be executed.
+    """
+    try:
+        return subprocess.run(command, capture_output=True, timeout=timeout, cwd=cwd, check=False)
+    except subprocess.TimeoutExpired:
+        raise InfrastructureError(
+            f"the host's pvisor did not finish `{' '.join(command[1:3])}` within {timeout:.0f} s",
+            hint="check the host's load, then run again",
+        ) from None
+    except OSError as exc:
+        raise InfrastructureError(f"the host's pvisor {command[0]} cannot be run: {exc.strerror}") from None

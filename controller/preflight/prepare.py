@@ -1,0 +1,86 @@
+"""The end of pre-flight: the image, asked of the backend once the host checks have passed.
+
+``--agent`` alone is known before the engine is asked; with ``--image`` alone the agent comes from the
+image's label, and its checks (pvisor's own pre-flight included) run before anything is built or probed.
+Only then is the run directory created and the image made ready.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..backend.base import Backend
+from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
+from ..models.replay import PreparedReplay
+from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, release_out_dir
+
+
+def image_request(checked: CheckedInputs) -> ImageRequest:
+    """The image part of a checked replay."""
+    spec = checked.spec
+    return ImageRequest(image=spec.image, profile=checked.profile, inject=spec.inject)
+
+
+def prepare_image(backend: Backend, request: ImageRequest, build: BuildOptions) -> ResolvedImage:
+    """Plan and make ready the image of ``request`` (a batch does this once per distinct image)."""
+    return backend.ensure_image(backend.plan_image(request), build)
+
+
+def prepare(
+    checked: CheckedInputs,
+    backend: Backend,
+    *,
+    build: BuildOptions | None = None,
+    image: ResolvedImage | None = None,
+) -> PreparedReplay:
+    """Finish pre-flight with the backend (see the module docstring) and make the image ready.
+
+    ``image`` is an image already made ready (a batch does that once for every item that shares it).
+
+    Raises:
+        UsageError: the request is wrong (one line says what and how to fix it).
+        PrerequisiteError: the host's pvisor is missing.
+        ImageBuildError: the image had to be built and the build failed.
+    """
+    started = time.monotonic()
+    source: ImagePlan | ResolvedImage = image if image is not None else backend.plan_image(image_request(checked))
+    agent = agent_checks(checked, source.profile)
+    create_out_dir(checked.out_dir)
+    checked_at = time.monotonic()
+    try:
+        if isinstance(source, ResolvedImage):
+            resolved = source
+        else:
+            resolved = backend.ensure_image(source, build or BuildOptions())
+    except BaseException:
+        release_out_dir(checked.out_dir)
+        raise
+    timings = {
+        "preflight": round(checked.seconds + checked_at - started, 4),
+        "image": round(time.monotonic() - checked_at, 4),
+    }
+    return assemble(checked, agent, resolved.image, built=resolved, timings=timings)
+
+
+def assemble(
+    checked: CheckedInputs,
+    agent: AgentChecks,
+    image: ImageRef,
+    *,
+    built: ResolvedImage | None = None,
+    timings: dict[str, float] | None = None,
+) -> PreparedReplay:
+    """The prepared replay of checked inputs in ``image`` (``batch --plan`` assembles one from a preview)."""
+    return PreparedReplay(
+        spec=checked.spec,
+        profile=agent.profile,
+        trajectory=checked.trajectory,
+        run_id=checked.run_id,
+        out_dir=checked.out_dir,
+        workspace_path=agent.workspace_path,
+        user=checked.user,
+        image=image,
+        built=built.built if built is not None else None,
+        plan=agent.plan,
+        timings=timings or {},
+    )

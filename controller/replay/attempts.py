@@ -1,0 +1,167 @@
+"""A whole replay: the model gateway around it, and retries of what is worth retrying.
+
+pvisor marks model rate limits, 5xx answers and connection errors ``retryable``. Such an attempt is retried
+(tenacity, exponential backoff) in a fresh sandbox with a new run id (pvisor refuses to reuse state), up to
+``--attempts``; batches also retry infrastructure errors (:class:`RetryPolicy`). Attempts run in
+``<out>/attempts/<n>/``; the last one is moved up to ``<out>/`` and its record lists every attempt, while
+earlier ones keep their own files and records under ``attempts/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from loguru import logger
+from pydantic import BaseModel
+from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
+
+from ..backend.base import Backend, ModelGateway
+from ..errors import Interrupted
+from ..models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
+from ..models.replay import Attempt, PreparedReplay
+from ..models.spec import ReplaySpec
+from ..models.units import format_duration
+from ..preflight.checks import release_out_dir
+
+
+@contextlib.contextmanager
+def model_gateway(prepared: PreparedReplay, backend: Backend) -> Iterator[ModelGateway | None]:
+    """The running gateway of a live continuation (None otherwise), closed on every path."""
+    upstream = prepared.spec.continuation
+    if upstream is None:
+        yield None
+        return
+    gateway = backend.open_gateway(upstream, user=prepared.user)
+    try:
+        yield gateway
+    finally:
+        gateway.close()
+
+
+class RetryPolicy(BaseModel):
+    """Which failed attempts are worth another attempt in a fresh sandbox."""
+
+    attempts: int = 3
+    backoff: float = 5.0
+    """Seconds before the first retry; doubled for each further one."""
+    infra: bool = False
+    """Also retry ``infra_error`` (engine errors, failed container starts) — batches do."""
+    oom: bool = False
+    """Also retry ``oom``."""
+
+    def wants(self, record: ReplayRecord) -> bool:
+        """Whether ``record``'s outcome should be retried. Never a trajectory, configuration or version error."""
+        if record.failure is not None and record.failure.retryable:
+            return True
+        return (self.infra and record.status == "infra_error") or (self.oom and record.status == "oom")
+
+    @classmethod
+    def for_spec(cls, spec: ReplaySpec, **extra: bool) -> RetryPolicy:
+        """The policy of ``spec``'s ``--attempts`` and ``--retry-backoff``, with ``extra`` switches."""
+        return cls(attempts=spec.attempts, backoff=spec.retry_backoff, **extra)
+
+
+def run_replay(prepared: PreparedReplay, backend: Backend) -> ReplayRecord:
+    """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
+    with model_gateway(prepared, backend) as gateway:
+        return run_attempts(prepared, backend, gateway=gateway, policy=RetryPolicy.for_spec(prepared.spec))
+
+
+def run_attempts(
+    prepared: PreparedReplay,
+    backend: Backend,
+    *,
+    gateway: ModelGateway | None,
+    policy: RetryPolicy,
+    cancel: threading.Event | None = None,
+    batch: BatchInfo | None = None,
+) -> ReplayRecord:
+    """Attempt ``prepared`` until it succeeds or ``policy`` gives up; return the top-level record.
+
+    ``cancel`` (batches) stops a running attempt (its sandbox is stopped by the batch) and any retry.
+    """
+    out = prepared.out_dir
+    records: list[ReplayRecord] = []
+
+    def attempt() -> ReplayRecord:
+        number = len(records) + 1
+        run_id = prepared.run_id if number == 1 else f"{prepared.run_id}-a{number}"
+        this = Attempt(number=number, run_id=run_id, run_dir=out / "attempts" / str(number))
+        records.append(backend.run_attempt(prepared, this, gateway=gateway, cancel=cancel))
+        return records[-1]
+
+    def pause(seconds: float) -> None:
+        if cancel is None:
+            try:
+                time.sleep(seconds)
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted between attempts; the records of finished attempts are kept") from None
+        elif cancel.wait(seconds):
+            raise Interrupted("cancelled between attempts")
+
+    retrying = Retrying(
+        stop=stop_after_attempt(policy.attempts),
+        wait=wait_exponential(multiplier=policy.backoff, max=600),
+        retry=retry_if_result(policy.wants),
+        before_sleep=_log_retry,
+        sleep=pause,
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+    )
+    try:
+        retrying(attempt)
+    except Interrupted:
+        attempted = out / "attempts" / str(len(records) + 1) / "record.json"
+        if attempted.exists():  # the interrupted attempt ran: its record says so
+            records.append(load_record(attempted))
+        if records:
+            _finish(out, records, batch)
+        else:
+            shutil.rmtree(out / "attempts", ignore_errors=True)
+            release_out_dir(out)
+        raise
+    return _finish(out, records, batch)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    record = state.outcome.result() if state.outcome and not state.outcome.failed else None
+    what = record.failure.category if record is not None and record.failure else "a retryable failure"
+    delay = state.next_action.sleep if state.next_action else 0.0
+    logger.warning(
+        "attempt {} ended with {}; retrying in a fresh sandbox in {}",
+        state.attempt_number,
+        what,
+        format_duration(delay),
+    )
+
+
+def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = None) -> ReplayRecord:
+    """Move the last attempt up to ``out`` and write the top-level record listing every attempt."""
+    last = records[-1]
+    last_dir = out / "attempts" / str(last.attempt)
+    for entry in last_dir.iterdir():
+        entry.rename(out / entry.name)
+    last_dir.rmdir()
+    attempts_dir = out / "attempts"
+    if not any(attempts_dir.iterdir()):
+        attempts_dir.rmdir()
+    summaries = [
+        AttemptSummary(
+            attempt=r.attempt,
+            run_id=r.run_id,
+            status=r.status,
+            failure=r.failure,
+            started_at=r.started_at,
+            finished_at=r.finished_at,
+            container_id=r.container.id,
+            path="." if r is last else f"attempts/{r.attempt}",
+        )
+        for r in records
+    ]
+    final = last.model_copy(update={"attempts": summaries if len(records) > 1 else [], "batch": batch})
+    save_record(final, out)
+    return final
