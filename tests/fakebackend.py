@@ -1,0 +1,227 @@
+"""A backend that runs no sandbox: each attempt follows a script, so the scheduler above the seam can be
+tested without an engine, in seconds, with exact assertions. A test aid for our own logic only.
+
+A script maps an item's trajectory stem to the outcomes of its attempts, in order (the last one repeats):
+``"ok"``, ``"replay_failed"`` (pvisor's ``trajectory_error``), ``"rate_limited"`` (retryable
+``model_rate_limit``), ``"infra_error"`` or ``"oom"``; ``seconds`` says how long an attempt runs. An attempt
+that outlives ``--timeout`` ends ``timeout``; :meth:`FakeBackend.cancel` stops the running ones, which end
+``interrupted``, as the Docker backend's do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pvisor_host.errors import Interrupted, UsageError
+from pvisor_host.models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+from pvisor_host.models.image import (
+    BuildOptions,
+    BuildPlan,
+    ImagePlan,
+    ImagePreview,
+    ImageRef,
+    ImageRequest,
+    ResolvedImage,
+)
+from pvisor_host.models.ownership import Ownership
+from pvisor_host.models.record import ContainerInfo, Failure, Inputs, Limits, ReplayRecord, TrajectoryRef, save_record
+from pvisor_host.models.replay import Attempt, PreparedReplay, SandboxPlan
+from pvisor_host.models.spec import ModelUpstream
+
+_FAILURES = {
+    "replay_failed": Failure(category="trajectory_error", message="invalid native JSONL at line 1"),
+    "rate_limited": Failure(category="model_rate_limit", message="status 429", retryable=True),
+    "infra_error": Failure(category="infra_error", message="Docker engine failed to start container x: injected"),
+    "oom": Failure(category="oom", message="the sandbox ran out of memory"),
+}
+_STATUS = {"rate_limited": "replay_failed"}
+
+
+class FakeGateway:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBackend:
+    """See the module docstring. ``unbuildable`` names images whose plan fails, as an unknown image would."""
+
+    def __init__(
+        self, script: dict[str, list[str]] | None = None, *, seconds: float = 0.0, unbuildable: set[str] = frozenset()
+    ) -> None:
+        self.script = script or {}
+        self.seconds = seconds
+        self.unbuildable = unbuildable
+        self._ownership = Ownership.current()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.running = 0
+        self.most_running = 0
+        self.finished = 0
+        self.attempts: dict[str, list[str]] = {}
+        """Trajectory stem → the outcome of each attempt run, in order."""
+        self.cancels = 0
+        self.images_made = 0
+        self.gateways: list[FakeGateway] = []
+
+    @property
+    def ownership(self) -> Ownership:
+        return self._ownership
+
+    def plan_image(self, request: ImageRequest) -> ImagePlan:
+        if request.image in self.unbuildable:
+            raise UsageError(f"image {request.image} does not exist here and cannot be pulled (fake)")
+        assert request.profile is not None
+        return BuildPlan(profile=request.profile)
+
+    def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
+        with self._lock:
+            self.images_made += 1
+        return ResolvedImage(profile=plan.profile, image=image_ref(plan.profile.agent))
+
+    def preview_image(self, plan: ImagePlan) -> ImagePreview:
+        return ImagePreview(image=image_ref(plan.profile.agent), exists=True)
+
+    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
+        return SandboxPlan(mounts=[], limits=limits(prepared), command=["fake"])
+
+    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> FakeGateway:
+        gateway = FakeGateway()
+        self.gateways.append(gateway)
+        return gateway
+
+    def run_attempt(
+        self,
+        prepared: PreparedReplay,
+        attempt: Attempt,
+        *,
+        gateway: object | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ReplayRecord:
+        stem = prepared.spec.trajectory.stem
+        with self._lock:
+            done = self.attempts.setdefault(stem, [])
+            plan = self.script.get(stem, ["ok"])
+            outcome = plan[min(len(done), len(plan) - 1)]
+            done.append(outcome)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        started = datetime.now(UTC)
+        try:
+            limit = min(self.seconds, prepared.spec.timeout)
+            stopped = self._stop.wait(limit) or (cancel is not None and cancel.is_set())
+            if limit < self.seconds and not stopped:
+                outcome = "timeout"
+        finally:
+            with self._lock:
+                self.running -= 1
+                self.finished += 1
+        status = "interrupted" if stopped else _STATUS.get(outcome, outcome)
+        failure = Failure(category=status, message=status) if status in ("interrupted", "timeout") else None
+        record = ReplayRecord(
+            pvisor_host_version="test",
+            run_id=attempt.run_id,
+            status=status,  # type: ignore[arg-type]
+            failure=failure or _FAILURES.get(outcome),
+            started_at=started,
+            finished_at=datetime.now(UTC),
+            timings={"run": round(time.monotonic() % 1, 3), "total": 0.1},
+            inputs=Inputs(
+                agent=prepared.profile.agent,
+                after_step=prepared.spec.after_step,
+                mode=prepared.spec.mode,
+                max_steps=None,
+                boundary_user_prompt=None,
+                disable_thinking=False,
+                allow_stale_observations=False,
+                session_id=None,
+                workspace_dir=None,
+                workspace_path=prepared.workspace_path,
+                collect_workspace=True,
+                env_names=[],
+                trajectory=TrajectoryRef(
+                    path=str(prepared.trajectory.path),
+                    size=prepared.trajectory.size,
+                    sha256=prepared.trajectory.sha256,
+                    mounted_at="/in",
+                ),
+            ),
+            image=prepared.image,
+            limits=limits(prepared),
+            container=ContainerInfo(name=f"fake-{attempt.run_id}", command=["fake"]),
+            attempt=attempt.number,
+        )
+        attempt.run_dir.mkdir(parents=True, exist_ok=True)
+        save_record(record, attempt.run_dir)
+        if stopped:
+            raise Interrupted("interrupted; record.json says status interrupted")
+        return record
+
+    def cancel(self) -> None:
+        self.cancels += 1
+        self._stop.set()
+
+    def sweep(self, *, dry_run: bool = False) -> GcReport:
+        return GcReport(orphans=[], live=0, other_hosts=0)
+
+    def catalog(self) -> list[CatalogEntry]:
+        return []
+
+    def prune(
+        self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> PruneResult:
+        return PruneResult()
+
+    def agent_statuses(self) -> list[AgentStatus]:
+        return []
+
+    def diagnose(self) -> list[Check]:
+        return []
+
+    def close(self) -> None:
+        return
+
+
+def image_ref(agent: str) -> ImageRef:
+    return ImageRef(
+        ref=f"fake/{agent}:1",
+        id=f"sha256:fake-{agent}",
+        agent=agent,
+        agent_version="1",
+        pvisor_version="0.3.1",
+        agent_entrypoint="/usr/bin/agent",
+        pvisor_path="/opt/pvisor/bin/pvisor",
+        verified_by="build",
+    )
+
+
+def limits(prepared: PreparedReplay) -> Limits:
+    spec = prepared.spec
+    return Limits(
+        user=prepared.user,
+        network=spec.network,
+        read_only_rootfs=True,
+        cap_drop=["ALL"],
+        cap_add=[],
+        no_new_privileges=True,
+        memory=spec.memory,
+        cpus=spec.cpus,
+        pids=spec.pids,
+        tmp_size=spec.tmp_size,
+        timeout=spec.timeout,
+        collect_limit=spec.collect_limit,
+    )
+
+
+def trajectories(root: Path, names: list[str]) -> list[Path]:
+    """Real Claude Code trajectories named ``<name>.jsonl`` (the host checks read them); kept when present."""
+    from trajgen import claude_files_session, write_jsonl
+
+    root.mkdir(parents=True, exist_ok=True)
+    paths = [root / f"{name}.jsonl" for name in names]
+    return [path if path.exists() else write_jsonl(path, claude_files_session()) for path in paths]
