@@ -249,11 +249,11 @@ def replay(
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
 ) -> int:
     """Replay a trajectory up to --after-step in a fresh hardened container and collect the result."""
+    from ..attempts import run_replay
     from ..models.image import BuildOptions
     from ..models.spec import build_spec
     from ..preflight.checks import check_inputs
     from ..preflight.prepare import prepare
-    from ..replay.attempts import run_replay
     from . import render
 
     spec = build_spec(

@@ -25,6 +25,7 @@ from pathlib import Path
 from loguru import logger
 from pydantic import BaseModel
 
+from ..attempts import RetryPolicy, run_attempts
 from ..backend.base import Backend, ModelGateway
 from ..errors import InfrastructureError, Interrupted, PvisorHostError, UsageError
 from ..files.digest import tree_sha256
@@ -35,7 +36,6 @@ from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import check_inputs
 from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
-from ..replay.attempts import RetryPolicy, run_attempts
 from ..signals import deferred_interrupts
 from .manifest import BatchItem
 from .memo import Memo
@@ -129,6 +129,158 @@ class _Batch:
             gateway.close()
 
 
+class _Cancelled(Exception):
+    """Raised inside the fan-out when :meth:`BatchRun.cancel` was called."""
+
+
+class BatchRun:
+    """One batch, run by iterating it: each item's :class:`ItemResult` is yielded as it finishes (completion
+    order), and ``summary.json`` and ``junit.xml`` are written when the iteration ends, however it ends.
+
+    Stopping early — breaking out of the loop (the iterator is closed), :meth:`cancel` from any thread, or
+    Ctrl-C / SIGTERM in the iterating thread — starts no new item, has the backend stop every running sandbox
+    of this batch, keeps the records of finished items, and writes a summary that says ``interrupted``
+    (unless every item had ended already). A ``KeyboardInterrupt`` is raised again once that is done.
+
+    The images of ``images`` (specs, one per distinct image) are made ready first, in the iterating thread,
+    so that Ctrl-C during a build stops it at once; an image that cannot be made fails its items only.
+    """
+
+    def __init__(
+        self,
+        items: Iterable[BatchItem],
+        backend: Backend,
+        options: BatchOptions,
+        *,
+        total: int,
+        images: Iterable[ReplaySpec] = (),
+    ) -> None:
+        self._items = items
+        self._images = images
+        self._total = total
+        self._batch = _Batch(backend, options)
+        self._stop = threading.Event()
+        self._every_item_ended = False
+        self._core: Iterator[ItemResult] | None = None
+        self.results: list[ItemResult] = []
+        """Every result so far (completion order; sorted by manifest line once the batch has ended)."""
+        self.outcome: BatchOutcome | None = None
+        """The results and summary, once the iteration has ended."""
+
+    def __iter__(self) -> Iterator[ItemResult]:
+        if self._core is None:
+            self._core = self._run()
+        yield from self._core  # closing this iterator (a `break`) closes the batch with it
+
+    def cancel(self) -> None:
+        """Stop the batch (from any thread): no new item starts and the running ones are stopped."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """End the batch now if it is still running (as :meth:`cancel`), and wait until it has cleaned up."""
+        self.cancel()
+        if self._core is None:
+            self._core = self._run()
+        for _ in self._core:
+            pass
+
+    def _run(self) -> Iterator[ItemResult]:
+        options = self._batch.options
+        options.out.mkdir(parents=True, exist_ok=True)
+        started_at = datetime.now(UTC)
+        interrupt: BaseException | None = None
+        with _exclusive(options.out):
+            try:
+                yield from self._fan_out()
+            except (KeyboardInterrupt, GeneratorExit, _Cancelled) as exc:
+                interrupt = exc
+            except BaseException:
+                with deferred_interrupts():
+                    self._batch.close()
+                raise
+            # The batch has stopped: a Ctrl-C now has nothing left to stop and must not cost the reports.
+            with deferred_interrupts(reraise=False):
+                self._batch.close()
+                self.results.sort(key=lambda r: r.line)
+                remaining = self._batch.remaining()
+                summary = summarize(
+                    self.results,
+                    total=self._total,
+                    started=started_at,
+                    finished=datetime.now(UTC),
+                    interrupted=interrupt is not None and not self._every_item_ended,
+                    deadline=remaining is not None and remaining <= 0,
+                )
+                write_reports(options.out, self.results, summary)
+                self.outcome = BatchOutcome(results=self.results, summary=summary)
+        if isinstance(interrupt, KeyboardInterrupt) and not self._every_item_ended:
+            raise interrupt
+
+    def _done(self, result: ItemResult) -> ItemResult:
+        self.results.append(result)
+        return result
+
+    def _fan_out(self) -> Iterator[ItemResult]:
+        """Make the images ready, then submit items as workers free up, yielding each result as it comes; on
+        any way out before the end, stop everything this batch started."""
+        batch = self._batch
+        workers = batch.options.workers
+        pending: Pending = {}
+        with futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pvisor-host-item") as pool:
+            try:
+                for spec in self._images:
+                    with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
+                        batch.image(spec)
+                for item in self._items:
+                    remaining = batch.remaining()
+                    if remaining is not None and remaining <= 0:
+                        late = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run")
+                        yield self._done(late)
+                        continue
+                    while len(pending) >= 2 * workers:
+                        yield from self._harvest(pending, timeout=0.2)
+                    self._check_stop()
+                    pending[pool.submit(_run_item, item, batch)] = item
+                    yield from self._harvest(pending, timeout=0)
+                while pending:
+                    yield from self._harvest(pending, timeout=0.2)
+                self._every_item_ended = True
+            except BaseException:
+                # Ctrl-C, SIGTERM, cancel(), a closed iterator, or anything else going wrong here: nothing this
+                # batch started may outlive it.
+                with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
+                    self._cancel(pending)
+                raise
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise _Cancelled
+
+    def _harvest(self, pending: Pending, *, timeout: float) -> Iterator[ItemResult]:
+        self._check_stop()
+        finished, _ = futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
+        for future in finished:
+            del pending[future]
+            yield self._done(future.result())
+
+    def _cancel(self, pending: Pending) -> None:
+        """Stop everything this batch started, and wait for the workers to record it."""
+        if pending:
+            logger.warning("interrupted: stopping {} items and removing their sandboxes", len(pending))
+        batch = self._batch
+        batch.cancel.set()
+        started = []
+        for future, item in pending.items():
+            if future.cancel():
+                self._done(_interrupted(item, "not started"))
+            else:
+                started.append(future)
+        if started:
+            batch.backend.cancel()
+        for future in futures.as_completed(started):
+            self._done(future.result())
+
+
 def run_batch(
     items: Iterable[BatchItem],
     backend: Backend,
@@ -138,43 +290,27 @@ def run_batch(
     images: Iterable[ReplaySpec] = (),
     progress: Callable[[ItemResult], None] | None = None,
 ) -> BatchOutcome:
-    """Run every item (see the module docstring) and write ``summary.json`` and ``junit.xml``.
-
-    The images of ``images`` (specs, one per distinct image) are made ready first, in the calling thread,
-    so that Ctrl-C during a build stops it at once; an image that cannot be made fails its items only.
-    ``progress`` is called from the calling thread as each item finishes. Ctrl-C or SIGTERM cancels the
-    batch as described above; the outcome then says ``interrupted``.
+    """Run every item (see :class:`BatchRun`) to the end and return the outcome; ``progress`` is called with
+    each result as it comes. Ctrl-C or SIGTERM cancels the batch; the outcome then says ``interrupted``.
 
     Raises:
         UsageError: another batch is running in ``options.out``.
     """
-    out = options.out
-    out.mkdir(parents=True, exist_ok=True)
-    started_at = datetime.now(UTC)
-    batch = _Batch(backend, options)
-    results: list[ItemResult] = []
-    with _exclusive(out):
-        try:
-            interrupted = _fan_out(items, images, batch, results, progress)
-        except BaseException:
-            with deferred_interrupts():
-                batch.close()
-            raise
-        # Every item has ended: a Ctrl-C now has nothing left to stop and must not cost the reports.
-        with deferred_interrupts(reraise=False):
-            batch.close()
-            results.sort(key=lambda r: r.line)
-            remaining = batch.remaining()
-            summary = summarize(
-                results,
-                total=total,
-                started=started_at,
-                finished=datetime.now(UTC),
-                interrupted=interrupted,
-                deadline=remaining is not None and remaining <= 0,
-            )
-            write_reports(out, results, summary)
-    return BatchOutcome(results=results, summary=summary)
+    run = BatchRun(items, backend, options, total=total, images=images)
+    try:
+        for result in run:
+            if progress is not None:
+                try:
+                    progress(result)
+                except Exception as exc:  # a display problem must not stop the batch
+                    logger.opt(exception=exc).debug("progress display failed")
+    except KeyboardInterrupt:
+        if run.outcome is None:  # interrupted while showing progress: end the batch first
+            run.close()
+    if run.outcome is None:
+        run.close()
+    assert run.outcome is not None
+    return run.outcome
 
 
 @contextlib.contextmanager
@@ -189,74 +325,6 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 #: Items submitted and not yet harvested.
 Pending = dict[futures.Future[ItemResult], BatchItem]
-
-
-def _fan_out(
-    items: Iterable[BatchItem],
-    images: Iterable[ReplaySpec],
-    batch: _Batch,
-    results: list[ItemResult],
-    progress: Callable[[ItemResult], None] | None,
-) -> bool:
-    """Make the images ready, then submit items as workers free up; on Ctrl-C/SIGTERM cancel everything.
-    Returns True when interrupted."""
-    workers = batch.options.workers
-    pending: Pending = {}
-
-    def done(result: ItemResult) -> None:
-        results.append(result)
-        if progress is not None:
-            try:
-                progress(result)
-            except Exception as exc:  # a display problem must not stop the batch
-                logger.opt(exception=exc).debug("progress display failed")
-
-    with futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pvisor-host-item") as pool:
-        try:
-            for spec in images:
-                with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
-                    batch.image(spec)
-            for item in items:
-                remaining = batch.remaining()
-                if remaining is not None and remaining <= 0:
-                    done(ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run"))
-                    continue
-                while len(pending) >= 2 * workers:
-                    _harvest(pending, done, timeout=1.0)
-                pending[pool.submit(_run_item, item, batch)] = item
-                _harvest(pending, done, timeout=0)
-            while pending:
-                _harvest(pending, done, timeout=1.0)
-        except BaseException as exc:
-            # Ctrl-C, SIGTERM, or anything else going wrong here: nothing this batch started may outlive it.
-            with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
-                _cancel(batch, pending, done)
-            if isinstance(exc, KeyboardInterrupt):
-                return True
-            raise
-    return False
-
-
-def _harvest(pending: Pending, done: Callable[[ItemResult], None], *, timeout: float) -> None:
-    finished, _ = futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
-    for future in finished:
-        del pending[future]
-        done(future.result())
-
-
-def _cancel(batch: _Batch, pending: Pending, done: Callable[[ItemResult], None]) -> None:
-    """Stop everything this batch started, and wait for the workers to record it."""
-    logger.warning("interrupted: stopping {} items and removing their sandboxes", len(pending))
-    batch.cancel.set()
-    started = []
-    for future, item in pending.items():
-        if future.cancel():
-            done(_interrupted(item, "not started"))
-        else:
-            started.append(future)
-    batch.backend.cancel()
-    for future in futures.as_completed(started):
-        done(future.result())
 
 
 def _interrupted(item: BatchItem, message: str) -> ItemResult:

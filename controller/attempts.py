@@ -20,13 +20,13 @@ from loguru import logger
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
 
-from ..backend.base import Backend, ModelGateway
-from ..errors import Interrupted
-from ..models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
-from ..models.replay import Attempt, PreparedReplay
-from ..models.spec import ReplaySpec
-from ..models.units import format_duration
-from ..preflight.checks import release_out_dir
+from .backend.base import Backend, ModelGateway
+from .errors import Interrupted
+from .models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
+from .models.replay import Attempt, PreparedReplay
+from .models.spec import ReplaySpec
+from .models.units import format_duration
+from .preflight.checks import release_out_dir
 
 
 @contextlib.contextmanager

@@ -1,1 +1,0 @@
-"""One replay above the seam: its model gateway, and its attempts, retried in fresh sandboxes."""
