@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine images demo test test-unit test-docker lint clean
+.PHONY: help venv engine images demo test test-unit test-docker lint docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -46,9 +46,12 @@ test-docker: venv engine ## Run only the tests that drive the real engine
 	$(BIN)/pytest -m docker
 
 lint: venv ## ruff and mypy
-	$(BIN)/ruff check controller tests
-	$(BIN)/ruff format --check controller tests
+	$(BIN)/ruff check controller tests examples
+	$(BIN)/ruff format --check controller tests examples
 	$(BIN)/mypy controller
+
+docs-api: venv ## Regenerate docs/api.md from the public API's docstrings
+	$(BIN)/python scripts/gen-api-docs.py
 
 clean: ## Remove the virtualenv, caches and run directories (images stay: see `pvisor-host images`)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache pvisor-runs *.egg-info

@@ -12,8 +12,15 @@ from .base import Backend, ModelGateway
 __all__ = ["Backend", "ModelGateway", "open_backend"]
 
 
-def open_backend(*, ownership: Ownership | None = None, pool_size: int = 10, timeout: float = 120) -> Backend:
-    """The local Docker engine at ``DOCKER_HOST`` (or the default socket), checked with a ping.
+def open_backend(
+    *,
+    ownership: Ownership | None = None,
+    pool_size: int = 10,
+    timeout: float = 120,
+    docker_host: str | None = None,
+) -> Backend:
+    """The Docker engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked with a
+    ping.
 
     ``pool_size`` should cover the threads that use the backend at once; ``timeout`` bounds one engine request.
 
@@ -22,4 +29,6 @@ def open_backend(*, ownership: Ownership | None = None, pool_size: int = 10, tim
     """
     from .docker import DockerBackend
 
-    return DockerBackend.connect(ownership or Ownership.current(), pool_size=pool_size, timeout=timeout)
+    return DockerBackend.connect(
+        ownership or Ownership.current(), pool_size=pool_size, timeout=timeout, docker_host=docker_host
+    )

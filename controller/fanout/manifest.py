@@ -14,7 +14,7 @@ import glob
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,40 @@ def _host_checks(spec: ReplaySpec) -> None:
         get_profile(spec.agent)
     if spec.workspace_dir is not None and not spec.workspace_dir.is_dir():
         raise UsageError(f"workspace_dir {spec.workspace_dir} is not a directory")
+
+
+def batch_items(
+    entries: Iterable[ReplaySpec | Mapping[str, Any]], defaults: Mapping[str, Any] | None = None
+) -> list[BatchItem]:
+    """Items from specs, or from mappings of manifest-line fields (``id`` included), each validated as a
+    manifest line is, over ``defaults``. Relative paths are relative to the working directory.
+
+    Raises:
+        UsageError: the first bad entry, by its position (and how many more there are); or no entries.
+    """
+    seen: dict[str, int] = {}
+    items: list[BatchItem] = []
+    problems: list[str] = []
+    for number, entry in enumerate(entries, start=1):
+        fields = entry.model_dump(exclude_unset=True) if isinstance(entry, ReplaySpec) else dict(entry)
+        try:
+            items.append(_item(number, fields, dict(defaults or {}), seen))
+        except UsageError as exc:
+            problems.append(f"item {number}: {exc.one_line()}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(problems[0] + more)
+    if not items:
+        raise UsageError("the batch holds no items")
+    return items
+
+
+def image_specs(items: Iterable[BatchItem]) -> list[ReplaySpec]:
+    """One item's spec per distinct (image, agent, inject): what a batch's images are made from."""
+    distinct: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
+    for item in items:
+        distinct.setdefault((item.spec.image, item.spec.agent, item.spec.inject), item.spec)
+    return list(distinct.values())
 
 
 #: A numbered manifest entry: its fields, or what is wrong with the line.

@@ -55,13 +55,15 @@ class DockerBackend:
         self._injector = Injector(client, ownership)
 
     @classmethod
-    def connect(cls, ownership: Ownership, *, pool_size: int = 10, timeout: float = 120) -> DockerBackend:
-        """The engine at ``DOCKER_HOST`` (or the default socket), checked with a ping.
+    def connect(
+        cls, ownership: Ownership, *, pool_size: int = 10, timeout: float = 120, docker_host: str | None = None
+    ) -> DockerBackend:
+        """The engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked with a ping.
 
         Raises:
             PrerequisiteError: no engine answers.
         """
-        return cls(connect(timeout=timeout, pool_size=pool_size), ownership)
+        return cls(connect(timeout=timeout, pool_size=pool_size, docker_host=docker_host), ownership)
 
     @property
     def ownership(self) -> Ownership:

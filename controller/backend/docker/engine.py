@@ -113,22 +113,25 @@ def engine_errors(action: str) -> Iterator[None]:
         raise InfrastructureError(f"Docker engine failed to {action}: {describe(exc)}") from exc
 
 
-def engine_address() -> str:
-    """Where the SDK will look for the engine (``DOCKER_HOST`` or the default socket)."""
-    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+def engine_address(docker_host: str | None = None) -> str:
+    """Where the SDK will look for the engine: ``docker_host``, else ``DOCKER_HOST``, else the default socket."""
+    return docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
-def connect(timeout: float = API_TIMEOUT, pool_size: int = 10) -> docker.DockerClient:
-    """A client for the engine at ``DOCKER_HOST`` (or the default socket), checked with a ping.
-
-    The client is safe to share between threads; ``pool_size`` should cover the threads that use it at once.
+def connect(timeout: float = API_TIMEOUT, pool_size: int = 10, docker_host: str | None = None) -> docker.DockerClient:
+    """A client for the engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked
+    with a ping. The client is safe to share between threads; ``pool_size`` should cover the threads that use
+    it at once.
 
     Raises:
         PrerequisiteError: no engine answers there.
     """
-    address = engine_address()
+    address = engine_address(docker_host)
     try:
-        client = docker.from_env(timeout=int(timeout), max_pool_size=pool_size)
+        if docker_host is None:
+            client = docker.from_env(timeout=int(timeout), max_pool_size=pool_size)
+        else:
+            client = docker.DockerClient(base_url=docker_host, timeout=int(timeout), max_pool_size=pool_size)
         client.ping()
     except (*ENGINE_ERRORS, OSError) as exc:
         reason = str(exc).split("\n")[0][:200]

@@ -1,0 +1,246 @@
+"""The public Python API: replays, batches, images and cleanup, typed, for pipelines that embed replays.
+
+Everything here validates and defaults exactly as the CLI does (through the same
+:class:`~pvisor_host.models.spec.ReplaySpec`, the same host checks, the same backend), raises only
+:class:`~pvisor_host.errors.PvisorHostError` s for requests it refuses, prints nothing, installs no logging
+sink and keeps no global state: each call opens its own connection to the engine (``docker_host``, default
+``DOCKER_HOST`` or the local socket), so several batches may run at once in one process, against different
+engines, from different threads.
+
+A batch is an iterator of each item's :class:`~pvisor_host.fanout.report.ItemResult`, in completion order;
+breaking out of it, calling :meth:`Batch.cancel`, or a ``KeyboardInterrupt`` stops and removes its running
+sandboxes, keeps the records of the items that finished, and writes the reports. Running the same batch
+into the same ``out`` again resumes it. :func:`abatch` is the same for asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .attempts import run_replay
+from .backend import Backend, open_backend
+from .errors import UsageError
+from .fanout.manifest import BatchItem, batch_items, image_specs
+from .fanout.report import BatchSummary, ItemResult
+from .fanout.scheduler import BatchOptions, BatchRun, default_workers
+from .models.housekeeping import GcReport
+from .models.image import BuildOptions, BuildPlan, ImageRef
+from .models.profiles import get_profile
+from .models.record import ReplayRecord
+from .models.spec import ReplaySpec, build_spec
+from .models.units import parse_duration
+from .preflight.checks import check_inputs
+from .preflight.prepare import prepare
+
+Entry = ReplaySpec | Mapping[str, Any]
+"""A batch item: a spec, or a mapping of a manifest line's fields (``id`` included)."""
+
+
+@contextlib.contextmanager
+def _engine(docker_host: str | None, *, pool_size: int = 10) -> Iterator[Backend]:
+    backend = open_backend(pool_size=pool_size, docker_host=docker_host)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def replay(
+    spec: ReplaySpec | None = None,
+    /,
+    *,
+    build: BuildOptions | None = None,
+    docker_host: str | None = None,
+    **options: Any,
+) -> ReplayRecord:
+    """Replay one trajectory in a fresh hardened sandbox and return its record (also in its run directory).
+
+    Pass a :class:`ReplaySpec`, or its fields as keywords (``trajectory=``, ``after_step=``, ``agent=``,
+    ``mode=``, ..., the ``replay`` command's options with underscores). Every host check runs before the
+    engine is asked. A replay that ran returns its record whatever its status (``ok``, ``replay_failed``,
+    ``timeout``, ...).
+
+    Raises:
+        UsageError: the request is wrong (the message says what, and how to fix it).
+        PrerequisiteError: no engine answers, or something else the host needs is missing.
+        InfrastructureError: the engine or a build failed.
+        Interrupted: Ctrl-C; the sandbox was removed and the record says ``interrupted``.
+    """
+    if spec is not None and options:
+        raise UsageError("pass a ReplaySpec or its fields as keywords, not both")
+    spec = spec if spec is not None else build_spec(**options)
+    checked = check_inputs(spec)
+    with _engine(docker_host) as backend:
+        prepared = prepare(checked, backend, build=build)
+        return run_replay(prepared, backend)
+
+
+class Batch:
+    """A batch of replays: iterate it to run it (see the module docstring). Use it as a context manager, or
+    call :meth:`close`, to end it deterministically when you stop iterating early and still hold it."""
+
+    def __init__(self, items: list[BatchItem], options: BatchOptions, *, docker_host: str | None = None) -> None:
+        self._items = items
+        self._options = options
+        self._docker_host = docker_host
+        self._run: BatchRun | None = None
+        self._cancelled = False
+        self._iterator: Generator[ItemResult, None, None] | None = None
+
+    @property
+    def items(self) -> list[BatchItem]:
+        """The validated items, with their ids (each item's run directory is ``out/<id>/``)."""
+        return list(self._items)
+
+    @property
+    def out(self) -> Path:
+        """The batch directory."""
+        return self._options.out
+
+    @property
+    def summary(self) -> BatchSummary | None:
+        """``summary.json``, once the batch has ended (also when it was stopped)."""
+        return self._run.outcome.summary if self._run is not None and self._run.outcome is not None else None
+
+    def record(self, result: ItemResult) -> ReplayRecord | None:
+        """The record of a finished item (None for an item that never ran)."""
+        from .models.record import load_record
+
+        path = self.out / (result.path or result.id) / "record.json"
+        return load_record(path) if result.path and path.is_file() else None
+
+    def __iter__(self) -> Iterator[ItemResult]:
+        if self._iterator is not None:
+            raise UsageError("a batch runs once; create a new one to run it again (it resumes)")
+        self._iterator = self._results()
+        return self._iterator
+
+    def _results(self) -> Generator[ItemResult, None, None]:
+        with _engine(self._docker_host, pool_size=self._options.workers + 8) as backend:
+            run = BatchRun(self._items, backend, self._options, total=len(self._items), images=image_specs(self._items))
+            self._run = run
+            if self._cancelled:
+                run.cancel()
+            yield from run
+
+    def cancel(self) -> None:
+        """Stop the batch (from any thread): no new item starts, the running sandboxes are stopped and removed,
+        the iteration ends once they are."""
+        self._cancelled = True
+        if self._run is not None:
+            self._run.cancel()
+
+    def close(self) -> None:
+        """Stop the batch if it still runs and wait until its sandboxes are removed and its reports written."""
+        self.cancel()
+        if self._iterator is not None:
+            self._iterator.close()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def batch(
+    items: Iterable[Entry],
+    *,
+    out: Path | str,
+    workers: int | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    deadline: float | str | None = None,
+    rerun_failed: bool = False,
+    retry_oom: bool = False,
+    build: BuildOptions | None = None,
+    docker_host: str | None = None,
+) -> Batch:
+    """A batch of replays, validated now and run as you iterate it (see the module docstring).
+
+    Args:
+        items: specs, or mappings of manifest-line fields (``id`` included); read once, now.
+        out: the batch directory (``<out>/<id>/`` per item, ``summary.json``, ``junit.xml``); running into it
+            again resumes: items that finished with the same inputs are not run again.
+        workers: sandboxes at a time (default: two per CPU, within memory).
+        defaults: fields every item gets unless it sets them (the ``batch`` command's replay options).
+        deadline: seconds (or ``"6h"``) for the whole batch: no item starts after it, running ones are cut.
+        rerun_failed: also rerun items that finished with a failure.
+        retry_oom: retry attempts killed for memory.
+        build: how an agent image that must be built is built.
+        docker_host: the engine (default ``DOCKER_HOST``, else the local socket).
+
+    Raises:
+        UsageError: an item is wrong (the first, by position, and how many more), or an option is.
+    """
+    checked = batch_items(items, defaults)
+    options = BatchOptions(
+        out=Path(out).absolute(),
+        workers=workers or default_workers(checked[0].spec.memory),
+        deadline=parse_duration(deadline, flag="deadline") if isinstance(deadline, str) else deadline,
+        rerun_failed=rerun_failed,
+        retry_oom=retry_oom,
+        build=build or BuildOptions(),
+    )
+    return Batch(checked, options, docker_host=docker_host)
+
+
+_END = object()
+
+
+async def abatch(items: Iterable[Entry], **options: Any) -> AsyncGenerator[ItemResult, None]:
+    """:func:`batch` for asyncio: ``async for result in abatch(...)``. The batch runs in a worker thread, so
+    the event loop is never blocked; leaving the loop early (use ``contextlib.aclosing`` to leave it
+    deterministically), or cancelling the task, stops the batch and removes its sandboxes.
+
+    Takes the same arguments as :func:`batch`.
+    """
+    run = batch(items, **options)
+    results = iter(run)
+    step: asyncio.Future[object] | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(asyncio.to_thread(next, results, _END))
+            result = await asyncio.shield(step)  # a cancelled task leaves the thread to finish its step
+            step = None
+            if result is _END:
+                return
+            assert isinstance(result, ItemResult)
+            yield result
+    finally:
+        run.cancel()
+        if step is not None and not step.done():
+            await asyncio.wait([step])  # the batch notices the cancel within a moment, then this step ends
+        await asyncio.to_thread(run.close)
+
+
+def build(
+    agent: str,
+    *,
+    base: str | None = None,
+    ca_bundle: Path | None = None,
+    bootstrap: bool = False,
+    docker_host: str | None = None,
+) -> ImageRef:
+    """The verified sandbox image for ``agent`` (pvisor and the pinned agent CLI), built only when missing.
+
+    Raises:
+        UsageError: an unknown agent, or one whose pinned runtime cannot be installed (the message says why).
+        ImageBuildError: the build, or its verification, failed.
+    """
+    options = BuildOptions(base=base, ca_bundle=ca_bundle, force_bootstrap=bootstrap)
+    with _engine(docker_host) as backend:
+        return backend.ensure_image(BuildPlan(profile=get_profile(agent)), options).image
+
+
+def gc(*, dry_run: bool = False, docker_host: str | None = None) -> GcReport:
+    """Remove what controllers that are gone left in the engine (their containers, networks, volumes); never a
+    live controller's, another host's, or anything without pvisor-host's labels."""
+    with _engine(docker_host) as backend:
+        return backend.sweep(dry_run=dry_run)

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Write docs/api.md from the public API's docstrings (``pvisor_host.__all__``): ``--check`` fails when the
+committed page differs from what the code says."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+import pvisor_host
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "api.md"
+
+HEAD = """# Python API
+
+Generated from the docstrings by `scripts/gen-api-docs.py`; do not edit by hand (`make docs-api` rewrites it,
+and a test fails when it is stale).
+
+{intro}
+
+"""
+
+
+def doc(obj: object) -> str:
+    return textwrap.dedent(inspect.getdoc(obj) or "").strip()
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string right after a field) of ``cls`` and its bases."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in zip(body, body[1:], strict=False):
+            is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+                found[node.target.id] = " ".join(str(following.value.value).split())  # type: ignore[attr-defined]
+    return found
+
+
+def model(name: str, cls: type) -> list[str]:
+    lines = [f"### `{name}`", "", doc(cls), ""]
+    fields = getattr(cls, "model_fields", {})
+    if fields:
+        notes = field_docs(cls)
+        lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
+        for field, info in fields.items():
+            kind = str(info.annotation).replace("typing.", "").replace("pvisor_host.", "").replace("|", "\\|")
+            kind = kind.replace("<class '", "").replace("'>", "")
+            default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
+            note = notes.get(field, "").replace("|", "\\|")
+            lines.append(f"| `{field}` | `{kind}` | {default} | {note} |")
+        lines.append("")
+    return lines
+
+
+def function(name: str, obj: object) -> list[str]:
+    signature = str(inspect.signature(obj))  # type: ignore[arg-type]
+    lines = [f"### `{name}{signature}`", "", doc(obj), ""]
+    if inspect.isclass(obj):
+        for member, value in vars(obj).items():
+            if member.startswith("_") or not (callable(value) or isinstance(value, property)):
+                continue
+            target = value.fget if isinstance(value, property) else value
+            head = (
+                f"`{name}.{member}`" if isinstance(value, property) else f"`{name}.{member}{inspect.signature(target)}`"
+            )
+            lines += [f"- {head}: {' '.join(doc(target).split())}"]
+        lines.append("")
+    return lines
+
+
+def render() -> str:
+    parts = [HEAD.format(intro=doc(pvisor_host))]
+    sections = {"Functions": [], "Models": [], "Errors": []}  # type: dict[str, list[str]]
+    for name in pvisor_host.__all__:
+        if name.startswith("__") or name == "PVISOR_VERSION":
+            continue
+        obj = getattr(pvisor_host, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            sections["Errors"] += [f"### `{name}`", "", doc(obj), ""]
+        elif inspect.isclass(obj) and hasattr(obj, "model_fields"):
+            sections["Models"] += model(name, obj)
+        elif inspect.isclass(obj) and name == "ExitCode":
+            codes = ", ".join(f"`{c.name}` = {c.value}" for c in obj)  # type: ignore[attr-defined]
+            sections["Errors"] += [f"### `{name}`", "", doc(obj), "", codes, ""]
+        else:
+            sections["Functions"] += function(name, obj)
+    for title, lines in sections.items():
+        parts.append(f"## {title}\n\n" + "\n".join(lines).strip() + "\n\n")
+    return "".join(parts).rstrip() + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not PAGE.is_file() or PAGE.read_text(encoding="utf-8") != text:
+            sys.stderr.write(f"{PAGE} is stale: run `make docs-api`\n")
+            return 1
+        return 0
+    PAGE.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""The public API without an engine: what it exports, that it validates as the CLI does before the engine is
+asked, that it prints nothing, and that the examples type-check under ``mypy --strict``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pvisor_host
+from pvisor_host import UsageError
+
+from conftest import ROOT
+from trajgen import claude_files_session, write_jsonl
+
+NO_ENGINE = "unix:///nonexistent/pvisor-host-test.sock"
+
+
+def test_everything_public_is_named_once_and_imports_lazily():
+    from pvisor_host import _EXPORTS
+
+    assert sorted(pvisor_host.__all__) == sorted(["PVISOR_VERSION", "__version__", *_EXPORTS])
+    for name in pvisor_host.__all__:
+        assert getattr(pvisor_host, name) is not None
+    assert (ROOT / "controller" / "py.typed").is_file()
+    # A submodule of the same name would replace the function once anything imported it.
+    assert [name for name in pvisor_host.__all__ if importlib.util.find_spec(f"pvisor_host.{name}")] == []
+    importlib.import_module("pvisor_host.attempts")  # what `replay` once collided with
+    assert callable(pvisor_host.replay) and callable(pvisor_host.batch)
+    probe = "import sys, pvisor_host; print(sorted(m for m in ('docker', 'pydantic') if m in sys.modules))"
+    fresh = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert fresh.stdout.strip() == "[]" and fresh.stderr == ""
+
+
+def test_a_bad_replay_is_refused_with_the_cli_words_before_any_engine(tmp_path, capfd):
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.replay(trajectory=tmp_path / "t.jsonl", after_step=0, agent="claude-code", docker_host=NO_ENGINE)
+    assert caught.value.one_line() == "--after-step: Input should be greater than or equal to 1"
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.replay(trajectory=tmp_path / "missing.jsonl", after_step=1, agent="claude-code")
+    assert caught.value.one_line() == f"trajectory {tmp_path}/missing.jsonl: does not exist"
+    assert capfd.readouterr() == ("", "")  # the library prints nothing
+
+
+def test_a_bad_batch_item_is_refused_by_its_position_and_nothing_starts(tmp_path):
+    good = write_jsonl(tmp_path / "t.jsonl", claude_files_session())
+    items = [
+        {"trajectory": good, "after_step": 1},
+        {"trajectory": good},
+        {"trajectory": tmp_path / "missing.jsonl", "after_step": 1},
+    ]
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.batch(items, out=tmp_path / "out", defaults={"agent": "claude-code"})
+    assert caught.value.one_line() == "item 2: after_step: is required (and 1 more)"
+    assert not (tmp_path / "out").exists()
+    specs = [pvisor_host.ReplaySpec(trajectory=good, after_step=n, agent="claude-code") for n in (1, 1, 2)]
+    run = pvisor_host.batch(specs, out=tmp_path / "out")
+    assert [item.id for item in run.items][:1] == ["t-after1"] and len({item.id for item in run.items}) == 3
+    assert not (tmp_path / "out").exists()  # nothing happens until it is iterated
+
+
+def test_the_examples_type_check_under_mypy_strict(tmp_path):
+    (tmp_path / "pvisor_host").symlink_to(ROOT / "controller")  # the source directory under its import name
+    examples = sorted(str(p) for p in (ROOT / "examples").glob("*.py"))
+    assert len(examples) == 3
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *examples],
+        capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(tmp_path)}, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert Path(examples[0]).name == "api_async.py"
+
+
+def test_the_api_reference_is_generated_from_the_docstrings_and_current():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen-api-docs.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    page = (ROOT / "docs" / "api.md").read_text()
+    for name in ("replay", "batch", "abatch", "build", "gc", "Batch", "ReplaySpec", "ReplayRecord", "UsageError"):
+        assert f"### `{name}" in page, name
