@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine images demo test test-unit test-docker lint docs-api clean
+.PHONY: help venv engine engine-runsc images demo test test-unit test-docker lint docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -24,6 +24,9 @@ venv: $(STAMP) ## Create .venv with pvisor-host and the dev tools
 engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap as root on Debian)
 	@scripts/ensure-engine.sh
 
+engine-runsc: ## The same, plus gVisor (runsc) registered with an engine this script started
+	@scripts/ensure-engine.sh --with-runsc
+
 images: venv engine ## Build (or find) the sandbox images of AGENTS (default: claude-code codex)
 	@for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
 
@@ -36,13 +39,13 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 	@echo "Artifacts: pvisor-runs/demo/  (record.json, result.json, output/, state/, workspace/, logs/)"
 	@echo "Workspace after the replay:" && cat pvisor-runs/demo/workspace/greeting.txt
 
-test: venv engine ## Run the whole test suite against the real engine
+test: venv engine-runsc ## Run the whole test suite against the real engine (gVisor included)
 	$(BIN)/pytest
 
 test-unit: venv ## Run the tests that need no Docker engine
 	$(BIN)/pytest -m 'not docker'
 
-test-docker: venv engine ## Run only the tests that drive the real engine
+test-docker: venv engine-runsc ## Run only the tests that drive the real engine
 	$(BIN)/pytest -m docker
 
 lint: venv ## ruff and mypy

@@ -6,15 +6,28 @@
 #     `dockerd` in the background; never a second dockerd (and never one with --bridge=none);
 #   * otherwise: say what to install, exit 3.
 #
+# With --with-runsc (make test), gVisor's runsc is installed too and registered as the engine's runtime
+# "runsc" — but only for an engine this script starts, or started earlier (its pid is in $PIDFILE), and only
+# when /etc/docker/daemon.json is absent or was written by this script: a daemon configuration someone else
+# owns is never rewritten. A running engine of ours picks the runtime up on SIGHUP (nothing restarts).
+#
 # mmdebstrap is what pvisor-host uses to bootstrap a base image when no registry is reachable.
 set -euo pipefail
 
+WITH_RUNSC=no
+[[ "${1:-}" == "--with-runsc" ]] && WITH_RUNSC=yes
+PIDFILE=/var/run/pvisor-host-dockerd.pid
+DAEMON_JSON=/etc/docker/daemon.json
+OURS=/etc/docker/.pvisor-host-wrote-daemon.json
+RUNSC_ARGS='["--network=none", "--host-uds=open"]'
+
 log() { printf 'ensure-engine: %s\n' "$*" >&2; }
 
-ping_engine() {
-    python3 - "${DOCKER_HOST:-unix:///var/run/docker.sock}" <<'PY'
+# GET $1 from the engine's API; prints the body, exits non-zero when no engine answers.
+engine_get() {
+    python3 - "${DOCKER_HOST:-unix:///var/run/docker.sock}" "$1" <<'PY'
 import http.client, socket, sys
-address = sys.argv[1]
+address, path = sys.argv[1], sys.argv[2]
 class UnixConnection(http.client.HTTPConnection):
     def __init__(self, path):
         super().__init__("localhost", timeout=3)
@@ -31,11 +44,34 @@ try:
         connection = http.client.HTTPConnection(host, int(port or 2375), timeout=3)
     else:
         sys.exit(2)
-    connection.request("GET", "/_ping")
-    sys.exit(0 if connection.getresponse().status == 200 else 1)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    sys.stdout.write(response.read().decode())
+    sys.exit(0 if response.status == 200 else 1)
 except OSError:
     sys.exit(1)
 PY
+}
+
+ping_engine() { engine_get /_ping >/dev/null; }
+
+runsc_registered() { engine_get /info | python3 -c 'import json,sys; sys.exit("runsc" not in json.load(sys.stdin).get("Runtimes", {}))'; }
+
+ours_running() {
+    [[ -f $PIDFILE ]] && [[ -n "$(cat "$PIDFILE")" ]] && [[ "$(pgrep -x dockerd || true)" == "$(cat "$PIDFILE")" ]]
+}
+
+# Write the runsc runtime into daemon.json when the file is ours to write; true when it now holds it.
+register_runsc() {
+    if [[ -f $DAEMON_JSON && ! -f $OURS ]]; then
+        log "$DAEMON_JSON belongs to someone else: not registering runsc (see docs/security.md#gvisor)"
+        return 1
+    fi
+    mkdir -p "$(dirname "$DAEMON_JSON")"
+    printf '{"runtimes": {"runsc": {"path": "%s", "runtimeArgs": %s}}}\n' "$(command -v runsc)" "$RUNSC_ARGS" \
+        >"$DAEMON_JSON"
+    touch "$OURS"
+    log "registered gVisor (runsc $(runsc --version | head -n 1 | awk '{print $3}')) in $DAEMON_JSON"
 }
 
 can_install=no
@@ -48,6 +84,9 @@ if ! ping_engine; then
     command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 fi
 command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+if [[ $WITH_RUNSC == yes ]] && ! command -v runsc >/dev/null 2>&1 && { ! ping_engine || ours_running; }; then
+    need+=(runsc)
+fi
 if ((${#need[@]})) && [[ $can_install == yes ]]; then
     log "installing ${need[*]} with apt-get"
     apt-get update -qq
@@ -55,6 +94,9 @@ if ((${#need[@]})) && [[ $can_install == yes ]]; then
 fi
 
 if ping_engine; then
+    if [[ $WITH_RUNSC == yes ]] && ours_running && command -v runsc >/dev/null 2>&1 && ! runsc_registered; then
+        register_runsc && kill -HUP "$(cat "$PIDFILE")" && sleep 1 && runsc_registered && log "runsc is registered"
+    fi
     exit 0
 fi
 
@@ -73,10 +115,14 @@ fi
 if pgrep -x dockerd >/dev/null 2>&1; then
     log "a dockerd is already running; waiting for it to answer (never starting a second one)"
 else
+    if [[ $WITH_RUNSC == yes ]] && command -v runsc >/dev/null 2>&1; then
+        register_runsc || true
+    fi
     # A stale pidfile from a killed daemon makes dockerd refuse to start.
     rm -f /var/run/docker.pid
     log "starting dockerd in the background (log: /var/log/pvisor-host-dockerd.log)"
     setsid nohup dockerd --log-level=warn >/var/log/pvisor-host-dockerd.log 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
 fi
 
 for _ in $(seq 1 300); do
