@@ -28,7 +28,7 @@ from pvisor_host.models.image import (
 )
 from pvisor_host.models.ownership import Ownership
 from pvisor_host.models.record import ContainerInfo, Failure, Inputs, Limits, ReplayRecord, TrajectoryRef, save_record
-from pvisor_host.models.replay import Attempt, PreparedReplay, SandboxPlan
+from pvisor_host.models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
 from pvisor_host.models.spec import ModelUpstream
 
 _FAILURES = {
@@ -86,6 +86,9 @@ class FakeBackend:
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image_ref(plan.profile.agent), exists=True)
+
+    def runtime(self, name: str | None) -> Runtime:
+        return Runtime(name=name or "runc")
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         return SandboxPlan(mounts=[], limits=limits(prepared), command=["fake"])

@@ -27,7 +27,7 @@ from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, Pr
 from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
 from ..models.ownership import Ownership
 from ..models.record import ReplayRecord
-from ..models.replay import Attempt, PreparedReplay, SandboxPlan
+from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
 from ..models.spec import ModelUpstream
 
 
@@ -69,6 +69,13 @@ class Backend(Protocol):
         """What :meth:`ensure_image` would give, found without building, probing or filling anything."""
 
     # -- sandboxes ------------------------------------------------------------------------------------------
+
+    def runtime(self, name: str | None) -> Runtime:
+        """The container runtime ``name`` (None: the engine's default), as the engine has it registered.
+
+        Raises:
+            UsageError: the engine has no runtime of that name (the message lists those it has).
+        """
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         """The mounts, limits and command of the sandbox :meth:`run_attempt` would start (nothing starts)."""

@@ -45,6 +45,12 @@ User = Annotated[str | None, typer.Option(help="Sandbox user UID[:GID] or root (
 CapAdd = Annotated[list[str] | None, typer.Option(help="Keep this capability (repeat).")]
 WritableRootfs = Annotated[bool | None, typer.Option(help="Do not make the root filesystem read-only.")]
 AllowPrivilegeEscalation = Annotated[bool | None, typer.Option(help="Do not set no-new-privileges.")]
+Runtime = Annotated[
+    str | None,
+    typer.Option(
+        help="Container runtime the engine has registered, e.g. runsc (gVisor); default $PVISOR_HOST_RUNTIME."
+    ),
+]
 ModelBaseUrl = Annotated[
     str | None, typer.Option(help="The real OpenAI-compatible endpoint; a host-side gateway forwards to it.")
 ]

@@ -18,7 +18,7 @@ from ..errors import PvisorHostError
 from ..files.digest import tree_sha256
 from ..models.image import ImagePlan, ImagePreview
 from ..models.record import Limits
-from ..preflight.checks import agent_checks, check_inputs
+from ..preflight.checks import agent_checks, check_inputs, runtime_checks
 from ..preflight.prepare import assemble
 from .manifest import BatchItem
 from .memo import Memo
@@ -93,7 +93,9 @@ def _plan_item(
         source = spec.workspace_dir
         workspace = workspaces.get(source, lambda: tree_sha256(source)) if source is not None else None
         key = content_key(spec, checked.trajectory.sha256, preview.image, workspace)
-    sandbox = backend.describe_sandbox(assemble(checked, agent, preview.image))
+    runtime = backend.runtime(spec.runtime)
+    runtime_checks(spec, runtime)
+    sandbox = backend.describe_sandbox(assemble(checked, agent, preview.image, runtime))
     upstream = spec.continuation
     result = ItemPlan(
         id=item.id,

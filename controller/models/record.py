@@ -70,6 +70,10 @@ class Limits(BaseModel):
     timeout: float
     collect_limit: int
     init: bool = True
+    runtime: str = "runc"
+    """The container runtime the sandbox ran under (``runsc``: gVisor)."""
+    notes: list[str] = []
+    """Where a limit means something else under this runtime (gVisor: ``pids``)."""
 
 
 class ContainerInfo(BaseModel):

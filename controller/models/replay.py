@@ -41,6 +41,29 @@ class PvisorPlan(BaseModel):
     """Tool calls in the selected prefix (from pvisor's ``manifest.json``)."""
 
 
+class Runtime(BaseModel):
+    """The container runtime a sandbox runs under, as the engine has it registered."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    """``runc``, ``runsc`` (gVisor), ..."""
+    path: str = "runc"
+    """The runtime's executable."""
+    args: list[str] = []
+    """The arguments the engine passes it (``runtimeArgs`` in ``daemon.json``)."""
+
+    @property
+    def gvisor(self) -> bool:
+        """gVisor's runsc (a user-space kernel between the sandbox and the host)."""
+        return self.name == "runsc" or self.path.rsplit("/", 1)[-1] == "runsc"
+
+    @property
+    def networkless(self) -> bool:
+        """Registered with ``--network=none``: its sandboxes have loopback only, whatever else is asked."""
+        return "--network=none" in self.args
+
+
 class PreparedReplay(BaseModel):
     """A replay that passed pre-flight: every input checked and resolved, the image ready. Backends run it."""
 
@@ -57,6 +80,8 @@ class PreparedReplay(BaseModel):
     """``uid:gid`` the sandbox runs as."""
     image: ImageRef
     built: BuiltImage | None = None
+    runtime: Runtime = Runtime(name="runc")
+    """The container runtime, checked against what the engine has registered."""
     plan: PvisorPlan | None = None
     """pvisor's host pre-flight; None when it was left to the sandbox (batch items)."""
     timings: dict[str, float] = {}

@@ -29,6 +29,9 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER = re.compile(r"^(root|\d+)(:\d+)?$")
 _CAPABILITY = re.compile(r"^(CAP_)?[A-Z_]+$")
+_RUNTIME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: The environment variable that makes a runtime (gVisor's ``runsc``, say) the default of every replay.
+RUNTIME_ENV = "PVISOR_HOST_RUNTIME"
 # Paths a workspace must not cover: the sandbox needs them as the image made them.
 _RESERVED_PATHS = ("/", "/bin", "/sbin", "/lib", "/lib64", "/usr", "/etc", "/opt", "/var", "/tmp", "/root", "/home")
 _RESERVED_TREES = ("/proc", "/sys", "/dev", "/pvisor-host", "/usr", "/opt/pvisor", "/etc", "/bin", "/sbin", "/lib")
@@ -162,6 +165,9 @@ class ReplaySpec(BaseModel):
     """Relax the read-only root filesystem."""
     allow_privilege_escalation: bool = False
     """Relax ``no-new-privileges``."""
+    runtime: str | None = Field(default_factory=lambda: os.environ.get(RUNTIME_ENV) or None)
+    """Container runtime the engine has registered (``runc``; ``runsc`` for gVisor); default:
+    ``$PVISOR_HOST_RUNTIME``, else the engine's default runtime."""
     upstream: ModelUpstream | None = None
     """The model a live continuation calls, from ``--model-base-url``, ``--model`` and ``--model-api-key-env``
     (all three, or none) and the other ``--model-*`` options; without it the user brings the endpoint
@@ -218,6 +224,13 @@ class ReplaySpec(BaseModel):
             if not _CAPABILITY.match(cap):
                 raise ValueError(f"{cap!r} is not a capability name")
         return [cap.removeprefix("CAP_") for cap in caps]
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, value: str | None) -> str | None:
+        if value is not None and not _RUNTIME.match(value):
+            raise ValueError(f"{value!r} is not a runtime name")
+        return value
 
     @field_validator("workspace_path")
     @classmethod

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from ..errors import UsageError
 from ..models.profiles import AgentProfile, all_profiles, get_profile
-from ..models.replay import PvisorPlan, TrajectoryInfo
+from ..models.replay import PvisorPlan, Runtime, TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
 from .hostpvisor import prepare_only
 from .trajectory import check_agent, check_file, recorded_workspace
@@ -264,4 +264,24 @@ def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
         raise UsageError(
             f"--max-steps {spec.max_steps} leaves no live step after the selected replay prefix of {prefix} steps",
             hint=f"use at least {prefix + 1}",
+        )
+
+
+def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:
+    """Refuse options the runtime cannot honour: a runtime registered with ``--network=none`` (gVisor as
+    ``make test`` registers it) gives its sandboxes loopback only."""
+    if not runtime.networkless:
+        return
+    if spec.network != "none":
+        raise UsageError(
+            f"--network {spec.network}: runtime {runtime.name} is registered with --network=none, "
+            "so its sandboxes have no network",
+            hint="drop --network, or register a runtime without --network=none",
+        )
+    upstream = spec.continuation
+    if upstream is not None and upstream.network != "unix":
+        raise UsageError(
+            f"--model-network {upstream.network}: runtime {runtime.name} is registered with --network=none; "
+            "its sandboxes reach the gateway through its unix socket only",
+            hint="drop --model-network",
         )

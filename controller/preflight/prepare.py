@@ -11,8 +11,8 @@ import time
 
 from ..backend.base import Backend
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
-from ..models.replay import PreparedReplay
-from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, release_out_dir
+from ..models.replay import PreparedReplay, Runtime
+from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, release_out_dir, runtime_checks
 
 
 def image_request(checked: CheckedInputs) -> ImageRequest:
@@ -45,6 +45,8 @@ def prepare(
     started = time.monotonic()
     source: ImagePlan | ResolvedImage = image if image is not None else backend.plan_image(image_request(checked))
     agent = agent_checks(checked, source.profile)
+    runtime = backend.runtime(checked.spec.runtime)
+    runtime_checks(checked.spec, runtime)
     create_out_dir(checked.out_dir)
     checked_at = time.monotonic()
     try:
@@ -59,13 +61,14 @@ def prepare(
         "preflight": round(checked.seconds + checked_at - started, 4),
         "image": round(time.monotonic() - checked_at, 4),
     }
-    return assemble(checked, agent, resolved.image, built=resolved, timings=timings)
+    return assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
 
 
 def assemble(
     checked: CheckedInputs,
     agent: AgentChecks,
     image: ImageRef,
+    runtime: Runtime,
     *,
     built: ResolvedImage | None = None,
     timings: dict[str, float] | None = None,
@@ -81,6 +84,7 @@ def assemble(
         user=checked.user,
         image=image,
         built=built.built if built is not None else None,
+        runtime=runtime,
         plan=agent.plan,
         timings=timings or {},
     )

@@ -147,6 +147,7 @@ def test_doctor_reports_a_ready_host(claude_image, codex_image):
     assert checks["engine"]["status"] == "ok" and checks["engine"]["detail"].startswith("Docker ")
     assert checks["pvisor on the host"]["status"] == "ok"
     assert checks["architecture"]["status"] == "ok"
+    assert checks["runtimes"]["detail"].startswith("runc (default)")
     assert checks["disk"]["status"] in ("ok", "warn")
     assert checks["registry"]["status"] in ("ok", "warn")
     assert checks["image claude-code"] == {

@@ -278,6 +278,8 @@ def test_hardened_defaults_are_really_applied(tmp_path, claude_image):
         "timeout": 0,
         "collect_limit": 4 * 2**30,
         "init": True,
+        "runtime": "runc",
+        "notes": [],
     }
 
 

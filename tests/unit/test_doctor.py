@@ -36,10 +36,12 @@ def test_doctor_reports_an_agent_whose_base_is_not_there_yet():
     }
     assert checks["image claude-code"]["status"] == "warn"
     assert checks["image claude-code"]["detail"].endswith(" not built yet")
-    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:5] == [
+    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:6] == [
         "engine",
         "pvisor on the host",
         "architecture",
         "disk",
+        "runtimes",
         "registry",
     ]
+    assert checks["runtimes"]["detail"].startswith("runc (default)")

@@ -33,7 +33,7 @@ def commands(tmp_path: Path, trajectory: Path) -> dict[str, tuple[list[str | Pat
     batch = ["batch", manifest, "--agent", "claude-code", "--mode", "replay-only"]
     return {
         "build": (["build", "--agent", "claude-code"], inspect_base),
-        "replay": ([*replay, "--mode", "replay-only", "--out", tmp_path / "run"], inspect_base),
+        "replay": ([*replay, "--mode", "replay-only", "--out", tmp_path / "run"], "read the engine's runtimes"),
         "batch": ([*batch, "--out", tmp_path / "b"],
                   f"first one: Docker engine failed to {inspect_base}"),
         "batch --plan": ([*batch, "--plan", "--out", tmp_path / "p"],

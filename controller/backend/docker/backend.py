@@ -32,10 +32,10 @@ from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, P
 from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
 from ...models.ownership import Ownership
 from ...models.record import ReplayRecord
-from ...models.replay import Attempt, PreparedReplay, SandboxPlan
+from ...models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
 from ...models.spec import ModelUpstream, parse_user
 from ..base import ModelGateway
-from . import doctor
+from . import doctor, runtimes
 from . import labels as L
 from .build import resolve
 from .build.inject import Injector
@@ -53,6 +53,7 @@ class DockerBackend:
         self.client = client
         self._ownership = ownership
         self._injector = Injector(client, ownership)
+        self._runtimes: tuple[str, dict[str, Runtime]] | None = None
 
     @classmethod
     def connect(
@@ -88,6 +89,14 @@ class DockerBackend:
             return resolve.preview(self.client, plan)
 
     # -- sandboxes ------------------------------------------------------------------------------------------
+
+    def runtime(self, name: str | None) -> Runtime:
+        """See :meth:`pvisor_host.backend.base.Backend.runtime`."""
+        if self._runtimes is None:
+            with engine_errors("read the engine's runtimes"):
+                self._runtimes = runtimes.registered(self.client)
+        default, known = self._runtimes
+        return runtimes.choose(name or default, known)
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""

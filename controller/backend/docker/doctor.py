@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import docker
 
@@ -18,6 +19,7 @@ from ...models.units import format_size
 from .build.base import default_base, find_image, resolve_base_offline
 from .build.recipe import expected_tag
 from .engine import engine_address, engine_errors
+from .runtimes import runsc_registration
 
 _LOW_DISK = 10 * 1024**3
 _TOO_LOW_DISK = 2 * 1024**3
@@ -33,7 +35,24 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         status="ok",
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
-    return [engine, _architecture(info), _disk(info), *_images(client)]
+    return [engine, _architecture(info), _disk(info), _runtimes(info), *_images(client)]
+
+
+def _runtimes(info: dict[str, Any]) -> Check:
+    default = str(info.get("DefaultRuntime") or "runc")
+    names = sorted(info.get("Runtimes") or {"runc": {}})
+    detail = ", ".join(f"{name} (default)" if name == default else name for name in names)
+    if "runsc" in names:
+        return Check(name="runtimes", status="ok", detail=f"{detail}; gVisor is available: --runtime runsc")
+    if shutil.which("runsc"):
+        return Check(
+            name="runtimes",
+            status="warn",
+            detail=f"{detail}; gVisor (runsc) is installed but not registered with the engine",
+            fix=f"put {runsc_registration()} in /etc/docker/daemon.json, then kill -HUP $(pgrep -x dockerd)",
+            required=False,
+        )
+    return Check(name="runtimes", status="ok", detail=f"{detail} (apt-get install runsc adds gVisor)", required=False)
 
 
 def _architecture(info: dict[str, object]) -> Check:

@@ -87,6 +87,8 @@ class ContainerSpec(BaseModel):
     memory: int = 4 * 1024**3
     cpus: float = 2.0
     pids: int = 1024
+    runtime: str | None = None
+    """The engine's runtime to run it with (None: the engine's default)."""
 
     def create_kwargs(self) -> dict[str, object]:
         """The docker-py ``containers.create`` arguments (the single translation point)."""
@@ -111,6 +113,7 @@ class ContainerSpec(BaseModel):
             "nano_cpus": int(self.cpus * 1e9),
             "pids_limit": self.pids,
             "init": True,
+            "runtime": self.runtime,
             "detach": True,
             "stdin_open": False,
             "tty": False,

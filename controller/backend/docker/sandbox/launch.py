@@ -13,6 +13,10 @@ from ..gateway import SOCKET_MOUNT, ModelAccess
 from . import container as sandbox
 from .stage import INPUT_MOUNT, RUN_MOUNT, Staging
 
+GVISOR_PIDS = (
+    "pids: under gVisor the limit counts the sandbox's host threads (several per process inside it), "
+    "and reaching it stops the whole sandbox instead of failing a fork"
+)
 _MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
 
 
@@ -103,6 +107,7 @@ def container_spec(
         memory=spec.memory,
         cpus=spec.cpus,
         pids=spec.pids,
+        runtime=prepared.runtime.name,
     )
 
 
@@ -121,6 +126,8 @@ def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
         tmp_size=cspec.tmpfs_size,
         timeout=prepared.spec.timeout,
         collect_limit=prepared.spec.collect_limit,
+        runtime=cspec.runtime or "runc",
+        notes=[GVISOR_PIDS] if prepared.runtime.gvisor else [],
     )
 
 

@@ -71,6 +71,7 @@ def classify(
     protocol_error: str | None = None,
     timeout: float,
     memory: int,
+    gvisor: bool = False,
 ) -> tuple[ReplayStatus, Failure | None]:
     """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
 
@@ -91,8 +92,10 @@ def classify(
     if infra_error:
         return "infra_error", Failure(category="infra_error", message=infra_error)
     if result is None:
-        message = protocol_error or "pvisor printed no result"
-        return "infra_error", Failure(category="infra_error", message=f"{message} (exit code {outcome.exit_code})")
+        message = f"{protocol_error or 'pvisor printed no result'} (exit code {outcome.exit_code})"
+        if gvisor:
+            message += "; a gVisor sandbox stops like this when it reaches --pids (several host threads per process)"
+        return "infra_error", Failure(category="infra_error", message=message)
     if result.failure is not None:
         return "replay_failed", Failure(
             category=result.failure.category, message=result.failure.message, retryable=result.retryable
@@ -121,6 +124,7 @@ def build_record(
         protocol_error=state.protocol_error,
         timeout=prepared.spec.timeout,
         memory=prepared.spec.memory,
+        gvisor=prepared.runtime.gvisor,
     )
     info.exit_code = state.outcome.exit_code
     info.oom_killed = state.outcome.oom_killed
