@@ -1,7 +1,9 @@
-"""Safe extraction of untrusted tar streams: what a sandbox hands back, or what an image holds.
+"""Safe extraction of untrusted trees: what a sandbox leaves behind, or what an image holds.
 
 Everything a sandbox produced is untrusted. :func:`extract_tar` unpacks a tar stream (as the engine's
-archive API returns it) into one destination directory and never writes outside it.
+archive API returns it) into one destination directory and never writes outside it; :func:`harvest_tree`
+does the same for a directory the sandbox wrote through a bind mount, read on the host after it stopped:
+each entry, seen with ``lstat`` and never followed, is judged as the archive member it would be.
 
 * Each member is judged by :func:`tarfile.data_filter`, Python's own policy for data archives, against a
   stand-in destination that does not exist on disk, so the verdict depends on the archive alone: names that
@@ -21,6 +23,7 @@ Every skipped member is reported with its reason.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import posixpath
@@ -216,8 +219,8 @@ class _Extractor:
         with source.open("rb") as handle:
             return self.regular(relative, target, handle, source.stat().st_size, source.stat().st_mode)
 
-    def member(self, archive: tarfile.TarFile, member: tarfile.TarInfo) -> bool:
-        """Extract one member; False when the entry cap ends the extraction."""
+    def member(self, member: tarfile.TarInfo, content: Callable[[], IO[bytes]]) -> bool:
+        """Extract one member (``content`` opens a regular file's bytes); False when the entry cap ends it."""
         verdict = self.judge(member)
         if verdict is None:
             return True
@@ -232,10 +235,9 @@ class _Extractor:
         elif judged.isdir():
             self.directory(relative, target)
         elif judged.isreg():
-            source = archive.extractfile(member)
-            assert source is not None
-            if not self.regular(relative, target, source, member.size, judged.mode):
-                self.report.truncated = True
+            with content() as source:
+                if not self.regular(relative, target, source, member.size, judged.mode):
+                    self.report.truncated = True
         elif judged.issym():
             self.symlink(relative, target, judged.linkname)
         elif judged.islnk() and not self.hardlink(relative, target, judged.linkname):
@@ -273,6 +275,71 @@ def extract_tar(
         return work.report
     with archive:
         for member in archive:
-            if not work.member(archive, member):
+            if not work.member(member, functools.partial(_archived, archive, member)):
                 break
     return work.report
+
+
+def _archived(archive: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    source = archive.extractfile(member)
+    assert source is not None
+    return source
+
+
+_KINDS = {
+    stat.S_IFDIR: tarfile.DIRTYPE,
+    stat.S_IFREG: tarfile.REGTYPE,
+    stat.S_IFLNK: tarfile.SYMTYPE,
+    stat.S_IFCHR: tarfile.CHRTYPE,
+    stat.S_IFBLK: tarfile.BLKTYPE,
+    stat.S_IFIFO: tarfile.FIFOTYPE,
+}
+
+
+def harvest_tree(root: Path, dest: Path, budget: Budget) -> ExtractReport:
+    """Copy the untrusted directory tree ``root`` into ``dest``, judged entry by entry exactly as
+    :func:`extract_tar` judges an archive's members (see the module docstring). Nothing is followed: a
+    symlink is a member like any other, and only real directories are descended into.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    work = _Extractor(dest, budget, mapper=lambda name: name)
+    for member, path in _members(root):
+        if not work.member(member, functools.partial(_open_regular, path)):
+            break
+    return work.report
+
+
+def _members(root: Path) -> Iterator[tuple[tarfile.TarInfo, Path]]:
+    """Every entry below ``root`` as a tar member (depth first, by name), with its path."""
+    pending = [""]
+    while pending:
+        relative = pending.pop()
+        directory = root / relative if relative else root
+        try:
+            listing = os.scandir(directory)
+        except PermissionError:  # the sandbox locked a directory it owns; as its owner we may unlock it
+            os.chmod(directory, 0o700)
+            listing = os.scandir(directory)
+        with listing:
+            entries = sorted(listing, key=lambda e: e.name, reverse=True)
+        for entry in reversed(entries):
+            info = entry.stat(follow_symlinks=False)
+            member = tarfile.TarInfo(f"{relative}{entry.name}")
+            member.type = _KINDS.get(stat.S_IFMT(info.st_mode), b"s")  # b"s": a socket, refused as unsupported
+            member.mode = stat.S_IMODE(info.st_mode)
+            if member.type == tarfile.REGTYPE:
+                member.size = info.st_size
+            elif member.type == tarfile.SYMTYPE:
+                member.linkname = os.readlink(entry.path)
+            yield member, Path(entry.path)
+            if member.type == tarfile.DIRTYPE:
+                pending.append(f"{member.name}/")
+
+
+def _open_regular(path: Path) -> IO[bytes]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except PermissionError:  # a file the sandbox made unreadable; as its owner we may read it again
+        os.chmod(path, 0o600)  # a regular file (lstat said so), not a link
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    return os.fdopen(fd, "rb")

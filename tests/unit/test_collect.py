@@ -233,3 +233,49 @@ def test_chunking_does_not_matter(tmp_path, chunk):
     data = _tar(_file("ws/a.txt", os.urandom(5000)))
     _extract(data, tmp_path / "out", chunk=chunk)
     assert (tmp_path / "out/a.txt").stat().st_size == 5000
+
+
+def test_a_hostile_directory_is_harvested_with_the_archive_rules(tmp_path):
+    """What a sandbox leaves in its bind mount, read on the host after it stopped: the same verdicts as for
+    an archive (links out, specials, the byte budget), nothing followed, nothing written outside."""
+    import socket
+
+    from pvisor_host.files.archive import harvest_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("host file")
+    root = tmp_path / "sandbox"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "ok.txt").write_text("fine\n")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o4755)
+    os.symlink("/etc/passwd", root / "abs-link")
+    os.symlink("../outside", root / "rel-escape")
+    os.symlink("data/ok.txt", root / "good-link")
+    os.symlink(str(outside), root / "dir-link")  # a symlinked directory is a member, never descended into
+    os.mkfifo(root / "pipe")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(root / "sock"))
+    (root / "big.bin").write_bytes(b"x" * 5000)
+    dest = tmp_path / "run" / "workspace"
+    report = harvest_tree(root, dest, Budget(1000))
+    listener.close()
+    reasons = {s.path: s.reason for s in report.skipped}
+    assert reasons == {
+        "abs-link": "symlink to an absolute path (/etc/passwd)",
+        "rel-escape": "symlink points outside the collected tree (../outside)",
+        "dir-link": f"symlink to an absolute path ({outside})",
+        "pipe": "FIFO",
+        "sock": "unsupported member type b's'",
+        "big.bin": "size cap reached (5000 bytes would exceed the collect limit)",
+    }
+    assert report.truncated
+    assert _tree(dest) == {"data", "data/ok.txt", "good-link", "run.sh"}
+    assert (dest / "good-link").read_text() == "fine\n" and os.readlink(dest / "good-link") == "data/ok.txt"
+    assert (dest / "run.sh").stat().st_mode & 0o7777 == 0o755  # set-uid dropped
+    files = {e.path: e for e in report.entries if e.kind == "file"}
+    assert files["data/ok.txt"].sha256 == hashlib.sha256(b"fine\n").hexdigest()
+    everything = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    assert all(p.startswith(("run", "sandbox", "outside")) for p in everything)
+    assert (outside / "secret").read_text() == "host file" and list(outside.iterdir()) == [outside / "secret"]

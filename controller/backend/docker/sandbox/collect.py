@@ -1,22 +1,21 @@
 """Collect stage: bring a finished sandbox's logs and trees (pvisor's output and state, the workspace) out.
 
-Logs stream to files with a cap per stream. Trees come through the engine's archive API into the safe
-extractor (:mod:`pvisor_host.files.archive`), under one byte budget for the whole attempt.
+Logs stream to files with a cap per stream. The trees are already on the host: the sandbox wrote them
+through its bind mounts into the staging directory. Once it has stopped they are harvested from there,
+judged entry by entry as untrusted (:func:`pvisor_host.files.archive.harvest_tree`), under one byte
+budget for the whole attempt — no archive round trip through the engine.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from docker.errors import NotFound
 from docker.models.containers import Container
 from loguru import logger
 from pydantic import BaseModel
 
-from ....errors import InfrastructureError
-from ....files.archive import Budget, ExtractReport, extract_tar, tar_stream
+from ....files.archive import Budget, ExtractReport, harvest_tree
 from ....models.units import format_size
-from ..engine import engine_errors
 from . import container as sandbox
 
 
@@ -26,7 +25,7 @@ class Collected(BaseModel):
     reports: dict[str, ExtractReport] = {}
     """Tree name (``output``, ``state``, ``workspace``) → what its extraction wrote and skipped."""
     error: str | None = None
-    """A tree that could not be read (the attempt then ends ``infra_error``)."""
+    """Why a tree could not be collected (the attempt then ends ``infra_error``)."""
 
 
 def collect_logs(box: Container, logs: Path) -> bool:
@@ -36,25 +35,16 @@ def collect_logs(box: Container, logs: Path) -> bool:
     return sandbox.save_logs(box, stdout=False, dest=logs / "stderr.log") or truncated
 
 
-def collect_trees(box: Container, trees: dict[str, str], run_dir: Path, limit: int) -> Collected:
-    """Copy each of ``trees`` (name → path in the sandbox) to ``run_dir/<name>``, within ``limit`` bytes in all.
-
-    A tree the sandbox never created is left out; one the engine cannot hand over is noted in ``error``.
-    """
+def collect_trees(trees: dict[str, Path], run_dir: Path, limit: int) -> Collected:
+    """Copy each of ``trees`` (name → its directory in the staging area) to ``run_dir/<name>``, within
+    ``limit`` bytes in all. A tree the sandbox never created is left out."""
     budget = Budget(limit)
     collected = Collected()
     for name, path in trees.items():
-        try:
-            with engine_errors(f"copy {path} out of the sandbox"):
-                try:
-                    chunks, _ = box.get_archive(path)
-                except NotFound:
-                    continue  # pvisor failed before creating it
-                collected.reports[name] = extract_tar(tar_stream(chunks), run_dir / name, budget)
-        except InfrastructureError as exc:
-            collected.error = exc.one_line()
+        if not path.is_dir() or path.is_symlink():
+            continue  # pvisor failed before creating it
+        collected.reports[name] = harvest_tree(path, run_dir / name, budget)
     if budget.exhausted:
-        logger.warning(
-            "the collect limit ({}) was reached; record.json lists what was not collected", format_size(limit)
-        )
+        limit_text = format_size(limit)
+        logger.warning("the collect limit ({}) was reached; record.json lists what was not collected", limit_text)
     return collected

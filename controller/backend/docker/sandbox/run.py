@@ -33,7 +33,7 @@ from . import launch
 from .collect import collect_logs, collect_trees
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import seed_from_image
-from .stage import RUN_MOUNT, Staging, remove_staging, stage, staging_root
+from .stage import Staging, remove_staging, stage, staging_root
 
 
 def run_attempt(
@@ -87,7 +87,7 @@ def _run(
         clock = state.phase("stage", clock)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
         info = ContainerInfo(name=cspec.name, command=cspec.command)
-        _run_container(client, state, cspec, info, cancel, clock)
+        _run_container(client, state, cspec, info, staging, cancel, clock)
     except KeyboardInterrupt:
         state.interrupted = True
     except InfrastructureError as exc:
@@ -123,6 +123,7 @@ def _run_container(
     state: AttemptState,
     cspec: sandbox.ContainerSpec,
     info: ContainerInfo,
+    staging: Staging,
     cancel: threading.Event | None,
     clock: float,
 ) -> None:
@@ -152,12 +153,12 @@ def _run_container(
         state.logs_truncated = collect_logs(box, out / "logs")
         _parse(state, out / "logs" / "stdout.log")
         trees = {
-            "output": f"{RUN_MOUNT}/output/{state.attempt.run_id}",
-            "state": f"{RUN_MOUNT}/state/{state.attempt.run_id}",
+            "output": staging.run_dir / "output" / state.attempt.run_id,
+            "state": staging.run_dir / "state" / state.attempt.run_id,
         }
         if not spec.no_workspace:
-            trees["workspace"] = prepared.workspace_path
-        state.collected = collect_trees(box, trees, out, spec.collect_limit)
+            trees["workspace"] = staging.workspace_dir
+        state.collected = collect_trees(trees, out, spec.collect_limit)
         state.phase("collect", clock)
 
 
