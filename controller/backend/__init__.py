@@ -6,8 +6,12 @@ is opened, so commands that need no engine never load it.
 
 from __future__ import annotations
 
-from ..models.ownership import Ownership
+from typing import TYPE_CHECKING
+
 from .base import Backend, ModelGateway
+
+if TYPE_CHECKING:
+    from ..models.ownership import Ownership
 
 __all__ = ["Backend", "ModelGateway", "open_backend"]
 
@@ -27,6 +31,7 @@ def open_backend(
     Raises:
         PrerequisiteError: no engine answers.
     """
+    from ..models.ownership import Ownership
     from .docker import DockerBackend
 
     return DockerBackend.connect(

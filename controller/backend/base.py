@@ -20,15 +20,17 @@ its creating process (which :meth:`Backend.sweep` judges alive or gone).
 
 from __future__ import annotations
 
-import threading
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
-from ..models.ownership import Ownership
-from ..models.record import ReplayRecord
-from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
-from ..models.spec import ModelUpstream
+if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
+    import threading
+
+    from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+    from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ..models.ownership import Ownership
+    from ..models.record import ReplayRecord
+    from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
+    from ..models.spec import ModelUpstream
 
 
 class ModelGateway(Protocol):

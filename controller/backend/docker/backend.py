@@ -23,27 +23,28 @@ from __future__ import annotations
 import concurrent.futures as futures
 import os
 import threading
+from typing import TYPE_CHECKING
 
-import docker
-from docker.models.containers import Container
 from loguru import logger
 
-from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
-from ...models.ownership import Ownership
-from ...models.record import ReplayRecord
-from ...models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
-from ...models.spec import ModelUpstream, parse_user
-from ..base import ModelGateway
-from . import doctor, runtimes
+from ...models.replay import Attempt, Runtime
+from ...models.spec import parse_user
 from . import labels as L
-from .build import resolve
+from . import runtimes
 from .build.inject import Injector
-from .cleanup import catalog, gc
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
-from .gateway import Gateway
-from .sandbox import launch, run
-from .sandbox.stage import planned_staging, staging_root
+
+if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pvisor-host gc` loads no build)
+    import docker
+    from docker.models.containers import Container
+
+    from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+    from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ...models.ownership import Ownership
+    from ...models.record import ReplayRecord
+    from ...models.replay import PreparedReplay, SandboxPlan
+    from ...models.spec import ModelUpstream
+    from ..base import ModelGateway
 
 
 class DockerBackend:
@@ -75,16 +76,22 @@ class DockerBackend:
 
     def plan_image(self, request: ImageRequest) -> ImagePlan:
         """See :meth:`pvisor_host.backend.base.Backend.plan_image`."""
+        from .build import resolve
+
         with engine_errors("inspect the image"):
             return resolve.plan_image(self.client, request)
 
     def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
         """See :meth:`pvisor_host.backend.base.Backend.ensure_image`."""
+        from .build import resolve
+
         with engine_errors("make the image ready"):
             return resolve.materialize(self.client, self._ownership, self._injector, plan, build)
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
+        from .build import resolve
+
         with engine_errors("look the image up"):
             return resolve.preview(self.client, plan)
 
@@ -100,6 +107,9 @@ class DockerBackend:
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
+        from .sandbox import launch
+        from .sandbox.stage import planned_staging, staging_root
+
         attempt = Attempt(run_id=prepared.run_id, run_dir=prepared.out_dir)
         staging = planned_staging(staging_root(prepared.out_dir), prepared.trajectory.path)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
@@ -107,6 +117,8 @@ class DockerBackend:
 
     def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ModelGateway:
         """See :meth:`pvisor_host.backend.base.Backend.open_gateway`."""
+        from .gateway import Gateway
+
         uid, _ = parse_user(user)
         gateway = Gateway(
             upstream, os.environ[upstream.api_key_env], client=self.client, ownership=self._ownership, sandbox_uid=uid
@@ -122,6 +134,9 @@ class DockerBackend:
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
         """See :meth:`pvisor_host.backend.base.Backend.run_attempt`."""
+        from .gateway import Gateway
+        from .sandbox import run
+
         if gateway is not None and not isinstance(gateway, Gateway):
             raise TypeError(f"a Docker sandbox cannot use {type(gateway).__name__} as its model gateway")
         return run.run_attempt(self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel)
@@ -142,25 +157,35 @@ class DockerBackend:
 
     def sweep(self, *, dry_run: bool = False) -> GcReport:
         """See :meth:`pvisor_host.backend.base.Backend.sweep`."""
+        from .cleanup import gc
+
         return gc.collect_garbage(self.client, self._ownership, dry_run=dry_run)
 
     def catalog(self) -> list[CatalogEntry]:
         """See :meth:`pvisor_host.backend.base.Backend.catalog`."""
+        from .cleanup import catalog
+
         return catalog.list_catalog(self.client)
 
     def prune(
         self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
     ) -> PruneResult:
         """See :meth:`pvisor_host.backend.base.Backend.prune`."""
+        from .cleanup import catalog
+
         return catalog.prune(self.client, keep_bytes=keep_bytes, older_than=older_than, dry_run=dry_run)
 
     def agent_statuses(self) -> list[AgentStatus]:
         """See :meth:`pvisor_host.backend.base.Backend.agent_statuses`."""
+        from .cleanup import catalog
+
         with engine_errors("look the agent images up"):
             return catalog.agent_statuses(self.client)
 
     def diagnose(self) -> list[Check]:
         """See :meth:`pvisor_host.backend.base.Backend.diagnose`."""
+        from . import doctor
+
         with engine_errors("check the engine"):
             return doctor.diagnose(self.client)
 
