@@ -16,12 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loguru import logger
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
 
+from ._log import logger
 from .backend.base import Backend, ModelGateway
 from .errors import Interrupted
+from .files.space import disk_full, is_full
 from .models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
@@ -55,7 +56,10 @@ class RetryPolicy(BaseModel):
     """Also retry ``oom``."""
 
     def wants(self, record: ReplayRecord) -> bool:
-        """Whether ``record``'s outcome should be retried. Never a trajectory, configuration or version error."""
+        """Whether ``record``'s outcome should be retried. Never a trajectory, configuration or version error,
+        nor a full disk (another attempt would find it as full)."""
+        if record.failure is not None and record.failure.category == "disk_full":
+            return False
         if record.failure is not None and record.failure.retryable:
             return True
         return (self.infra and record.status == "infra_error") or (self.oom and record.status == "oom")
@@ -124,7 +128,12 @@ def run_attempts(
             shutil.rmtree(out / "attempts", ignore_errors=True)
             release_out_dir(out)
         raise
-    return _finish(out, records, batch)
+    try:
+        return _finish(out, records, batch)
+    except OSError as exc:
+        if is_full(exc):
+            raise disk_full(out) from exc
+        raise
 
 
 def _log_retry(state: RetryCallState) -> None:

@@ -3,6 +3,7 @@ interrupt while Python is still loading it exits 130 with one line, like any lat
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -12,5 +13,6 @@ def main() -> None:
         from .cli import main as run
     except KeyboardInterrupt:
         sys.stderr.write("pvisor-host: interrupted\n")
-        sys.exit(130)
+        sys.stderr.flush()
+        os._exit(130)  # not sys.exit: see pvisor_host.cli.main.exit_interrupted
     run()

@@ -10,7 +10,8 @@ with that code; nothing else in the package decides exit codes.
     ├── PrerequisiteError                 (exit 3) engine unreachable, a tool or image missing
     ├── InfrastructureError               (exit 6) engine or build failed in a way no input explains
     │   ├── ImageBuildError
-    │   └── ResultProtocolError           pvisor printed something that is not a v3 result
+    │   ├── ResultProtocolError           pvisor printed something that is not a v3 result
+    │   └── DiskFull                      the filesystem of the run directory is full
     └── Interrupted                       (exit 130) Ctrl-C or SIGTERM, after cleanup
 
 Outcomes of a replay that *ran* (ok, replay_failed, timeout, oom, infra_error) are not exceptions:
@@ -80,6 +81,17 @@ class InfrastructureError(PvisorHostError):
 
 class ImageBuildError(InfrastructureError):
     """An image build or its post-build verification failed."""
+
+
+class DiskFull(InfrastructureError):
+    """A filesystem pvisor-host writes to (the run directory's, the staging's) has no space left."""
+
+    def __init__(self, mount: str, free: int) -> None:
+        from .models.units import format_size
+
+        super().__init__(f"the filesystem at {mount} is full ({format_size(free)} free)")
+        self.mount = mount
+        self.free = free
 
 
 class ResultProtocolError(InfrastructureError):

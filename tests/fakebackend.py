@@ -36,8 +36,9 @@ _FAILURES = {
     "rate_limited": Failure(category="model_rate_limit", message="status 429", retryable=True),
     "infra_error": Failure(category="infra_error", message="Docker engine failed to start container x: injected"),
     "oom": Failure(category="oom", message="the sandbox ran out of memory"),
+    "disk_full": Failure(category="disk_full", message="the run directory's filesystem is full: os error 28"),
 }
-_STATUS = {"rate_limited": "replay_failed"}
+_STATUS = {"rate_limited": "replay_failed", "disk_full": "infra_error"}
 
 
 class FakeGateway:

@@ -498,7 +498,9 @@ def _run(
     if outcome.summary.interrupted:
         say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
     code = exit_code(outcome.summary, allowed(total))
-    if code == ExitCode.INFRASTRUCTURE:
+    if outcome.summary.stopped is not None and code == ExitCode.INFRASTRUCTURE:
+        say(f"pvisor-host: error: {outcome.summary.stopped}")
+    elif code == ExitCode.INFRASTRUCTURE:
         first = next(r for r in outcome.results if r.status == "infra_error")
         say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
     return code

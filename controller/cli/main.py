@@ -7,6 +7,7 @@ only with ``--debug`` (or ``PVISOR_HOST_DEBUG=1``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -54,4 +55,16 @@ def main(argv: list[str] | None = None) -> None:
         say(f"pvisor-host: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)")
         code = ExitCode.INFRASTRUCTURE
     ignore_interrupts()  # the outcome is decided and everything cleaned up: a late Ctrl-C must not change the code
+    if code == ExitCode.INTERRUPTED:
+        exit_interrupted()
     sys.exit(code)
+
+
+def exit_interrupted() -> None:
+    """Exit 130 now. CPython, when a Ctrl-C landed inside an ``eval()`` of a string (annotations being
+    resolved), notes it as unhandled even after it was handled, and at exit would kill the process with
+    SIGINT instead of returning 130; everything is already cleaned up, so skip the interpreter's exit."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(ExitCode.INTERRUPTED)

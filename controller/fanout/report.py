@@ -69,6 +69,8 @@ class BatchSummary(BaseModel):
     replays_per_minute: float
     failed: list[str]
     """Ids of the items that did not end ``ok``."""
+    stopped: str | None = None
+    """Why the batch stopped starting items before the end (the run directory's filesystem is full)."""
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -142,7 +144,7 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
         elif r.status in JUNIT_ERRORS:
             ET.SubElement(case, "error", type=r.category or r.status, message=message).text = message
         elif r.status == "not_run":
-            ET.SubElement(case, "skipped", message="the batch deadline passed before this item started")
+            ET.SubElement(case, "skipped", message=r.message or "the batch deadline passed before this item started")
         if r.path:
             ET.SubElement(case, "system-out").text = f"run directory: {r.path}"
     root = ET.Element("testsuites")
@@ -206,14 +208,16 @@ def allowed_failures(text: str | None) -> Callable[[int], int]:
 
 
 def exit_code(summary: BatchSummary, allowed: int) -> ExitCode:
-    """130 when interrupted; 0 when at most ``allowed`` items are not ok; else 4 if the deadline cut the batch
-    short; 6 when every item that is not ok failed on the infrastructure (the engine, a build), not on its
-    replay; 1 otherwise. Items never started count as not ok."""
+    """130 when interrupted; 0 when at most ``allowed`` items are not ok; else 6 when a full disk stopped the
+    batch, 4 if the deadline cut it short, 6 when every item that is not ok failed on the infrastructure (the
+    engine, a build), not on its replay; 1 otherwise. Items never started count as not ok."""
     if summary.interrupted:
         return ExitCode.INTERRUPTED
     not_ok = summary.items - summary.counts.get("ok", 0)
     if not_ok <= allowed:
         return ExitCode.OK
+    if summary.stopped is not None:
+        return ExitCode.INFRASTRUCTURE
     if summary.deadline_reached:
         return ExitCode.TIMEOUT
     if summary.counts.get("infra_error", 0) == not_ok:

@@ -1,5 +1,7 @@
 """Resuming a batch: an item's content key, what an earlier run left for it, and setting that aside.
 
+An item whose record says its filesystem was full (``disk_full``) is never finished: it runs again.
+
 Each item has a content key — sha256 over the trajectory's sha256, the image id (and the agent image an
 injected runtime comes from), the workspace directory's content and every option that changes the
 outcome. An item whose directory holds a complete record with the same key is skipped (unless it failed
@@ -67,6 +69,8 @@ def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult |
         return None
     if record.batch is None or record.batch.content_key != key or record.status not in FINAL_STATUSES:
         return None
+    if record.failure is not None and record.failure.category == "disk_full":
+        return None  # the host's disk, not the item: it runs again once there is space
     if rerun_failed and record.status != "ok":
         return None
     return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True)

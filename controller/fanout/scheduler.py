@@ -22,17 +22,19 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-from loguru import logger
 from pydantic import BaseModel
 
+from .._log import logger
 from ..attempts import RetryPolicy, run_attempts
 from ..backend.base import Backend, ModelGateway
-from ..errors import InfrastructureError, Interrupted, PvisorHostError, UsageError
+from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError, UsageError
 from ..files.digest import tree_sha256
+from ..files.space import disk_full, is_full, tree_bytes
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.profiles import get_profile
 from ..models.record import BatchInfo
 from ..models.spec import ModelUpstream, ReplaySpec
+from ..models.units import format_size
 from ..preflight.checks import check_inputs
 from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
@@ -98,6 +100,8 @@ class _Batch:
         self.options = options
         self.cancel = threading.Event()
         self.started = time.monotonic()
+        self.full: DiskFull | None = None
+        """Set when an item found the run directory's filesystem full: no further item starts."""
         self._images: Memo[ResolvedImage] = Memo()
         self._gateways: Memo[ModelGateway] = Memo()
         self._workspaces: Memo[str] = Memo()
@@ -211,7 +215,14 @@ class BatchRun:
                     interrupted=interrupt is not None and not self._every_item_ended,
                     deadline=remaining is not None and remaining <= 0,
                 )
-                write_reports(options.out, self.results, summary)
+                if self._batch.full is not None:
+                    summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
+                try:
+                    write_reports(options.out, self.results, summary)
+                except OSError as exc:
+                    if not is_full(exc):
+                        raise
+                    logger.error("could not write the batch's reports: {}", disk_full(options.out).message)
                 self.outcome = BatchOutcome(results=self.results, summary=summary)
         if isinstance(interrupt, KeyboardInterrupt) and not self._every_item_ended:
             raise interrupt
@@ -232,6 +243,9 @@ class BatchRun:
                     with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
                         batch.image(spec)
                 for item in self._items:
+                    if batch.full is not None:
+                        yield self._done(_not_started(item, f"not started: {batch.full.message}"))
+                        continue
                     remaining = batch.remaining()
                     if remaining is not None and remaining <= 0:
                         late = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run")
@@ -327,6 +341,17 @@ def _exclusive(out: Path) -> Iterator[None]:
 Pending = dict[futures.Future[ItemResult], BatchItem]
 
 
+def _not_started(item: BatchItem, message: str) -> ItemResult:
+    return ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run", message=message)
+
+
+def _disk_full_line(full: DiskFull, out: Path, results: list[ItemResult]) -> str:
+    """One line: which filesystem is full, and about how much one item needs (what finished items used)."""
+    used = sorted(tree_bytes(out / r.id) for r in results if r.status == "ok" and not r.skipped)
+    need = f"about {format_size(used[len(used) // 2])}" if used else f"more than {format_size(full.free)}"
+    return f"{full.message}; each item here needs {need}; free space and run the same command again to finish"
+
+
 def _interrupted(item: BatchItem, message: str) -> ItemResult:
     return ItemResult(
         id=item.id, line=item.line, agent=item.spec.agent, status="interrupted", category="interrupted", message=message
@@ -343,6 +368,8 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     base = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="rejected", path=item.id)
     if batch.cancel.is_set():
         return _interrupted(item, "not started")
+    if batch.full is not None:
+        return _not_started(item, f"not started: {batch.full.message}")
     remaining = batch.remaining()
     if remaining is not None and remaining <= 0:
         return base.model_copy(update={"status": "not_run", "path": None})
@@ -372,6 +399,16 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
         )
     except Interrupted as exc:
         return _interrupted(item, exc.one_line()).model_copy(update={"path": item.id})
+    except DiskFull as exc:
+        batch.full = batch.full or exc
+        return base.model_copy(update={"status": "infra_error", "category": "disk_full", "message": exc.one_line()})
+    except OSError as exc:
+        if not is_full(exc):
+            logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
+            return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})
+        batch.full = batch.full or disk_full(run_dir)
+        message = batch.full.one_line()
+        return base.model_copy(update={"status": "infra_error", "category": "disk_full", "message": message})
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
         category = exc.exit_code.name.lower()
@@ -379,4 +416,6 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     except Exception as exc:  # one item's bug must not stop the batch
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
         return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})
+    if record.failure is not None and record.failure.category == "disk_full":
+        batch.full = batch.full or disk_full(run_dir)
     return item_result(record, item_id=item.id, line=item.line)

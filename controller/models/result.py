@@ -95,11 +95,29 @@ class ReplayResult(_Model):
 
 
 def last_json_line(stdout: bytes) -> bytes | None:
-    """The last non-blank line of ``stdout`` (pvisor prints exactly one)."""
+    """pvisor's result line: the last non-blank line of ``stdout`` (pvisor prints exactly one). When a tool
+    wrote to the container's stdout without a final newline, the result is glued to the end of that output:
+    then it is the shortest suffix of the line, from a ``{``, that is a JSON object."""
     for line in reversed(stdout.splitlines()):
         if line.strip():
-            return line.strip()
+            return _glued_object(line.strip())
     return None
+
+
+def _glued_object(line: bytes, tries: int = 256) -> bytes:
+    if line.startswith(b"{"):
+        return line
+    start = len(line)
+    for _ in range(tries):
+        start = line.rfind(b"{", 0, start)
+        if start < 0:
+            break
+        try:
+            if isinstance(json.loads(line[start:]), dict):
+                return line[start:]
+        except ValueError:
+            continue
+    return line
 
 
 def parse_result(stdout: bytes) -> tuple[bytes, ReplayResult]:

@@ -83,3 +83,24 @@ def test_the_api_reference_is_generated_from_the_docstrings_and_current():
     page = (ROOT / "docs" / "api.md").read_text()
     for name in ("replay", "batch", "abatch", "build", "gc", "Batch", "ReplaySpec", "ReplayRecord", "UsageError"):
         assert f"### `{name}" in page, name
+
+
+def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
+    """An application enables our logs after `import pvisor_host`; modules imported later must not turn them
+    off again (the CLI's pass-through warning once vanished that way)."""
+    probe = "\n".join(
+        [
+            "import sys, pvisor_host",
+            "from loguru import logger",
+            "logger.remove(); logger.add(sys.stdout, format='{message}')",
+            "logger.enable('pvisor_host')",
+            "import pvisor_host.backend.docker.gateway",  # first imported now
+            "exec(\"from pvisor_host._log import logger; logger.warning('still on')\", {'__name__': 'pvisor_host.x'})",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout == "still on\n"
+    library_log = "exec(\"from pvisor_host._log import logger; logger.warning('off')\", {'__name__': 'pvisor_host.x'})"
+    silent = f"import pvisor_host; {library_log}"
+    quiet = subprocess.run([sys.executable, "-c", silent], capture_output=True, text=True, check=True)
+    assert quiet.stdout == quiet.stderr == ""  # off until someone turns them on

@@ -77,3 +77,17 @@ def test_every_status_has_a_distinct_exit_code():
         "interrupted": 130,
     }
     assert len(set(codes.values())) == len(codes)
+
+
+def test_pvisor_finding_the_run_directory_full_is_the_disk_not_the_replay():
+    full = ReplayResult.model_validate(
+        {
+            **OK.model_dump(),
+            "failure": {"category": "internal_error", "message": "write x.tmp: No space left on device (os error 28)"},
+        }
+    )
+    status, failure = decide(WaitOutcome(exit_code=50), full)
+    assert status == "infra_error" and failure.category == "disk_full"
+    assert (
+        failure.message == "the run directory's filesystem is full: write x.tmp: No space left on device (os error 28)"
+    )

@@ -99,3 +99,20 @@ def test_unknown_fields_inside_v3_are_kept():
     }
     _, result = parse_result(json.dumps(value).encode())
     assert result.model_extra == {"something_new": 1}
+
+
+def test_a_result_glued_to_a_tool_s_output_is_still_found():
+    result = {
+        "schema_version": "sandbox-playback.result/v3",
+        "phase": "replayed",
+        "quality": "verified",
+        "agent_status": "not_started",
+        "run_id": "r",
+        "failure": None,
+        "artifacts": [],
+    }
+    line = json.dumps(result).encode()
+    raw, parsed = parse_result(b"noise\n" + b"x" * 100_000 + b"{not json} {" + line + b"\n")
+    assert raw == line and parsed.phase == "replayed"
+    with pytest.raises(ResultProtocolError, match="not JSON"):
+        parse_result(b"x" * 1000 + b"{broken\n")

@@ -200,3 +200,19 @@ def test_the_image_is_made_ready_once_for_every_item_that_shares_it(tmp_path, wo
     backend = FakeBackend()
     run(backend, items(tmp_path, [f"t{n}" for n in range(8)]), tmp_path / "out", workers=workers)
     assert backend.images_made == 1
+
+
+def test_a_full_disk_stops_starting_items_and_a_rerun_redoes_what_it_cost(tmp_path):
+    batch = items(tmp_path, [f"t{n}" for n in range(8)])
+    backend = FakeBackend({"t2": ["disk_full"]})
+    outcome = run(backend, batch, tmp_path / "out", workers=1)
+    summary = outcome.summary
+    assert backend.attempts["t2"] == ["disk_full"]  # never retried: another attempt would find it as full
+    assert summary.counts == {"infra_error": 1, "not_run": 5, "ok": 2}
+    assert summary.categories == {"disk_full": 1}
+    assert summary.stopped is not None and " is full (" in summary.stopped
+    assert exit_code(summary, 0) == ExitCode.INFRASTRUCTURE
+    rerun = FakeBackend()
+    again = run(rerun, batch, tmp_path / "out", workers=1)
+    assert sorted(rerun.attempts) == [f"t{n}" for n in range(2, 8)]  # the full disk's item runs again
+    assert again.summary.counts == {"ok": 8}

@@ -23,16 +23,22 @@ from __future__ import annotations
 import concurrent.futures as futures
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
-from loguru import logger
+from docker.errors import NotFound
 
+from ..._log import logger
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
 from . import runtimes
 from .build.inject import Injector
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
+from .sandbox.container import Leftovers
+
+#: Seconds ``close`` waits for an engine that went away to answer again, to remove what it could not.
+LEFTOVER_PATIENCE = 60.0
 
 if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pvisor-host gc` loads no build)
     import docker
@@ -55,6 +61,7 @@ class DockerBackend:
         self._ownership = ownership
         self._injector = Injector(client, ownership)
         self._runtimes: tuple[str, dict[str, Runtime]] | None = None
+        self._leftovers = Leftovers()
 
     @classmethod
     def connect(
@@ -139,7 +146,10 @@ class DockerBackend:
 
         if gateway is not None and not isinstance(gateway, Gateway):
             raise TypeError(f"a Docker sandbox cannot use {type(gateway).__name__} as its model gateway")
-        return run.run_attempt(self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel)
+        self._remove_leftovers()
+        return run.run_attempt(
+            self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel, leftovers=self._leftovers
+        )
 
     def cancel(self) -> None:
         """Kill (in parallel) every running replay container of this session; their workers remove them."""
@@ -190,8 +200,43 @@ class DockerBackend:
             return doctor.diagnose(self.client)
 
     def close(self) -> None:
-        """Close the engine connection."""
+        """Remove the containers the engine could not remove earlier (waiting up to a minute for it to answer
+        again), then close the connection."""
+        self._remove_leftovers(patience=LEFTOVER_PATIENCE, final=True)
         self.client.close()
+
+    def _remove_leftovers(self, *, patience: float = 0.0, final: bool = False) -> None:
+        """Remove the containers the engine could not remove when their attempt ended; retry for ``patience``
+        seconds while the engine does not answer. The ``final`` sweep says how to remove what is still there;
+        an earlier one keeps it for the next."""
+        from .sandbox.container import remove_container
+
+        deadline = time.monotonic() + patience
+        while True:
+            failed: dict[str, str] = {}
+            for container_id in self._leftovers.take():
+                try:
+                    remove_container(self.client.containers.get(container_id))
+                    logger.info("removed container {} (left while the engine was away)", container_id[:12])
+                except NotFound:
+                    continue
+                except ENGINE_ERRORS as exc:
+                    failed[container_id] = describe(exc)
+            if not failed:
+                return
+            for container_id in failed:
+                self._leftovers.add(container_id)
+            if time.monotonic() >= deadline:
+                if not final:
+                    return
+                for container_id, reason in failed.items():
+                    logger.error(
+                        "could not remove container {} ({}); remove it with `pvisor-host gc`",
+                        container_id[:12],
+                        reason,
+                    )
+                return
+            time.sleep(1.0)
 
 
 def _kill_quietly(container: Container) -> None:

@@ -19,7 +19,7 @@ from ...models.units import format_size
 from .build.base import default_base, find_image, resolve_base_offline
 from .build.recipe import expected_tag
 from .engine import engine_address, engine_errors
-from .runtimes import runsc_registration
+from .runtimes import runsc_registration, shown
 
 _LOW_DISK = 10 * 1024**3
 _TOO_LOW_DISK = 2 * 1024**3
@@ -40,7 +40,7 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
 
 def _runtimes(info: dict[str, Any]) -> Check:
     default = str(info.get("DefaultRuntime") or "runc")
-    names = sorted(info.get("Runtimes") or {"runc": {}})
+    names = shown(list(info.get("Runtimes") or {"runc": {}}))
     detail = ", ".join(f"{name} (default)" if name == default else name for name in names)
     if "runsc" in names:
         return Check(name="runtimes", status="ok", detail=f"{detail}; gVisor is available: --runtime runsc")

@@ -18,9 +18,9 @@ from typing import TypeVar
 import docker
 import requests
 from docker.errors import APIError, DockerException, NotFound
-from loguru import logger
 from tenacity import RetryCallState, retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from ..._log import logger
 from ...errors import InfrastructureError, PrerequisiteError, PvisorHostError
 
 T = TypeVar("T")

@@ -40,9 +40,9 @@ from typing import Any
 import docker
 import requests
 from docker.errors import NotFound
-from loguru import logger
 from pydantic import BaseModel
 
+from ..._log import logger
 from ...errors import InfrastructureError
 from ...models.ownership import Ownership
 from ...models.spec import ModelUpstream

@@ -36,11 +36,17 @@ def runsc_registration() -> str:
     return json.dumps({"runtimes": {"runsc": {"path": path, "runtimeArgs": RUNSC_ARGS}}})
 
 
+def shown(names: list[str] | dict[str, Runtime]) -> list[str]:
+    """The runtimes to name to a user: the engine's ``io.containerd.*`` shim aliases of runc (docker.io lists
+    them after some restarts, not after others) are accepted but not listed."""
+    return sorted(name for name in names if not name.startswith("io.containerd."))
+
+
 def choose(name: str, known: dict[str, Runtime]) -> Runtime:
     """The runtime ``name``, or a :class:`UsageError` naming those the engine has."""
     if name in known:
         return known[name]
-    have = ", ".join(sorted(known))
+    have = ", ".join(shown(known))
     if name == "runsc" and shutil.which("runsc"):
         hint = f"gVisor is installed but not registered: put {runsc_registration()} in /etc/docker/daemon.json, "
         hint += "then kill -HUP $(pgrep -x dockerd)"

@@ -21,7 +21,7 @@ from importlib import resources
 import docker
 from docker.errors import APIError, ImageNotFound, NotFound
 from docker.models.images import Image
-from loguru import logger
+from ...._log import logger
 from pydantic import BaseModel, ConfigDict
 
 from ....errors import ImageBuildError, PrerequisiteError, UsageError

@@ -26,7 +26,7 @@ import threading
 import docker
 from docker.errors import NotFound
 from docker.models.images import Image
-from loguru import logger
+from ...._log import logger
 from pydantic import BaseModel
 
 from ...._version import PVISOR_VERSION

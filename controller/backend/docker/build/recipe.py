@@ -19,7 +19,7 @@ from pathlib import Path
 
 import docker
 from docker.models.images import Image
-from loguru import logger
+from ...._log import logger
 from pydantic import BaseModel
 
 from ...._version import PVISOR_VERSION

@@ -12,7 +12,7 @@ from typing import Literal
 
 import docker
 from docker.models.images import Image
-from loguru import logger
+from ...._log import logger
 
 from ...._version import PVISOR_VERSION
 from ....errors import UsageError

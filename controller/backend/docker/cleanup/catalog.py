@@ -13,8 +13,8 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, NotFound
-from loguru import logger
 
+from ...._log import logger
 from ....models.housekeeping import AgentStatus, CatalogEntry, PruneResult
 from ....models.profiles import all_profiles
 from .. import labels as L

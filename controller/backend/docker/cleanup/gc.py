@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import docker
 from docker.errors import NotFound
-from loguru import logger
 
+from ...._log import logger
 from ....models.housekeeping import GcReport, Resource, ResourceKind
 from ....models.ownership import Ownership
 from .. import labels as L

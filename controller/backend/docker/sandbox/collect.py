@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from docker.models.containers import Container
-from loguru import logger
 from pydantic import BaseModel
 
+from ...._log import logger
 from ....files.archive import Budget, ExtractReport, harvest_tree
 from ....models.units import format_size
 from . import container as sandbox
@@ -28,11 +28,13 @@ class Collected(BaseModel):
     """Why a tree could not be collected (the attempt then ends ``infra_error``)."""
 
 
-def collect_logs(box: Container, logs: Path) -> bool:
-    """Write the container's stdout and stderr under ``logs``; True when one of them was cut at the cap."""
+def collect_logs(box: Container, logs: Path) -> tuple[bool, bytes]:
+    """Write the container's stdout and stderr under ``logs`` (each cut at the cap). Returns whether one was
+    cut, and the end of stdout, where pvisor's result line is even when a flood filled the cap."""
     logs.mkdir(exist_ok=True)
-    truncated = sandbox.save_logs(box, stdout=True, dest=logs / "stdout.log")
-    return sandbox.save_logs(box, stdout=False, dest=logs / "stderr.log") or truncated
+    truncated, tail = sandbox.save_logs(box, stdout=True, dest=logs / "stdout.log")
+    cut, _ = sandbox.save_logs(box, stdout=False, dest=logs / "stderr.log")
+    return truncated or cut, tail
 
 
 def collect_trees(trees: dict[str, Path], run_dir: Path, limit: int) -> Collected:

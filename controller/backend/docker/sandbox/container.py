@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,18 +22,40 @@ import requests
 from docker.errors import APIError, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import Mount
-from loguru import logger
 from pydantic import BaseModel, ConfigDict
 
+from ...._log import logger
 from ....errors import UsageError
 from ....models.ownership import Ownership
 from ....models.spec import default_user
 from ....signals import deferred_interrupts
 from .. import labels as L
-from ..engine import ENGINE_ERRORS, engine_errors, retrying
+from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
 
 #: Logs beyond this many bytes per stream are cut (the record says so).
 LOG_LIMIT = 64 * 1024 * 1024
+#: The end of a stream kept in memory whatever its length (pvisor prints its result last).
+TAIL = 1024 * 1024
+
+
+class Leftovers:
+    """Containers the engine could not remove (it was away), to be removed once it answers again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+
+    def add(self, container_id: str) -> None:
+        with self._lock:
+            self._ids.add(container_id)
+
+    def take(self) -> set[str]:
+        """Every id noted so far (the caller removes them, or adds back those it could not)."""
+        with self._lock:
+            ids, self._ids = self._ids, set()
+        return ids
+
+
 _WAIT_SLICE = 30.0
 
 
@@ -163,8 +186,11 @@ def remove_container(container: Container) -> None:
 
 
 @contextlib.contextmanager
-def sandbox_container(client: docker.DockerClient, spec: ContainerSpec) -> Iterator[Container]:
-    """Create the container and yield it; remove it when the block ends, on every path."""
+def sandbox_container(
+    client: docker.DockerClient, spec: ContainerSpec, *, leftovers: Leftovers | None = None
+) -> Iterator[Container]:
+    """Create the container and yield it; remove it when the block ends, on every path. When the engine
+    cannot remove it then, it goes to ``leftovers`` (their owner retries), else a line says how to."""
     with engine_errors(f"create container {spec.name}"):
         try:
             container = _create(client, spec)
@@ -179,11 +205,15 @@ def sandbox_container(client: docker.DockerClient, spec: ContainerSpec) -> Itera
                 remove_container(container)
                 logger.debug("removed container {}", container.short_id)
             except ENGINE_ERRORS as exc:
-                logger.error(
-                    "could not remove container {} ({}); remove it with `pvisor-host gc` or docker rm -f",
-                    container.short_id,
-                    exc,
-                )
+                if leftovers is not None:
+                    leftovers.add(container.id)
+                    logger.warning("could not remove container {} yet ({})", container.short_id, describe(exc))
+                else:
+                    logger.error(
+                        "could not remove container {} ({}); remove it with `pvisor-host gc` or docker rm -f",
+                        container.short_id,
+                        describe(exc),
+                    )
 
 
 def start(container: Container) -> None:
@@ -241,10 +271,13 @@ def inspect_state(container: Container) -> dict[str, object]:
     return dict(container.attrs.get("State", {}))
 
 
-def save_logs(container: Container, *, stdout: bool, dest: Path, limit: int = LOG_LIMIT) -> bool:
-    """Write one of the container's output streams to ``dest``; True when cut at ``limit`` bytes."""
+def save_logs(container: Container, *, stdout: bool, dest: Path, limit: int = LOG_LIMIT) -> tuple[bool, bytes]:
+    """Write one of the container's output streams to ``dest``, cut at ``limit`` bytes. Returns whether it
+    was cut, and its last :data:`TAIL` bytes."""
+    tail = bytearray()
     with dest.open("wb") as sink:
-        return _copy_logs(container, stdout=stdout, sink=sink, limit=limit)
+        truncated = _copy_logs(container, stdout=stdout, sink=sink, limit=limit, tail=tail)
+    return truncated, bytes(tail)
 
 
 def logs_text(container: Container, *, stdout: bool, limit: int = 1024 * 1024) -> str:
@@ -254,17 +287,27 @@ def logs_text(container: Container, *, stdout: bool, limit: int = 1024 * 1024) -
     return buffer.getvalue().decode("utf-8", errors="replace")
 
 
-def _copy_logs(container: Container, *, stdout: bool, sink: IO[bytes], limit: int) -> bool:
+def _copy_logs(
+    container: Container, *, stdout: bool, sink: IO[bytes], limit: int, tail: bytearray | None = None
+) -> bool:
+    """Copy a stream into ``sink`` up to ``limit`` bytes, read to its end all the same so that ``tail`` ends
+    with its last bytes (in bounded memory); True when ``sink`` got less than the whole stream."""
     written = 0
     truncated = False
     with engine_errors(f"read the logs of container {container.short_id}"):
         for chunk in container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False):
+            if tail is not None:
+                tail += chunk
+                del tail[: max(0, len(tail) - TAIL)]
             room = limit - written
             if room <= 0:
-                return True
+                truncated = True
+                if tail is None:
+                    return True
+                continue
             sink.write(chunk[:room])
             written += min(len(chunk), room)
-            truncated = len(chunk) > room
+            truncated = truncated or len(chunk) > room
     return truncated
 
 

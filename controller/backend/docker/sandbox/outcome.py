@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from datetime import UTC, datetime
@@ -34,6 +35,8 @@ from .collect import Collected
 from .launch import limits
 from .stage import Staging
 
+#: How pvisor (Rust) words a write that found no space.
+_NO_SPACE = re.compile(r"No space left on device|\(os error 28\)|Disk quota exceeded|\(os error 122\)")
 #: The gateway's journal of a live continuation, relative to the run directory.
 MODEL_JOURNAL = "model-traffic.jsonl"
 
@@ -96,6 +99,10 @@ def classify(
         if gvisor:
             message += "; a gVisor sandbox stops like this when it reaches --pids (several host threads per process)"
         return "infra_error", Failure(category="infra_error", message=message)
+    if result.failure is not None and _NO_SPACE.search(result.failure.message):
+        # pvisor could not write into the run directory (the host's filesystem): not the replay's failure
+        return "infra_error", Failure(category="disk_full", message=f"the run directory's filesystem is full: "
+                                      f"{result.failure.message}")  # fmt: skip
     if result.failure is not None:
         return "replay_failed", Failure(
             category=result.failure.category, message=result.failure.message, retryable=result.retryable

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import docker
-from loguru import logger
 
+from ...._log import logger
 from ....errors import InfrastructureError, Interrupted, UsageError
 from ....files.archive import Budget
 from ....files.atomic import write_atomic
+from ....files.space import disk_full, is_full
 from ....files.trees import Entry
 from ....models.ownership import Ownership
 from ....models.record import ContainerInfo, ReplayRecord, save_record
@@ -31,6 +32,7 @@ from ..gateway import Gateway, ModelAccess
 from . import container as sandbox
 from . import launch
 from .collect import collect_logs, collect_trees
+from .container import Leftovers
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import seed_from_image
 from .stage import Staging, remove_staging, stage, staging_root
@@ -44,15 +46,24 @@ def run_attempt(
     *,
     gateway: Gateway | None = None,
     cancel: threading.Event | None = None,
+    leftovers: Leftovers | None = None,
 ) -> ReplayRecord:
     """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
     An attempt that ran always yields a record, whatever its status. Ctrl-C (or ``cancel``) removes the
-    container, writes a record with status ``interrupted`` and raises :class:`Interrupted`.
+    container, writes a record with status ``interrupted`` and raises :class:`Interrupted`. A container the
+    engine could not remove goes to ``leftovers``, to be removed once it answers again.
+
+    Raises:
+        DiskFull: the run directory's filesystem has no space left (no record could be written).
     """
     model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL) if gateway is not None else None
     try:
-        return _run(client, ownership, prepared, attempt, model, cancel)
+        return _run(client, ownership, prepared, attempt, model, cancel, leftovers)
+    except OSError as exc:
+        if is_full(exc):
+            raise disk_full(attempt.run_dir) from exc
+        raise
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
@@ -65,6 +76,7 @@ def _run(
     attempt: Attempt,
     model: ModelAccess | None,
     cancel: threading.Event | None,
+    leftovers: Leftovers | None,
 ) -> ReplayRecord:
     state = AttemptState(prepared, attempt)
     state.used_gateway = model is not None
@@ -87,7 +99,7 @@ def _run(
         clock = state.phase("stage", clock)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
         info = ContainerInfo(name=cspec.name, command=cspec.command)
-        _run_container(client, state, cspec, info, staging, cancel, clock)
+        _run_container(client, state, cspec, info, staging, cancel, clock, leftovers)
     except KeyboardInterrupt:
         state.interrupted = True
     except InfrastructureError as exc:
@@ -126,11 +138,12 @@ def _run_container(
     staging: Staging,
     cancel: threading.Event | None,
     clock: float,
+    leftovers: Leftovers | None,
 ) -> None:
     prepared = state.prepared
     spec = prepared.spec
     out = state.attempt.run_dir
-    with sandbox.sandbox_container(client, cspec) as box:
+    with sandbox.sandbox_container(client, cspec, leftovers=leftovers) as box:
         info.id = box.id
         built = prepared.built
         usage.record_use(prepared.image.id, prepared.image.runtime_volume, built.id if built else None)
@@ -150,8 +163,8 @@ def _run_container(
         clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
-        state.logs_truncated = collect_logs(box, out / "logs")
-        _parse(state, out / "logs" / "stdout.log")
+        state.logs_truncated, tail = collect_logs(box, out / "logs")
+        _parse(state, tail)
         trees = {
             "output": staging.run_dir / "output" / state.attempt.run_id,
             "state": staging.run_dir / "state" / state.attempt.run_id,
@@ -162,9 +175,9 @@ def _run_container(
         state.phase("collect", clock)
 
 
-def _parse(state: AttemptState, stdout: Path) -> None:
+def _parse(state: AttemptState, stdout_tail: bytes) -> None:
     try:
-        raw, state.result = parse_result(stdout.read_bytes())
+        raw, state.result = parse_result(stdout_tail)
     except Exception as exc:  # ResultProtocolError, or an unreadable log
         state.protocol_error = str(exc)
         return
