@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine engine-runsc images demo test test-unit test-docker lint docs-api clean
+.PHONY: help venv engine engine-runsc images demo test test-unit test-docker test-faults bench lint docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -46,7 +46,13 @@ test-unit: venv ## Run the tests that need no Docker engine
 	$(BIN)/pytest -m 'not docker'
 
 test-docker: venv engine-runsc ## Run only the tests that drive the real engine
-	$(BIN)/pytest -m docker
+	$(BIN)/pytest -m 'docker and not faults'
+
+test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mid-run: nothing lost or leaked
+	$(BIN)/pytest -m faults
+
+bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; writes bench-results.json
+	$(BIN)/python bench/run.py
 
 lint: venv ## ruff and mypy
 	$(BIN)/ruff check controller tests examples

@@ -1,0 +1,331 @@
+"""``make test-faults``: faults a batch must survive with nothing lost and nothing leaked, against the real
+engine. After each: every finished item has a complete record, a rerun redoes only the unfinished ones, and
+no labelled container, volume or network of ours remains.
+
+These take minutes and one of them restarts the engine, so they are not part of ``make test``; ``.ci/run``
+runs both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IN_CI, ROOT, run_cli, start_cli
+from modelserver import StubServer
+from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+
+pytestmark = [pytest.mark.docker, pytest.mark.faults]
+
+DEMO = ROOT / "examples" / "claude-code-demo.jsonl"  # four complete tool batches
+PIDFILE = Path("/var/run/pvisor-host-dockerd.pid")
+
+
+def ours(client, *, role: str | None = None) -> list:
+    label = ["pvisor-host.managed=true"] + ([f"pvisor-host.role={role}"] if role else [])
+    return client.containers.list(all=True, filters={"label": label}, sparse=True)
+
+
+def nothing_of_ours_left(client, before: set[str]) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        left = {c.id for c in ours(client)} - before
+        left |= {n.id for n in client.networks.list(filters={"label": "pvisor-host.owner"})} - before
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"left behind: {left}"
+
+
+def manifest(root: Path, items: int, *, command: str | None = None, **fields: object) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for n in range(items):
+        if command is None:
+            trajectory, after = DEMO, 1 + n % 4
+        else:
+            trajectory = write_jsonl(root / f"t{n}.jsonl", probe(command.replace("N", str(n))))
+            after = 1
+        lines.append(json.dumps({"id": f"i{n:03d}", "trajectory": str(trajectory), "after_step": after, **fields}))
+    path = root / "m.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def probe(command: str) -> list[dict]:
+    return claude_session("Fault.", [Turn([Call("Bash", {"command": command, "timeout": 600000})])])
+
+
+def batch(path: Path, out: Path, *args: str | Path, env: dict[str, str] | None = None, timeout: float = 900):
+    return run_cli(
+        "batch", path, "--agent", "claude-code", "--mode", "replay-only", "--out", out, *args, env=env, timeout=timeout
+    )
+
+
+def records(out: Path) -> dict[str, dict]:
+    found = {}
+    for path in out.glob("*/record.json"):
+        found[path.parent.name] = json.loads(path.read_text())  # a half-written record would not parse
+    return found
+
+
+def complete(record: dict, run_dir: Path) -> bool:
+    return record["status"] != "interrupted" and all((run_dir / a["path"]).is_file() for a in record["artifacts"])
+
+
+# -- the engine restarts mid-batch ----------------------------------------------------------------------------
+
+
+def engine_is_ours() -> bool:
+    try:
+        pid = int(PIDFILE.read_text())
+    except (OSError, ValueError):
+        return False
+    return subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True).stdout.split() == [str(pid)]
+
+
+def restart_engine() -> None:
+    """Stop the dockerd that `make test` started and start it again (scripts/ensure-engine.sh)."""
+    pid = int(PIDFILE.read_text())
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # what the engine's users see: nothing answers for a while
+    subprocess.run([str(ROOT / "scripts" / "ensure-engine.sh")], check=True, capture_output=True)
+
+
+def test_an_engine_restart_mid_batch_retries_the_running_items_and_leaves_no_container(tmp_path, docker_client):
+    if not engine_is_ours():
+        message = "the engine was not started by scripts/ensure-engine.sh; this test restarts only its own"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    path = manifest(tmp_path / "data", 10, command="sleep 4 && echo N > done.txt")
+    out = tmp_path / "out"
+    process = start_cli(
+        "batch", path, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--workers", "4",
+        "--retry-backoff", "3s", "--attempts", "4",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(docker_client.containers.list(filters={"label": "pvisor-host.role=replay"})) < 4:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
+        time.sleep(0.2)
+    restart_engine()
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr
+    import docker
+
+    client = docker.from_env()
+    assert json.loads((out / "summary.json").read_text())["counts"] == {"ok": 10}
+    done = records(out)
+    assert len(done) == 10 and all(complete(r, out / item) for item, r in done.items())
+    retried = [item for item, r in done.items() if r["attempts"]]
+    assert retried, "no item was running when the engine went away"
+    for item in retried:
+        assert done[item]["attempts"][0]["status"] == "infra_error"
+    # The sandboxes the restart interrupted could not be removed while the engine was away: the batch itself
+    # removed them once it answered again, before it exited.
+    assert ours(client, role="replay") == []
+    assert "remove it with `pvisor-host gc`" not in stderr
+
+
+# -- the output directory's filesystem fills up ----------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_batch_with_one_line_and_a_rerun_finishes_it(tmp_path, small_disk, docker_client):
+    before = {c.id for c in ours(docker_client)}
+    path = manifest(tmp_path / "data", 20, command="head -c 150000 /dev/urandom > blob-N.bin")
+    out = small_disk / "out"
+    result = batch(path, out, "--workers", "2")
+    assert result.code == 6, result.stderr
+    lines = [line for line in result.error_lines if "is full" in line]
+    assert len(lines) == 1, result.stderr
+    assert re.fullmatch(
+        rf"pvisor-host: error: the filesystem at {small_disk} is full \([\d.]+ (B|KiB) free\); each item here needs "
+        r"about [\d.]+ (KiB|MiB); free space and run the same command again to finish",
+        lines[0],
+    ), lines[0]
+    assert "internal" not in result.stderr and "Traceback" not in result.stderr
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
+    done = records(out)  # every record present parses: none is half-written
+    finished = {item for item, r in done.items() if r["status"] == "ok" and complete(r, out / item)}
+    assert finished and len(finished) < 20
+    # The disk's fault is never the replay's: an item that hit it is an infrastructure failure, disk_full.
+    assert all(r["status"] == "ok" or r["failure"]["category"] == "disk_full" for r in done.values())
+    assert all(r["status"] in ("ok", "infra_error") for r in done.values())
+    if summary is not None:
+        assert summary["categories"].get("disk_full", 0) >= 1
+        assert "replay_failed" not in summary["counts"]
+    nothing_of_ours_left(docker_client, before)
+    # Free the space (a bigger filesystem) and rerun: the finished items are skipped, the rest run.
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    again = batch(path, out, "--workers", "2")
+    assert again.code == 0, again.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["counts"] == {"ok": 20} and summary["skipped"] == len(finished)
+
+
+# -- a sandbox produces far too much ---------------------------------------------------------------------------
+
+
+def controller_peak_rss(*args: str | Path) -> tuple[subprocess.CompletedProcess[str], int]:
+    report = Path("/tmp") / f"pvh-rss-{os.getpid()}-{time.monotonic_ns()}"
+    done = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", "-o", str(report), str(ROOT / ".venv" / "bin" / "pvisor-host"), *map(str, args)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    peak = int(report.read_text().strip().splitlines()[-1]) * 1024
+    report.unlink()
+    return done, peak
+
+
+def test_an_artifact_far_above_the_collect_limit_is_capped_in_bounded_memory(tmp_path):
+    trajectory = write_jsonl(
+        tmp_path / "big.jsonl", probe("head -c 2500000000 /dev/zero > big.bin && echo ok > small.txt")
+    )
+    out = tmp_path / "run"
+    done, peak = controller_peak_rss(
+        "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "1", "--mode", "replay-only",
+        "--out", out, "--collect-limit", "200m", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["collection"]["truncated"] is True
+    assert {s["path"]: s["reason"] for s in record["collection"]["skipped"]}["big.bin"].startswith("size cap reached")
+    assert (out / "workspace" / "small.txt").read_text() == "ok\n" and not (out / "workspace" / "big.bin").exists()
+    assert peak < 150 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
+
+
+def test_a_flood_on_stdout_and_stderr_is_capped_and_the_result_still_parsed(tmp_path):
+    # A tool writes straight into the container's stdout and stderr (PID 1's), past the log cap.
+    flood = (
+        "head -c 100000000 /dev/zero | tr '\\0' x > /proc/1/fd/1; "
+        "head -c 100000000 /dev/zero > /proc/1/fd/2; echo ok > done.txt"
+    )
+    trajectory = write_jsonl(tmp_path / "flood.jsonl", probe(flood))
+    out = tmp_path / "run"
+    done, peak = controller_peak_rss(
+        "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "1", "--mode", "replay-only",
+        "--out", out, "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout)
+    assert record["status"] == "ok" and record["result"]["phase"] == "replayed"  # parsed despite the flood
+    assert record["collection"]["logs_truncated"] is True
+    assert (out / "logs" / "stdout.log").stat().st_size == 64 * 2**20
+    assert (out / "logs" / "stderr.log").stat().st_size == 64 * 2**20
+    assert peak < 150 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
+
+
+def test_a_tool_that_ignores_sigterm_and_forks_is_still_killed_at_the_timeout(tmp_path, docker_client):
+    stubborn = "trap '' TERM; while :; do (trap '' TERM; sleep 300) & sleep 0.05; done"
+    trajectory = write_jsonl(tmp_path / "stubborn.jsonl", probe(stubborn))
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = run_cli(
+        "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "1", "--mode", "replay-only",
+        "--out", out, "--timeout", "8s", "--pids", "128",
+    )  # fmt: skip
+    assert result.code == 4, result.stderr
+    assert time.monotonic() - started < 60
+    record = json.loads((out / "record.json").read_text())
+    assert record["status"] == "timeout" and record["limits"]["pids"] == 128
+    assert docker_client.containers.list(all=True, filters={"name": record["container"]["name"]}) == []
+
+
+# -- two batches at once -------------------------------------------------------------------------------------
+
+
+def test_two_batches_side_by_side_finish_correctly_and_never_touch_each_other(tmp_path, docker_client):
+    before = {c.id for c in ours(docker_client)}
+    big = manifest(tmp_path / "big", 500)
+    small = manifest(tmp_path / "small", 40)
+    seen: dict[str, set[str]] = {}
+    stop = threading.Event()
+
+    def watch() -> None:  # which batch's sessions the running sandboxes belong to
+        while not stop.is_set():
+            for c in ours(docker_client, role="replay"):
+                labels = c.attrs.get("Labels") or {}
+                seen.setdefault(labels.get("pvisor-host.session", "?"), set()).add(c.attrs["Names"][0])
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    first = start_cli("batch", big, "--agent", "claude-code", "--mode", "prepare-only", "--workers", "8",
+                      "--out", tmp_path / "out-big", "--quiet")  # fmt: skip
+    second = batch(small, tmp_path / "out-small", "--workers", "2")
+    _, stderr = first.communicate(timeout=1800)
+    stop.set()
+    watcher.join(timeout=5)
+    assert first.returncode == 0, stderr
+    assert second.code == 0, second.stderr
+    assert json.loads((tmp_path / "out-big" / "summary.json").read_text())["counts"] == {"ok": 500}
+    assert json.loads((tmp_path / "out-small" / "summary.json").read_text())["counts"] == {"ok": 40}
+    assert len(seen) == 2  # two sessions, each cancelling and removing only its own
+    big_ids = {r["run_id"] for r in records(tmp_path / "out-big").values()}
+    small_ids = {r["run_id"] for r in records(tmp_path / "out-small").values()}
+    assert len(big_ids) == 500 and len(small_ids) == 40 and not big_ids & small_ids
+    nothing_of_ours_left(docker_client, before)
+
+
+# -- a secret goes nowhere -----------------------------------------------------------------------------------
+
+
+def test_a_model_key_is_found_nowhere_after_a_continuation(tmp_path, docker_client):
+    key = "sk-FAULT-TEST-needle-7d2f0c9a"
+    trajectory = write_jsonl(tmp_path / "t.jsonl", claude_files_session("/workspace"))
+    out = tmp_path / "run"
+    inspected: list[str] = []
+    stop = threading.Event()
+
+    def inspect_everything() -> None:  # every container the run creates, while it exists
+        while not stop.is_set():
+            for c in ours(docker_client):
+                with contextlib.suppress(Exception):  # gone meanwhile
+                    inspected.append(json.dumps(docker_client.api.inspect_container(c.id)))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=inspect_everything, daemon=True)
+    watcher.start()
+    with StubServer(command="echo continued > continued.txt && sleep 1") as stub:
+        result = run_cli(
+            "--verbose", "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "4",
+            "--max-steps", "8", "--model-base-url", stub.base_url, "--model", "stub-model",
+            "--model-api-key-env", "PVH_FAULT_KEY", "--out", out, "--json", env={"PVH_FAULT_KEY": key},
+        )  # fmt: skip
+    stop.set()
+    watcher.join(timeout=5)
+    assert result.code == 0, result.stderr
+    assert inspected, "no container was seen while the replay ran"
+    assert key not in result.stdout and key not in result.stderr
+    assert not [c for c in inspected if key in c]
+    images = [
+        json.dumps(docker_client.api.inspect_image(i.id))
+        for i in docker_client.images.list(filters={"label": "pvisor-host.managed"})
+    ]
+    assert not [i for i in images if key in i]
+    leaked = [p for p in out.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaked == []
+    assert not (out / ".pvisor-host-staging").exists()  # the staging (its env.sh) is gone with the run
+    shutil.rmtree(out)
