@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ..backend.base import Backend
     from ..fanout.manifest import BatchInput, ManifestCheck
+    from ..fanout.plan import ItemPlan
     from ..fanout.scheduler import BatchOptions
 
 app = typer.Typer(
@@ -460,14 +461,20 @@ def _plan(source: BatchInput, backend: Backend, options: BatchOptions, *, json_o
     from ..fanout.plan import plan_batch
     from . import render
 
-    plans = list(plan_batch(source.items(), backend, options))
-    render.batch_plan(_out, plans, json_output=json_output)
-    codes = {p.exit_code for p in plans if p.action == "reject"}
-    if ExitCode.INFRASTRUCTURE in codes:
-        first = next(p for p in plans if p.exit_code == ExitCode.INFRASTRUCTURE)
+    rejected: dict[int | None, ItemPlan] = {}  # the first refusal of each exit code; nothing else is kept
+
+    def tallied() -> Iterator[ItemPlan]:
+        for item in plan_batch(source.items(), backend, options):
+            if item.action == "reject":
+                rejected.setdefault(item.exit_code, item)
+            yield item
+
+    render.batch_plan(_out, tallied(), json_output=json_output)
+    first = rejected.get(ExitCode.INFRASTRUCTURE)
+    if first is not None:
         say(f"pvisor-host: error: {first.id}: {first.reason}")
         return ExitCode.INFRASTRUCTURE
-    return ExitCode.USAGE if codes else ExitCode.OK
+    return ExitCode.USAGE if rejected else ExitCode.OK
 
 
 def _run(

@@ -20,6 +20,8 @@ from ..models.record import ReplayRecord
 from ..models.units import format_duration, format_size
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ..fanout.plan import ItemPlan
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
@@ -249,12 +251,22 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
     )
 
 
-def batch_plan(console: Console, plans: list[ItemPlan], *, json_output: bool) -> None:
-    """``batch --plan``: per item what would run, then the counts."""
+def batch_plan(console: Console, plans: Iterable[ItemPlan], *, json_output: bool) -> None:
+    """``batch --plan``: per item what would run, then the counts.
+
+    Each item is written as soon as it is planned and then dropped, so memory stays flat however long the
+    manifest; ``--json`` writes one JSON array, an item per line, without rich's highlighting.
+    """
     if json_output:
-        console.print_json(data=[p.model_dump(mode="json") for p in plans])
+        separator = "["
+        for plan in plans:
+            console.file.write(f"{separator}\n{plan.model_dump_json()}")
+            separator = ","
+        console.file.write("[]\n" if separator == "[" else "\n]\n")
         return
+    actions: Counter[str] = Counter()
     for plan in plans:
+        actions[plan.action] += 1
         style = {"run": "green", "skip": "dim", "reject": "red"}[plan.action]
         console.print(f"[bold]{plan.id}[/bold] (line {plan.line}): [{style}]{plan.action}[/{style}]", highlight=False)
         grid = Table.grid(padding=(0, 2))
@@ -280,9 +292,8 @@ def batch_plan(console: Console, plans: list[ItemPlan], *, json_output: bool) ->
             grid.add_row("command", shlex.join(plan.command))
             grid.add_row("key", plan.content_key or "known once the image is built")
         console.print(grid)
-    actions = Counter(p.action for p in plans)
     console.print(
-        f"{len(plans)} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
+        f"{actions.total()} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
     )
 
 
