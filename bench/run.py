@@ -1,0 +1,539 @@
+#!/usr/bin/env python3
+"""``make bench``: pvisor-host side by side with what a user would otherwise write, on this machine, in one run.
+
+Every figure is a ratio (or a rate) against a baseline measured in the same run, interleaved so that load
+drifts hit both alike; medians, with the spread of the per-pair ratios. Sections (``--only`` picks some):
+
+* ``single``  one ``replay --mode replay-only`` against a minimal docker-py script (create, start, wait, logs,
+  archive, remove) and against ``docker run --rm`` plus copying the output out; the same replay under gVisor
+  (``runsc``) against runc; where pvisor-host's time goes, phase by phase.
+* ``batch``   100 replay-only items at 2, 4 and 8 workers against ``xargs -P W docker run --rm``, same
+  hardening, output kept; and the batch under runsc against runc at 4 workers.
+* ``scale``   per-item wall time and the controller's peak RSS for prepare-only batches of 100, 1,000 and
+  5,000 items.
+* ``plan``    the same for ``batch --plan --json`` over a 10,000-line manifest.
+* ``cache``   ``build`` of an image that exists against a docker-py script that only looks the tag up.
+* ``startup`` ``pvisor-host --help`` and ``replay --help`` against ``python -c "import typer"``.
+
+Writes ``bench-results.json`` and prints a compact table. ``BENCH_SCALE=0.1`` shrinks every count (a quick
+look, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "pvisor-host")
+TRAJECTORY = ROOT / "examples" / "claude-code-demo.jsonl"  # four complete tool batches
+WORKSPACE = ROOT / "examples" / "demo-workspace"
+SCALE = float(os.environ.get("BENCH_SCALE", "1"))
+
+
+def scaled(count: int, least: int = 2) -> int:
+    return max(least, round(count * SCALE))
+
+
+def timed(command: list[str], **kwargs: Any) -> float:
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(command[:4])} ... exited {done.returncode}: {done.stderr[-800:]}")
+    return time.monotonic() - started
+
+
+def peak_rss(command: list[str]) -> tuple[float, int]:
+    """Wall seconds and the peak RSS (bytes) of the command's process (``/usr/bin/time``'s maximum RSS)."""
+    with tempfile.NamedTemporaryFile("r") as report:
+        started = time.monotonic()
+        done = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", report.name, *command], capture_output=True, text=True
+        )
+        wall = time.monotonic() - started
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"{' '.join(command[:4])} ... exited {done.returncode}: {done.stderr[-800:]}")
+        return wall, int(report.read().strip().splitlines()[-1]) * 1024
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def spread(ratios: list[float]) -> list[float]:
+    return [round(min(ratios), 3), round(max(ratios), 3)] if ratios else []
+
+
+# -- the same hardened sandbox, written by hand ------------------------------------------------------------
+
+
+def image() -> tuple[str, str]:
+    """The claude-code image (built when missing) and its agent entrypoint."""
+    import docker
+
+    import pvisor_host
+
+    ref = pvisor_host.build("claude-code")
+    labels = docker.from_env().images.get(ref.id).labels
+    return ref.ref, labels["pvisor-host.agent-entrypoint"]
+
+
+def hand_staging(root: Path, name: str) -> dict[str, Path]:
+    """What pvisor-host stages, done by hand: the trajectory, a fresh workspace copy, a run directory."""
+    base = root / name
+    (base / "input").mkdir(parents=True)
+    shutil.copy(TRAJECTORY, base / "input" / "t.jsonl")
+    shutil.copytree(WORKSPACE, base / "workspace")
+    (base / "run").mkdir()
+    if os.geteuid() == 0:  # as pvisor-host does: the sandbox user owns what it writes to
+        for path in (base / "workspace", base / "run"):
+            os.chown(path, 65532, 65532)
+    return {"input": base / "input", "workspace": base / "workspace", "run": base / "run", "base": base}
+
+
+def pvisor_command(entrypoint: str, run_id: str, after_step: int = 4) -> list[str]:
+    return [
+        "/opt/pvisor/bin/pvisor",
+        "replay",
+        "--agent",
+        "claude-code",
+        "--trajectory",
+        "/in/t.jsonl",
+        "--after-step",
+        str(after_step),
+        "--replay-only",
+        "--workspace",
+        "/workspace",
+        "--state-dir",
+        "/run/state",
+        "--output-dir",
+        "/run/output",
+        "--run-id",
+        run_id,
+        "--agent-entrypoint",
+        entrypoint,
+    ]
+
+
+HARDENING = [
+    "--network",
+    "none",
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
+    "--read-only",
+    "--tmpfs",
+    "/tmp:rw,nosuid,nodev,size=1073741824,mode=1777",
+    "--user",
+    "65532:65532",
+    "--init",
+    "--memory",
+    "4g",
+    "--memory-swap",
+    "4g",
+    "--cpus",
+    "2",
+    "--pids-limit",
+    "1024",
+    "-e",
+    "HOME=/tmp",
+    "-e",
+    "TMPDIR=/tmp",
+    "-w",
+    "/workspace",
+]
+
+DOCKER_PY = r"""
+import io, sys, tarfile, docker
+image, entrypoint, base, run_id = sys.argv[1:5]
+client = docker.from_env()
+container = client.containers.create(
+    image, sys.argv[5:], user="65532:65532", network_mode="none", read_only=True, cap_drop=["ALL"],
+    security_opt=["no-new-privileges"], tmpfs={"/tmp": "rw,nosuid,nodev,size=1073741824,mode=1777"},
+    mem_limit=4 * 2**30, memswap_limit=4 * 2**30, nano_cpus=2_000_000_000, pids_limit=1024, init=True,
+    environment={"HOME": "/tmp", "TMPDIR": "/tmp"}, working_dir="/workspace",
+    volumes={f"{base}/input": {"bind": "/in", "mode": "ro"}, f"{base}/workspace": {"bind": "/workspace", "mode": "rw"},
+             f"{base}/run": {"bind": "/run", "mode": "rw"}},
+)
+try:
+    container.start()
+    code = container.wait()["StatusCode"]
+    open(f"{base}/stdout.log", "wb").write(container.logs(stdout=True, stderr=False))
+    open(f"{base}/stderr.log", "wb").write(container.logs(stdout=False, stderr=True))
+    chunks, _ = container.get_archive(f"/run/output/{run_id}")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as archive:
+        archive.extractall(f"{base}/collected", filter="data")
+finally:
+    container.remove(force=True)
+sys.exit(0 if code == 0 else 1)
+"""
+
+
+# -- sections --------------------------------------------------------------------------------------------
+
+
+def single(work: Path, tag: str, entrypoint: str) -> dict[str, Any]:
+    pairs = scaled(10, 3)
+    walls: dict[str, list[float]] = {"pvisor-host": [], "docker-py": [], "docker run": [], "pvisor-host runsc": []}
+    phases: list[dict[str, float]] = []
+    script = work / "docker_py_baseline.py"
+    script.write_text(DOCKER_PY)
+    for n in range(pairs):
+        runs: list[tuple[str, Callable[[], float]]] = [
+            ("pvisor-host", lambda n=n: _cli_replay(work / f"cli-{n}", phases)),
+            ("docker-py", lambda n=n: _docker_py(work, script, tag, entrypoint, n)),
+            ("docker run", lambda n=n: _docker_run(work, tag, entrypoint, n)),
+            ("pvisor-host runsc", lambda n=n: _cli_replay(work / f"runsc-{n}", None, "--runtime", "runsc")),
+        ]
+        if n % 2:
+            runs.reverse()  # interleaved both ways, so drifting load hits every variant alike
+        for name, run in runs:
+            walls[name].append(run())
+    ratios = {
+        "vs docker-py": [a / b for a, b in zip(walls["pvisor-host"], walls["docker-py"], strict=True)],
+        "vs docker run": [a / b for a, b in zip(walls["pvisor-host"], walls["docker run"], strict=True)],
+        "runsc vs runc": [a / b for a, b in zip(walls["pvisor-host runsc"], walls["pvisor-host"], strict=True)],
+    }
+    return {
+        "pairs": pairs,
+        "median_seconds": {k: round(median(v), 3) for k, v in walls.items()},
+        "ratios": {k: {"median": round(median(v), 3), "spread": spread(v)} for k, v in ratios.items()},
+        "phases_median_seconds": {k: round(median([p[k] for p in phases if k in p]), 3) for k in phases[0]},
+        "target": "within 1.10x of the docker-py baseline",
+    }
+
+
+def _cli_replay(out: Path, phases: list[dict[str, float]] | None, *extra: str) -> float:
+    command = [
+        CLI,
+        "replay",
+        "--agent",
+        "claude-code",
+        "--trajectory",
+        str(TRAJECTORY),
+        "--after-step",
+        "4",
+        "--mode",
+        "replay-only",
+        "--workspace-dir",
+        str(WORKSPACE),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    wall = timed(command)
+    if phases is not None:
+        phases.append(json.loads((out / "record.json").read_text())["timings"])
+    return wall
+
+
+def _docker_py(work: Path, script: Path, tag: str, entrypoint: str, n: int) -> float:
+    staged = hand_staging(work, f"py-{n}")
+    run_id = f"bench-py-{n}"
+    return timed(
+        [sys.executable, str(script), tag, entrypoint, str(staged["base"]), run_id, *pvisor_command(entrypoint, run_id)]
+    )
+
+
+def _docker_run(work: Path, tag: str, entrypoint: str, n: int) -> float:
+    staged = hand_staging(work, f"run-{n}")
+    run_id = f"bench-run-{n}"
+    mounts = [
+        "-v",
+        f"{staged['input']}:/in:ro",
+        "-v",
+        f"{staged['workspace']}:/workspace",
+        "-v",
+        f"{staged['run']}:/run",
+    ]
+    started = time.monotonic()
+    subprocess.run(
+        ["docker", "run", "--rm", *HARDENING, *mounts, tag, *pvisor_command(entrypoint, run_id)],
+        capture_output=True,
+        check=True,
+    )
+    shutil.copytree(staged["run"] / "output" / run_id, staged["base"] / "collected")
+    return time.monotonic() - started
+
+
+def batch(work: Path, tag: str, entrypoint: str) -> dict[str, Any]:
+    items = scaled(100, 8)
+    rows: dict[str, Any] = {}
+    manifest = work / "batch.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"id": f"i{n:03d}", "trajectory": str(TRAJECTORY), "after_step": 1 + n % 4}) + "\n"
+            for n in range(items)
+        )
+    )
+    loop = work / "loop.sh"
+    loop.write_text(_shell_loop(tag, entrypoint))
+    loop.chmod(0o755)
+    for workers in (2, 4, 8):
+        ours = _cli_batch(manifest, work / f"batch-{workers}", workers)
+        theirs = _xargs(loop, work / f"loop-{workers}", items, workers)
+        rows[f"W={workers}"] = {
+            "pvisor-host_per_minute": round(items / ours * 60, 1),
+            "shell_loop_per_minute": round(items / theirs * 60, 1),
+            "ratio": round(theirs / ours, 3),
+        }
+    runc = _cli_batch(manifest, work / "batch-runc", 4)
+    runsc = _cli_batch(manifest, work / "batch-runsc", 4, "--runtime", "runsc")
+    return {
+        "items": items,
+        "throughput": rows,
+        "runsc_vs_runc_at_W=4": round(runsc / runc, 3),
+        "target": "at least 1.2x the shell loop at every worker count",
+    }
+
+
+def _cli_batch(manifest: Path, out: Path, workers: int, *extra: str) -> float:
+    return timed(
+        [
+            CLI,
+            "batch",
+            str(manifest),
+            "--agent",
+            "claude-code",
+            "--mode",
+            "replay-only",
+            "--workers",
+            str(workers),
+            "--out",
+            str(out),
+            "--quiet",
+            *extra,
+        ]
+    )
+
+
+def _shell_loop(tag: str, entrypoint: str) -> str:
+    hardening = " ".join(f"'{flag}'" for flag in HARDENING)
+    command = " ".join(f"'{part}'" for part in pvisor_command(entrypoint, "RUNID", after_step=0))
+    command = command.replace("'--after-step' '0'", "'--after-step' \"$step\"").replace("'RUNID'", '"$id"')
+    return f"""#!/bin/sh
+# one item: $1 = n, $2 = the loop's directory (output kept under it)
+n=$1; dir=$2; id=item$n; step=$(( n % 4 + 1 )); base=$dir/$id
+mkdir -p "$base/in" "$base/run" && cp {TRAJECTORY} "$base/in/t.jsonl" && cp -r {WORKSPACE} "$base/workspace"
+chown 65532:65532 "$base/run" "$base/workspace" 2>/dev/null
+exec docker run --rm {hardening} -v "$base/in:/in:ro" -v "$base/workspace:/workspace" -v "$base/run:/run" \\
+    '{tag}' {command} > "$base/stdout.log" 2> "$base/stderr.log"
+"""
+
+
+def _xargs(loop: Path, out: Path, items: int, workers: int) -> float:
+    out.mkdir()
+    numbers = "\n".join(str(n) for n in range(items))
+    started = time.monotonic()
+    subprocess.run(
+        ["xargs", "-P", str(workers), "-I{}", str(loop), "{}", str(out)],
+        input=numbers,
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    return time.monotonic() - started
+
+
+def scale(work: Path) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for count in (scaled(100), scaled(1000), scaled(5000)):
+        manifest = work / f"scale-{count}.jsonl"
+        manifest.write_text(
+            "".join(
+                json.dumps({"id": f"p{n}", "trajectory": str(TRAJECTORY), "after_step": 1}) + "\n" for n in range(count)
+            )
+        )
+        wall, rss = peak_rss(
+            [
+                CLI,
+                "batch",
+                str(manifest),
+                "--agent",
+                "claude-code",
+                "--mode",
+                "prepare-only",
+                "--workers",
+                "8",
+                "--out",
+                str(work / f"scale-out-{count}"),
+                "--quiet",
+            ]
+        )
+        rows[f"prepare-only x{count}"] = {
+            "per_item_seconds": round(wall / count, 4),
+            "peak_rss_mib": round(rss / 2**20, 1),
+        }
+    first, *_, last = [r["per_item_seconds"] for r in rows.values()]
+    return {
+        "rows": rows,
+        "per_item_growth_100_to_5000": round(last / first, 3),
+        "target": "per-item cost flat within 10% from 100 to 5,000 items; peak RSS under 150 MB",
+    }
+
+
+def plan(work: Path) -> dict[str, Any]:
+    plan_items = scaled(10_000)
+    manifest = work / "plan.jsonl"
+    manifest.write_text(
+        "".join(
+            json.dumps({"id": f"q{n}", "trajectory": str(TRAJECTORY), "after_step": 1 + n % 4}) + "\n"
+            for n in range(plan_items)
+        )
+    )
+    wall, rss = peak_rss(
+        [
+            CLI,
+            "batch",
+            str(manifest),
+            "--agent",
+            "claude-code",
+            "--mode",
+            "replay-only",
+            "--plan",
+            "--json",
+            "--out",
+            str(work / "plan-out"),
+        ]
+    )
+    return {
+        "items": plan_items,
+        "per_item_seconds": round(wall / plan_items, 4),
+        "peak_rss_mib": round(rss / 2**20, 1),
+        "target": "peak RSS under 150 MB",
+    }
+
+
+def cache(tag: str) -> dict[str, Any]:
+    lookup = f"import docker; docker.from_env().images.get({tag!r})"
+    ours: list[float] = []
+    theirs: list[float] = []
+    for n in range(scaled(10, 3)):
+        pair = [
+            lambda: ours.append(timed([CLI, "build", "--agent", "claude-code"])),
+            lambda: theirs.append(timed([sys.executable, "-c", lookup])),
+        ]
+        for run in pair if n % 2 == 0 else reversed(pair):
+            run()
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return {
+        "median_seconds": {"build": round(median(ours), 3), "docker-py lookup": round(median(theirs), 3)},
+        "ratio": {"median": round(median(ratios), 3), "spread": spread(ratios)},
+        "target": "within 1.5x",
+    }
+
+
+def startup() -> dict[str, Any]:
+    commands = {
+        "--help": [CLI, "--help"],
+        "replay --help": [CLI, "replay", "--help"],
+        "import typer": [sys.executable, "-c", "import typer"],
+    }
+    walls: dict[str, list[float]] = {k: [] for k in commands}
+    for _ in range(scaled(10, 3)):
+        for name, command in commands.items():
+            walls[name].append(timed(command))
+    base = median(walls["import typer"])
+    return {
+        "median_seconds": {k: round(median(v), 3) for k, v in walls.items()},
+        "ratio_vs_import_typer": {k: round(median(v) / base, 2) for k, v in walls.items() if k != "import typer"},
+    }
+
+
+def machine() -> dict[str, Any]:
+    docker_version = subprocess.run(
+        ["docker", "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "docker": docker_version,
+        "load_average": os.getloadavg(),
+        "scale": SCALE,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [f"pvisor-host benchmark — {results['machine']['date']}, {results['machine']['cpus']} CPUs"]
+    if "single" in results:
+        s = results["single"]
+        lines.append(f"single replay ({s['pairs']} interleaved runs each; medians, s): {s['median_seconds']}")
+        for name, r in s["ratios"].items():
+            lines.append(f"  pvisor-host {name}: {r['median']}x (spread {r['spread']})")
+        lines.append(f"  pvisor-host phases: {s['phases_median_seconds']}")
+    if "batch" in results:
+        b = results["batch"]
+        lines.append(f"batch of {b['items']} replay-only items (replays/min):")
+        for workers, row in b["throughput"].items():
+            lines.append(
+                f"  {workers}: pvisor-host {row['pvisor-host_per_minute']}, shell loop "
+                f"{row['shell_loop_per_minute']}, ratio {row['ratio']}x"
+            )
+        lines.append(f"  runsc/runc wall at W=4: {b['runsc_vs_runc_at_W=4']}x")
+    if "scale" in results:
+        for name, row in results["scale"]["rows"].items():
+            lines.append(f"  {name}: {row['per_item_seconds']} s/item, peak RSS {row['peak_rss_mib']} MiB")
+        lines.append(f"  per-item growth 100 → 5000: {results['scale']['per_item_growth_100_to_5000']}x")
+    if "plan" in results:
+        p = results["plan"]
+        lines.append(
+            f"batch --plan --json x{p['items']}: {p['per_item_seconds']} s/item, peak RSS {p['peak_rss_mib']} MiB"
+        )
+    if "cache" in results:
+        c = results["cache"]
+        lines.append(f"cached build vs a docker-py tag lookup: {c['ratio']['median']}x ({c['median_seconds']})")
+    if "startup" in results:
+        lines.append(f"start-up (s): {results['startup']['median_seconds']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup")
+    parser.add_argument("--results", default=str(ROOT / "bench-results.json"))
+    args = parser.parse_args()
+    sections = args.only.split(",")
+    results: dict[str, Any] = {"machine": machine()}
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as scratch:
+        work = Path(scratch)
+        tag, entrypoint = image()
+        if "startup" in sections:
+            results["startup"] = startup()
+        if "cache" in sections:
+            results["cache"] = cache(tag)
+        for name in ("single", "batch", "scale", "plan"):
+            (work / name).mkdir()
+        if "single" in sections:
+            results["single"] = single(work / "single", tag, entrypoint)
+        if "batch" in sections:
+            results["batch"] = batch(work / "batch", tag, entrypoint)
+        if "scale" in sections:
+            results["scale"] = scale(work / "scale")
+        if "plan" in sections:
+            results["plan"] = plan(work / "plan")
+    results["controller_peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+    Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    print(f"\nwritten: {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
