@@ -78,6 +78,17 @@ def spread(ratios: list[float]) -> list[float]:
     return [round(min(ratios), 3), round(max(ratios), 3)] if ratios else []
 
 
+def write_manifest(path: Path, count: int, prefix: str, *, steps: int = 4) -> Path:
+    """A manifest of ``count`` items over the demo trajectory, boundaries cycling through 1..``steps``."""
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"{prefix}{n:03d}", "trajectory": str(TRAJECTORY), "after_step": 1 + n % steps}) + "\n"
+            for n in range(count)
+        )
+    )
+    return path
+
+
 # -- the same hardened sandbox, written by hand ------------------------------------------------------------
 
 
@@ -274,13 +285,7 @@ def _docker_run(work: Path, tag: str, entrypoint: str, n: int) -> float:
 def batch(work: Path, tag: str, entrypoint: str) -> dict[str, Any]:
     items = scaled(100, 8)
     rows: dict[str, Any] = {}
-    manifest = work / "batch.jsonl"
-    manifest.write_text(
-        "".join(
-            json.dumps({"id": f"i{n:03d}", "trajectory": str(TRAJECTORY), "after_step": 1 + n % 4}) + "\n"
-            for n in range(items)
-        )
-    )
+    manifest = write_manifest(work / "batch.jsonl", items, "i")
     loop = work / "loop.sh"
     loop.write_text(_shell_loop(tag, entrypoint))
     loop.chmod(0o755)
@@ -353,12 +358,7 @@ def _xargs(loop: Path, out: Path, items: int, workers: int) -> float:
 def scale(work: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for count in (scaled(100), scaled(1000), scaled(5000)):
-        manifest = work / f"scale-{count}.jsonl"
-        manifest.write_text(
-            "".join(
-                json.dumps({"id": f"p{n}", "trajectory": str(TRAJECTORY), "after_step": 1}) + "\n" for n in range(count)
-            )
-        )
+        manifest = write_manifest(work / f"scale-{count}.jsonl", count, "p", steps=1)
         wall, rss = peak_rss(
             [
                 CLI,
@@ -389,13 +389,7 @@ def scale(work: Path) -> dict[str, Any]:
 
 def plan(work: Path) -> dict[str, Any]:
     plan_items = scaled(10_000)
-    manifest = work / "plan.jsonl"
-    manifest.write_text(
-        "".join(
-            json.dumps({"id": f"q{n}", "trajectory": str(TRAJECTORY), "after_step": 1 + n % 4}) + "\n"
-            for n in range(plan_items)
-        )
-    )
+    manifest = write_manifest(work / "plan.jsonl", plan_items, "q")
     wall, rss = peak_rss(
         [
             CLI,
