@@ -342,6 +342,13 @@ def batch(
     plan: Annotated[
         bool, typer.Option(help="Check every item on the host and show what would run; start no container.")
     ] = False,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier batch's --out: compare against it at the end (compare.json, compare.xml in --out); "
+            "exit 1 when an item regressed."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
     agent: opt.Agent = None,
@@ -430,6 +437,8 @@ def batch(
         retry_backoff=retry_backoff,
     )
     allowance = allowed_failures(allow_failures)
+    if baseline is not None:
+        _check_baseline(baseline, out, plan=plan)
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, defaults=defaults
     )
@@ -449,7 +458,35 @@ def batch(
     with _backend(pool_size=options.workers + 8) as backend:
         if plan:
             return _plan(source, backend, options, json_output=json_output)
-        return _run(source, checked, backend, options, quiet=quiet, json_output=json_output, allowed=allowance)
+        code = _run(source, checked, backend, options, quiet=quiet, json_output=json_output, allowed=allowance)
+    if baseline is not None and code != ExitCode.INTERRUPTED:
+        code = _compare_with(baseline.absolute(), options.out, code, quiet=quiet or json_output)
+    return code
+
+
+def _check_baseline(baseline: Path, out: Path, *, plan: bool) -> None:
+    from ..fanout.compare import check_run_dir
+
+    if plan:
+        raise UsageError("--baseline compares finished runs; it does nothing with --plan")
+    if baseline.absolute() == out.absolute():
+        raise UsageError(f"--baseline {baseline} is the batch's own --out; pass the earlier batch's directory")
+    check_run_dir(baseline.absolute())
+
+
+def _compare_with(baseline: Path, out: Path, code: int, *, quiet: bool) -> int:
+    """``batch --baseline``: compare, write the reports, show them; a regression makes an ok batch exit 1."""
+    from ..fanout.compare import compare_runs, write_reports
+    from . import render
+
+    comparison = compare_runs(baseline, out)
+    write_reports(comparison, out)
+    regressed = len(comparison.regressions)
+    if quiet:
+        say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
+    else:
+        render.comparison(_out, comparison)
+    return ExitCode.REPLAY_FAILED if regressed and code == ExitCode.OK else code
 
 
 def _given(**options: Any) -> dict[str, Any]:
@@ -511,6 +548,33 @@ def _run(
         first = next(r for r in outcome.results if r.status == "infra_error")
         say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
     return code
+
+
+@app.command()
+def compare(
+    old: Annotated[Path, typer.Argument(help="The earlier batch's --out directory.", show_default=False)],
+    new: Annotated[Path, typer.Argument(help="The later batch's --out directory.", show_default=False)],
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write a JUnit file in which only the regressions fail.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+) -> int:
+    """What changed between two batch runs: regressions first, then other status changes, moved divergences,
+    items gone and new.
+
+    Items are matched by id and boundary (after_step). Exit 1 when an item that was ok is not any more.
+    """
+    from ..fanout.compare import compare_runs, write_junit
+    from . import render
+
+    comparison = compare_runs(old.absolute(), new.absolute())
+    if junit is not None:
+        write_junit(comparison, junit.absolute())
+    if json_output:
+        typer.echo(comparison.model_dump_json(indent=2))
+    else:
+        render.comparison(_out, comparison)
+    return ExitCode.REPLAY_FAILED if comparison.regressions else ExitCode.OK
 
 
 @app.command()

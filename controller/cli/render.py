@@ -22,6 +22,7 @@ from ..models.units import format_duration, format_size
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ..fanout.compare import Comparison
     from ..fanout.plan import ItemPlan
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
@@ -295,6 +296,24 @@ def batch_plan(console: Console, plans: Iterable[ItemPlan], *, json_output: bool
     console.print(
         f"{actions.total()} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
     )
+
+
+def comparison(console: Console, result: Comparison) -> None:
+    """``pvisor-host compare``: one row per changed item, regressions first, then the counts."""
+    if result.changes:
+        table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+        for column in ("change", "item", "step", "was → is"):
+            table.add_column(column, overflow="fold")
+        for change in result.changes:
+            style = _CHANGE_STYLE.get(change.kind, "")
+            kind = f"[{style}]{change.kind}[/{style}]" if style else change.kind
+            table.add_row(kind, change.id, str(change.after_step), change.describe)
+        console.print(table)
+    counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in result.counts.items()) or "no changes"
+    console.print(f"{result.matched} items matched, {result.unchanged} unchanged; {counts}", highlight=False)
+
+
+_CHANGE_STYLE = {"regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "fixed": "green"}
 
 
 def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:

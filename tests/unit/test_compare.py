@@ -1,0 +1,147 @@
+"""``compare``: two run directories written from a real record's shape, every kind of change, exact output."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from pvisor_host.errors import UsageError
+from pvisor_host.fanout.compare import compare_runs
+
+from conftest import run_cli
+
+TEMPLATE = json.loads((Path(__file__).parents[1] / "data" / "record-template.json").read_text())
+CALLS = [("toolu_01a", "Bash"), ("toolu_02a", "Read"), ("toolu_03a", "Bash")]
+
+
+def item(run: Path, item_id: str, *, status: str = "ok", category: str | None = None, step: int = 3, diverge=None):
+    """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ)."""
+    directory = run / item_id
+    (directory / "output").mkdir(parents=True)
+    record = json.loads(json.dumps(TEMPLATE))
+    record["status"] = status
+    record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
+    record["inputs"]["after_step"] = step
+    record["batch"] = {"item_id": item_id, "line": 1, "content_key": "k"}
+    (directory / "record.json").write_text(json.dumps(record))
+    comparison = [
+        {"call_id": call_id, "tool": tool, "exact": n not in (diverge or ()), "original_is_error": False,
+         "replayed_is_error": False}
+        for n, (call_id, tool) in enumerate(CALLS[:step])
+    ]  # fmt: skip
+    (directory / "output" / "observation-comparison.json").write_text(json.dumps(comparison))
+
+
+@pytest.fixture
+def runs(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    for run in (old, new):
+        item(run, "same")
+        item(run, "same-failure", status="replay_failed", category="tool_error")
+        item(run, "still-diverges", diverge=[1])
+    item(old, "regresses")
+    item(new, "regresses", status="timeout")
+    item(old, "fixed", status="oom")
+    item(new, "fixed")
+    item(old, "other-failure", status="replay_failed", category="tool_error")
+    item(new, "other-failure", status="replay_failed", category="executor_error")
+    item(old, "diverges-later", diverge=[0])
+    item(new, "diverges-later", diverge=[2])
+    item(old, "starts-diverging")
+    item(new, "starts-diverging", diverge=[1, 2])
+    item(old, "gone")
+    item(new, "new")
+    item(old, "moved-boundary", step=2)
+    item(new, "moved-boundary", step=3)
+    (old / ".previous" / "same").mkdir(parents=True)
+    (old / ".previous" / "same" / "record.json").write_text("{}")  # set aside: not an item of this run
+    return old, new
+
+
+def test_every_kind_of_change_regressions_first(runs):
+    old, new = runs
+    result = compare_runs(old, new)
+    assert [(c.kind, c.id, c.after_step) for c in result.changes] == [
+        ("regression", "regresses", 3),
+        ("status_changed", "other-failure", 3),
+        ("divergence_moved", "diverges-later", 3),
+        ("divergence_moved", "starts-diverging", 3),
+        ("gone", "gone", 3),
+        ("gone", "moved-boundary", 2),
+        ("new", "moved-boundary", 3),
+        ("new", "new", 3),
+        ("fixed", "fixed", 3),
+    ]
+    assert result.counts == {
+        "divergence_moved": 2,
+        "fixed": 1,
+        "gone": 2,
+        "new": 2,
+        "regression": 1,
+        "status_changed": 1,
+    }
+    assert (result.matched, result.unchanged) == (8, 3)
+    later = next(c for c in result.changes if c.id == "diverges-later")
+    assert later.describe == "ok, diverges at call 1 (Bash toolu_01a) → ok, diverges at call 3 (Bash toolu_03a)"
+    assert later.new is not None and (later.new.replayed_calls, later.new.diverged_calls) == (3, 1)
+    regression = result.regressions[0]
+    assert regression.describe == "ok, every observation exact → timeout, every observation exact"
+
+
+def test_the_cli_prints_a_table_writes_junit_where_only_regressions_fail_and_exits_1(runs, tmp_path):
+    old, new = runs
+    junit = tmp_path / "compare.xml"
+    done = run_cli("compare", old, new, "--junit", junit)
+    assert (done.code, done.stderr) == (1, "")
+    lines = done.stdout.splitlines()
+    assert lines[1].split()[:3] == ["regression", "regresses", "3"]
+    assert lines[-1] == (
+        "8 items matched, 3 unchanged; 2 divergence moved, 1 fixed, 2 gone, 2 new, 1 regression, 1 status changed"
+    )
+    suite = ET.parse(junit).getroot()
+    assert (suite.get("tests"), suite.get("failures")) == ("9", "1")
+    failed = [case.get("name") for case in suite if case.find("failure") is not None]
+    assert failed == ["regresses"]
+
+
+def test_json_and_no_regression_exits_0(runs):
+    old, new = runs
+    done = run_cli("compare", new, new, "--json")
+    assert (done.code, done.stderr) == (0, "")
+    parsed = json.loads(done.stdout)
+    assert parsed["schema_version"] == "pvisor-host.compare/v1"
+    assert (parsed["matched"], parsed["unchanged"], parsed["changes"]) == (10, 10, [])
+
+
+def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
+    done = run_cli("compare", tmp_path / "missing", runs[1])  # as people type it: one line, exit 2
+    assert (done.code, done.stdout) == (2, "")
+    missing = tmp_path / "missing"
+    assert done.stderr == f"pvisor-host: error: {missing} is not a directory; pass a batch's --out directory\n"
+    with pytest.raises(UsageError, match="holds no readable batch results"):
+        compare_runs(tmp_path / "old" / ".previous", runs[1])
+    with pytest.raises(UsageError, match="is not a directory"):
+        compare_runs(tmp_path / "missing", runs[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--baseline", "{out}"], "--baseline {out} is the batch's own --out; pass the earlier batch's directory"),
+        (["--baseline", "{missing}"], "{missing} is not a directory; pass a batch's --out directory"),
+        (["--baseline", "{old}", "--plan"], "--baseline compares finished runs; it does nothing with --plan"),
+    ],
+)
+def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, message):
+    old, _ = runs
+    paths = {"out": tmp_path / "out", "missing": tmp_path / "missing", "old": old}
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"id": "a", "trajectory": "nowhere.jsonl", "after_step": 1}\n')
+    given = [a.format(**paths) for a in args]
+    done = run_cli("batch", manifest, "--agent", "claude-code", "--out", paths["out"], *given)
+    assert (done.code, done.stdout) == (2, "")
+    assert done.stderr == f"pvisor-host: error: {message.format(**paths)}\n"
+    assert not paths["out"].exists()  # nothing ran, nothing was written
