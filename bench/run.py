@@ -307,24 +307,13 @@ def batch(work: Path, tag: str, entrypoint: str) -> dict[str, Any]:
     }
 
 
+def batch_command(manifest: Path, out: Path, mode: str, *extra: str) -> list[str]:
+    """``pvisor-host batch`` over ``manifest`` for claude-code, into ``out``."""
+    return [CLI, "batch", str(manifest), "--agent", "claude-code", "--mode", mode, "--out", str(out), *extra]
+
+
 def _cli_batch(manifest: Path, out: Path, workers: int, *extra: str) -> float:
-    return timed(
-        [
-            CLI,
-            "batch",
-            str(manifest),
-            "--agent",
-            "claude-code",
-            "--mode",
-            "replay-only",
-            "--workers",
-            str(workers),
-            "--out",
-            str(out),
-            "--quiet",
-            *extra,
-        ]
-    )
+    return timed(batch_command(manifest, out, "replay-only", "--workers", str(workers), "--quiet", *extra))
 
 
 def _shell_loop(tag: str, entrypoint: str) -> str:
@@ -359,22 +348,8 @@ def scale(work: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for count in (scaled(100), scaled(1000), scaled(5000)):
         manifest = write_manifest(work / f"scale-{count}.jsonl", count, "p", steps=1)
-        wall, rss = peak_rss(
-            [
-                CLI,
-                "batch",
-                str(manifest),
-                "--agent",
-                "claude-code",
-                "--mode",
-                "prepare-only",
-                "--workers",
-                "8",
-                "--out",
-                str(work / f"scale-out-{count}"),
-                "--quiet",
-            ]
-        )
+        out = work / f"scale-out-{count}"
+        wall, rss = peak_rss(batch_command(manifest, out, "prepare-only", "--workers", "8", "--quiet"))
         rows[f"prepare-only x{count}"] = {
             "per_item_seconds": round(wall / count, 4),
             "peak_rss_mib": round(rss / 2**20, 1),
@@ -390,21 +365,7 @@ def scale(work: Path) -> dict[str, Any]:
 def plan(work: Path) -> dict[str, Any]:
     plan_items = scaled(10_000)
     manifest = write_manifest(work / "plan.jsonl", plan_items, "q")
-    wall, rss = peak_rss(
-        [
-            CLI,
-            "batch",
-            str(manifest),
-            "--agent",
-            "claude-code",
-            "--mode",
-            "replay-only",
-            "--plan",
-            "--json",
-            "--out",
-            str(work / "plan-out"),
-        ]
-    )
+    wall, rss = peak_rss(batch_command(manifest, work / "plan-out", "replay-only", "--plan", "--json"))
     return {
         "items": plan_items,
         "per_item_seconds": round(wall / plan_items, 4),
