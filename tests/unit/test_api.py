@@ -4,6 +4,7 @@ asked, that it prints nothing, and that the examples type-check under ``mypy --s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,19 @@ def test_the_api_reference_is_generated_from_the_docstrings_and_current():
     page = (ROOT / "docs" / "api.md").read_text()
     for name in ("replay", "batch", "abatch", "build", "gc", "Batch", "ReplaySpec", "ReplayRecord", "UsageError"):
         assert f"### `{name}" in page, name
+
+
+def test_the_schemas_of_record_summary_and_compare_are_generated_from_the_models_and_current():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen-schemas.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    schema = json.loads((ROOT / "docs" / "schemas" / "record.schema.json").read_text())
+    statuses = ["ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted"]
+    assert schema["properties"]["status"]["enum"] == statuses
+    assert schema["$defs"]["Failure"]["properties"]["category"]["description"].startswith("pvisor's")
+    summary = json.loads((ROOT / "docs" / "schemas" / "summary.schema.json").read_text())
+    assert set(summary["required"]) >= {"items", "ran", "counts", "categories", "timings", "failed"}
 
 
 def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
