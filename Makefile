@@ -59,8 +59,9 @@ lint: venv ## ruff and mypy
 	$(BIN)/ruff format --check controller tests examples
 	$(BIN)/mypy controller
 
-docs-api: venv ## Regenerate the generated reference: docs/api.md and docs/schemas/*.schema.json
+docs-api: venv ## Regenerate the generated reference: docs/api.md, docs/reference.md, docs/schemas/
 	$(BIN)/python scripts/gen-api-docs.py
+	$(BIN)/python scripts/gen-cli-docs.py
 	$(BIN)/python scripts/gen-schemas.py
 
 clean: ## Remove the virtualenv, caches and run directories (images stay: see `pvisor-host images`)

@@ -99,6 +99,18 @@ def test_the_schemas_of_record_summary_and_compare_are_generated_from_the_models
     assert set(summary["required"]) >= {"items", "ran", "counts", "categories", "timings", "failed"}
 
 
+def test_the_cli_reference_is_generated_from_the_typer_app_and_current():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen-cli-docs.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    page = (ROOT / "docs" / "reference.md").read_text()
+    for command in ("build", "replay", "batch", "compare", "gc", "agents", "images", "images prune", "doctor"):
+        assert f"## `pvisor-host {command}`" in page, command
+    assert "| `--baseline` | — | An earlier batch's --out" in page
+    assert "| 130 | `INTERRUPTED` |" in page and "| `pvisor-host.owner` |" in page
+
+
 def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
     """An application enables our logs after `import pvisor_host`; modules imported later must not turn them
     off again (the CLI's pass-through warning once vanished that way)."""
