@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine engine-runsc images demo test test-unit test-docker test-faults bench lint docs-api clean
+.PHONY: help venv engine engine-runsc images demo test test-unit test-docker test-faults bench lint docs docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -59,10 +59,13 @@ lint: venv ## ruff and mypy
 	$(BIN)/ruff format --check controller tests examples
 	$(BIN)/mypy controller
 
+docs: venv ## Build the documentation site into site/ (MkDocs, Material; any warning fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 docs-api: venv ## Regenerate the generated reference: docs/api.md, docs/reference.md, docs/schemas/
 	$(BIN)/python scripts/gen-api-docs.py
 	$(BIN)/python scripts/gen-cli-docs.py
 	$(BIN)/python scripts/gen-schemas.py
 
 clean: ## Remove the virtualenv, caches and run directories (images stay: see `pvisor-host images`)
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache pvisor-runs *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache pvisor-runs site *.egg-info

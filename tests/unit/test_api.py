@@ -130,3 +130,15 @@ def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
     silent = f"import pvisor_host; {library_log}"
     quiet = subprocess.run([sys.executable, "-c", silent], capture_output=True, text=True, check=True)
     assert quiet.stdout == quiet.stderr == ""  # off until someone turns them on
+
+
+def test_the_documentation_site_builds_without_a_warning(tmp_path):
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "index.html").is_file()
