@@ -22,7 +22,7 @@ from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attem
 from ._log import logger
 from .backend.base import Backend, ModelGateway
 from .errors import Interrupted
-from .files.space import disk_full, is_full
+from .files.space import full_disk_raises
 from .models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
@@ -58,7 +58,7 @@ class RetryPolicy(BaseModel):
     def wants(self, record: ReplayRecord) -> bool:
         """Whether ``record``'s outcome should be retried. Never a trajectory, configuration or version error,
         nor a full disk (another attempt would find it as full)."""
-        if record.failure is not None and record.failure.category == "disk_full":
+        if record.failure is not None and record.failure.disk_full:
             return False
         if record.failure is not None and record.failure.retryable:
             return True
@@ -128,12 +128,8 @@ def run_attempts(
             shutil.rmtree(out / "attempts", ignore_errors=True)
             release_out_dir(out)
         raise
-    try:
+    with full_disk_raises(out):
         return _finish(out, records, batch)
-    except OSError as exc:
-        if is_full(exc):
-            raise disk_full(out) from exc
-        raise
 
 
 def _log_retry(state: RetryCallState) -> None:

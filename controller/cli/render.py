@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..fanout.plan import ItemPlan
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
+_CHANGE_STYLE = {"regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "fixed": "green"}
 
 
 def _relative(path: Path) -> str:
@@ -311,9 +312,6 @@ def comparison(console: Console, result: Comparison) -> None:
         console.print(table)
     counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in result.counts.items()) or "no changes"
     console.print(f"{result.matched} items matched, {result.unchanged} unchanged; {counts}", highlight=False)
-
-
-_CHANGE_STYLE = {"regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "fixed": "green"}
 
 
 def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:

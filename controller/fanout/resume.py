@@ -69,7 +69,7 @@ def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult |
         return None
     if record.batch is None or record.batch.content_key != key or record.status not in FINAL_STATUSES:
         return None
-    if record.failure is not None and record.failure.category == "disk_full":
+    if record.failure is not None and record.failure.disk_full:
         return None  # the host's disk, not the item: it runs again once there is space
     if rerun_failed and record.status != "ok":
         return None

@@ -29,10 +29,10 @@ from ..attempts import RetryPolicy, run_attempts
 from ..backend.base import Backend, ModelGateway
 from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError, UsageError
 from ..files.digest import tree_sha256
-from ..files.space import disk_full, is_full, tree_bytes
+from ..files.space import disk_full, full_disk_raises, is_full, tree_bytes
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.profiles import get_profile
-from ..models.record import BatchInfo
+from ..models.record import DISK_FULL, BatchInfo
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..models.units import format_size
 from ..preflight.checks import check_inputs
@@ -376,39 +376,33 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     spec = item.spec
     run_dir = batch.options.out / item.id
     try:
-        trajectory = check_file(spec.trajectory)
-        image = batch.image(spec)
-        key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
-        earlier = finished_result(run_dir, key, batch.options.rerun_failed)
-        if earlier is not None:
-            return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
-        set_aside(batch.options.out, item.id)
-        if remaining is not None:
-            spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
-        checked = check_inputs(
-            spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
-        )
-        prepared = prepare(checked, batch.backend, image=image)
-        record = run_attempts(
-            prepared,
-            batch.backend,
-            gateway=batch.gateway(spec.continuation, prepared.user),
-            policy=RetryPolicy.for_spec(spec, infra=True, oom=batch.options.retry_oom),
-            cancel=batch.cancel,
-            batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
-        )
+        with full_disk_raises(run_dir):
+            trajectory = check_file(spec.trajectory)
+            image = batch.image(spec)
+            key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
+            earlier = finished_result(run_dir, key, batch.options.rerun_failed)
+            if earlier is not None:
+                return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
+            set_aside(batch.options.out, item.id)
+            if remaining is not None:
+                spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
+            checked = check_inputs(
+                spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
+            )
+            prepared = prepare(checked, batch.backend, image=image)
+            record = run_attempts(
+                prepared,
+                batch.backend,
+                gateway=batch.gateway(spec.continuation, prepared.user),
+                policy=RetryPolicy.for_spec(spec, infra=True, oom=batch.options.retry_oom),
+                cancel=batch.cancel,
+                batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
+            )
     except Interrupted as exc:
         return _interrupted(item, exc.one_line()).model_copy(update={"path": item.id})
-    except DiskFull as exc:
+    except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
         batch.full = batch.full or exc
-        return base.model_copy(update={"status": "infra_error", "category": "disk_full", "message": exc.one_line()})
-    except OSError as exc:
-        if not is_full(exc):
-            logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
-            return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})
-        batch.full = batch.full or disk_full(run_dir)
-        message = batch.full.one_line()
-        return base.model_copy(update={"status": "infra_error", "category": "disk_full", "message": message})
+        return base.model_copy(update={"status": "infra_error", "category": DISK_FULL, "message": exc.one_line()})
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
         category = exc.exit_code.name.lower()
@@ -416,6 +410,6 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     except Exception as exc:  # one item's bug must not stop the batch
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
         return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})
-    if record.failure is not None and record.failure.category == "disk_full":
+    if record.failure is not None and record.failure.disk_full:
         batch.full = batch.full or disk_full(run_dir)
     return item_result(record, item_id=item.id, line=item.line)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DiskFull
@@ -32,6 +34,17 @@ def disk_full(path: Path) -> DiskFull:
     mount = mount_point(path)
     stats = os.statvfs(mount)
     return DiskFull(str(mount), stats.f_bavail * stats.f_frsize)
+
+
+@contextlib.contextmanager
+def full_disk_raises(path: Path) -> Iterator[None]:
+    """Within the block, a write that finds no space raises :class:`DiskFull` naming ``path``'s filesystem."""
+    try:
+        yield
+    except OSError as exc:
+        if is_full(exc):
+            raise disk_full(path) from exc
+        raise
 
 
 def tree_bytes(root: Path) -> int:

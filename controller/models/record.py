@@ -109,6 +109,10 @@ class Collection(BaseModel):
     logs_truncated: bool = False
 
 
+#: The failure category of an attempt that found the run directory's filesystem full (the host's fault).
+DISK_FULL: Final = "disk_full"
+
+
 class Failure(BaseModel):
     """Why the replay did not end ``ok``."""
 
@@ -116,6 +120,11 @@ class Failure(BaseModel):
     """pvisor's ``failure.category`` for ``replay_failed``; otherwise the status itself."""
     message: str
     retryable: bool = False
+
+    @property
+    def disk_full(self) -> bool:
+        """The host's filesystem was full: never retried, never finished (a rerun redoes it)."""
+        return self.category == DISK_FULL
 
 
 class ModelInfo(BaseModel):

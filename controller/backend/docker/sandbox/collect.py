@@ -24,8 +24,6 @@ class Collected(BaseModel):
 
     reports: dict[str, ExtractReport] = {}
     """Tree name (``output``, ``state``, ``workspace``) → what its extraction wrote and skipped."""
-    error: str | None = None
-    """Why a tree could not be collected (the attempt then ends ``infra_error``)."""
 
 
 def collect_logs(box: Container, logs: Path) -> tuple[bool, bytes]:

@@ -17,6 +17,7 @@ from ....files.digest import hash_file
 from ....files.trees import diff_trees
 from ....models.ownership import Ownership
 from ....models.record import (
+    DISK_FULL,
     Artifact,
     Collection,
     ContainerInfo,
@@ -101,7 +102,7 @@ def classify(
         return "infra_error", Failure(category="infra_error", message=message)
     if result.failure is not None and _NO_SPACE.search(result.failure.message):
         # pvisor could not write into the run directory (the host's filesystem): not the replay's failure
-        return "infra_error", Failure(category="disk_full", message=f"the run directory's filesystem is full: "
+        return "infra_error", Failure(category=DISK_FULL, message=f"the run directory's filesystem is full: "
                                       f"{result.failure.message}")  # fmt: skip
     if result.failure is not None:
         return "replay_failed", Failure(
@@ -127,7 +128,7 @@ def build_record(
         state.outcome,
         state.result,
         interrupted=state.interrupted,
-        infra_error=state.infra_error or state.collected.error,
+        infra_error=state.infra_error,
         protocol_error=state.protocol_error,
         timeout=prepared.spec.timeout,
         memory=prepared.spec.memory,

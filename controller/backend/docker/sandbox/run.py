@@ -20,7 +20,7 @@ from ...._log import logger
 from ....errors import InfrastructureError, Interrupted, UsageError
 from ....files.archive import Budget
 from ....files.atomic import write_atomic
-from ....files.space import disk_full, is_full
+from ....files.space import full_disk_raises
 from ....files.trees import Entry
 from ....models.ownership import Ownership
 from ....models.record import ContainerInfo, ReplayRecord, save_record
@@ -59,11 +59,8 @@ def run_attempt(
     """
     model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL) if gateway is not None else None
     try:
-        return _run(client, ownership, prepared, attempt, model, cancel, leftovers)
-    except OSError as exc:
-        if is_full(exc):
-            raise disk_full(attempt.run_dir) from exc
-        raise
+        with full_disk_raises(attempt.run_dir):
+            return _run(client, ownership, prepared, attempt, model, cancel, leftovers)
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
