@@ -15,7 +15,6 @@ The divergence comes from pvisor's ``observation-comparison.json`` (``sandbox-pl
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -181,14 +180,8 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
 
 
 def _comparison(record: ReplayRecord, item_dir: Path) -> list[dict[str, object]]:
-    for artifact in record.artifacts:
-        if artifact.role == COMPARISON_ROLE:
-            try:
-                calls = json.loads((item_dir / artifact.path).read_text())
-            except (OSError, ValueError):
-                return []
-            return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
-    return []
+    calls = record.artifact_json(item_dir, COMPARISON_ROLE)
+    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 def _state_line(state: ItemState | None) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel
 
@@ -198,6 +198,21 @@ class ReplayRecord(BaseModel):
     def ok(self) -> bool:
         """The replay ended with status ``ok``."""
         return self.status == "ok"
+
+    def artifact_json(self, run_dir: Path, role: str) -> Any:
+        """The parsed JSON of the collected artifact pvisor gave ``role`` (``observation_comparison``, ...), or
+        ``None`` when there is none or it does not parse."""
+        path = self.artifact_path(run_dir, role)
+        if path is None:
+            return None
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def artifact_path(self, run_dir: Path, role: str) -> Path | None:
+        """Where the collected artifact pvisor gave ``role`` is, under the record's ``run_dir``."""
+        return next((run_dir / a.path for a in self.artifacts if a.role == role), None)
 
 
 def save_record(record: ReplayRecord, run_dir: Path) -> Path:
