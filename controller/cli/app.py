@@ -578,6 +578,22 @@ def compare(
 
 
 @app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A batch's --out directory.", show_default=False)],
+) -> int:
+    """Write DIR/report.html: one self-contained page with the batch's totals, phase times, a filterable item
+    table, each item's observation diffs and the tool calls that diverge most often.
+
+    batch writes it at the end too; run this after copying a batch directory, or to rewrite it.
+    """
+    from ..report import write_report
+
+    path = write_report(run_dir.absolute())
+    typer.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    return ExitCode.OK
+
+
+@app.command()
 def gc(
     dry_run: Annotated[bool, typer.Option(help="Only list what would be removed.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,

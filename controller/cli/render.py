@@ -225,7 +225,7 @@ class BatchProgress:
 
 def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:
     """The end of ``batch``: counts per status and failure category, timings, and where the results are."""
-    where = f"{_relative(out)}/summary.json, junit.xml"
+    where = f"{_relative(out)}/summary.json, junit.xml, report.html"
     head = f"{summary.items} items: {summary.ran} ran, {summary.skipped} skipped (finished earlier)"
     if summary.interrupted:
         head += ", [yellow]interrupted[/yellow]"

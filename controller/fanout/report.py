@@ -1,4 +1,5 @@
-"""Batch results for people and machines: ``summary.json``, ``junit.xml``, a GitHub step summary, a table."""
+"""Batch results for people and machines: ``summary.json``, ``results.jsonl``, ``junit.xml``, a GitHub step
+summary, a table."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_erro
 JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
 JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
 PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
+#: One :class:`ItemResult` per line, in manifest order: every item, including those that got no record.
+RESULTS_FILE = "results.jsonl"
 
 
 class ItemResult(BaseModel):
@@ -176,9 +179,14 @@ def markdown(summary: BatchSummary, out: Path) -> str:
 
 
 def write_reports(out: Path, results: list[ItemResult], summary: BatchSummary) -> None:
-    """``summary.json`` and ``junit.xml`` (atomically), and the GitHub step summary when it is asked for."""
+    """``summary.json``, ``results.jsonl``, ``junit.xml`` and ``report.html`` (atomically), and the GitHub step
+    summary when it is asked for."""
     write_atomic(out / "summary.json", summary.model_dump_json(indent=2).encode() + b"\n")
+    write_atomic(out / RESULTS_FILE, b"".join(r.model_dump_json().encode() + b"\n" for r in results))
     write_atomic(out / "junit.xml", junit(results, summary))
+    from ..report import write_report  # the page reads every record: only a batch that ends needs it
+
+    write_report(out, results)
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary:
         with open(step_summary, "a", encoding="utf-8") as handle:

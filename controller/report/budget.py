@@ -1,0 +1,49 @@
+"""Keep ``report.html`` attachable: fit the items' diffs and exact-call listings into a byte budget.
+
+What always fits: every item's row, and every call that did not reproduce (without its diff). What the
+rest of the budget holds, in this order: the diffs, first the first diff of every item, then the second,
+and so on (so no item takes it all); then, item by item, the listing of the calls that were exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .model import CallView, ItemView
+
+#: The page's JSON stays under this many characters (the page's code and style add about 20 KB).
+PAGE_BUDGET = 1_900_000
+
+
+def fit(items: list[ItemView], fixed: int, budget: int = PAGE_BUDGET) -> tuple[int, int]:
+    """Strip diffs and exact calls from ``items`` (in place) until the page's JSON fits ``budget``; ``fixed``
+    is the size of everything else in it. Returns (diffs dropped, items whose exact calls were dropped)."""
+    diffs: list[tuple[int, int, CallView, str]] = []
+    exact: list[list[CallView]] = []
+    for n, item in enumerate(items):
+        rank = 0
+        for call in item.calls:
+            if call.diff is not None:
+                diffs.append((rank, n, call, call.diff))
+                call.diff = None
+                rank += 1
+        exact.append([call for call in item.calls if call.outcome == "exact"])
+        item.calls = [call for call in item.calls if call.outcome != "exact"]
+    left = budget - fixed - sum(len(item.model_dump_json(exclude_defaults=True)) + 1 for item in items)
+    dropped = 0
+    for _, _, call, diff in sorted(diffs, key=lambda entry: entry[:2]):
+        cost = len(json.dumps(diff)) + len(',"diff":')
+        if cost > left:
+            dropped += 1
+            continue
+        call.diff, left = diff, left - cost
+    hidden = 0
+    for item, calls in zip(items, exact, strict=True):
+        if not calls:
+            continue
+        cost = sum(len(call.model_dump_json(exclude_defaults=True)) + 1 for call in calls)
+        if cost > left:
+            item.exact_listed, hidden, left = False, hidden + 1, left - len(',"exact_listed":false')
+            continue
+        item.calls, left = sorted(item.calls + calls, key=lambda call: call.index), left - cost
+    return dropped, hidden
