@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine engine-runsc images demo test test-unit test-docker test-faults bench lint docs docs-api clean
+.PHONY: help venv engine engine-runsc browser images demo test test-unit test-docker test-faults bench lint docs docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -27,6 +27,9 @@ engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap 
 engine-runsc: ## The same, plus gVisor (runsc) registered with an engine this script started
 	@scripts/ensure-engine.sh --with-runsc
 
+browser: ## Make sure headless Chromium is installed (the report's browser tests; apt-get as root on Debian)
+	@scripts/ensure-chromium.sh
+
 images: venv engine ## Build (or find) the sandbox images of AGENTS (default: claude-code codex)
 	@for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
 
@@ -39,13 +42,13 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 	@echo "Artifacts: pvisor-runs/demo/  (record.json, result.json, output/, state/, workspace/, logs/)"
 	@echo "Workspace after the replay:" && cat pvisor-runs/demo/workspace/greeting.txt
 
-test: venv engine-runsc ## Run the whole test suite against the real engine (gVisor included)
+test: venv engine-runsc browser ## Run the whole test suite against the real engine (gVisor and Chromium included)
 	$(BIN)/pytest
 
 test-unit: venv ## Run the tests that need no Docker engine
 	$(BIN)/pytest -m 'not docker'
 
-test-docker: venv engine-runsc ## Run only the tests that drive the real engine
+test-docker: venv engine-runsc browser ## Run only the tests that drive the real engine
 	$(BIN)/pytest -m 'docker and not faults'
 
 test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mid-run: nothing lost or leaked

@@ -23,6 +23,7 @@ def test_make_demo_builds_only_the_image_it_replays():
 def test_make_test_starts_the_engine_and_leaves_images_to_the_tests_that_need_them():
     commands = dry_run("test")
     assert "scripts/ensure-engine.sh" in commands
+    assert "scripts/ensure-chromium.sh" in commands  # the report's browser tests run, never skip, in CI
     assert "pvisor-host build" not in commands  # session fixtures build exactly the images the tests use
     assert "pytest" in commands
 
