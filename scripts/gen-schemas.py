@@ -16,18 +16,26 @@ from typing import Any
 from pydantic import BaseModel
 
 from pvisor_host.fanout.compare import COMPARE_SCHEMA, Comparison
+from pvisor_host.fanout.manifest import manifest_line_model
 from pvisor_host.fanout.report import SUMMARY_SCHEMA, BatchSummary
 from pvisor_host.models.record import ReplayRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "schemas"
 
-#: file name -> (the model that writes it, its schema_version, what writes it)
-SCHEMAS: dict[str, tuple[type[BaseModel], str, str]] = {
-    "record.schema.json": (ReplayRecord, "pvisor-host.record/v1", "record.json of every replay and batch item"),
-    "summary.schema.json": (BatchSummary, SUMMARY_SCHEMA, "summary.json of a batch"),
-    "compare.schema.json": (Comparison, COMPARE_SCHEMA, "compare --json, and compare.json of batch --baseline"),
-}
+#: file name -> (the model that writes or reads it, its schema_version, what it describes, which side)
+SCHEMAS: dict[str, tuple[type[BaseModel], str, str, str]] = {
+    "record.schema.json": (
+        ReplayRecord, "pvisor-host.record/v1", "record.json of every replay and batch item", "serialization"
+    ),
+    "summary.schema.json": (BatchSummary, SUMMARY_SCHEMA, "summary.json of a batch", "serialization"),
+    "compare.schema.json": (
+        Comparison, COMPARE_SCHEMA, "compare --json, and compare.json of batch --baseline", "serialization"
+    ),
+    "manifest-line.schema.json": (
+        manifest_line_model(), "pvisor-host.manifest-line/v1", "one line of a batch manifest (JSONL)", "validation"
+    ),
+}  # fmt: skip
 
 
 def _field_docs() -> Any:
@@ -54,8 +62,8 @@ def models_under(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
     return found
 
 
-def render(model: type[BaseModel], version: str, title: str) -> str:
-    schema = model.model_json_schema(mode="serialization")
+def render(model: type[BaseModel], version: str, title: str, mode: str = "serialization") -> str:
+    schema = model.model_json_schema(mode=mode)  # type: ignore[arg-type]
     field_docs = _field_docs()
     for name, cls in models_under(model).items():
         target = schema if cls is model else schema.get("$defs", {}).get(name)
@@ -68,7 +76,8 @@ def render(model: type[BaseModel], version: str, title: str) -> str:
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": f"https://pvisor-host.invalid/schemas/{version}",
         **schema,
-        "description": f"{title} ({version}). Generated from {model.__name__} by scripts/gen-schemas.py.",
+        "description": f"{title} ({version}). Generated from {model.__name__} by scripts/gen-schemas.py."
+        + (" Sizes and durations may be numbers or strings such as 2g or 90m." if mode == "validation" else ""),
     }
     return json.dumps(schema, indent=2) + "\n"
 
@@ -78,8 +87,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail when a committed schema is stale")
     args = parser.parse_args()
     stale = []
-    for name, (model, version, title) in SCHEMAS.items():
-        text = render(model, version, title)
+    for name, (model, version, title, mode) in SCHEMAS.items():
+        text = render(model, version, title, mode)
         path = OUT / name
         if args.check:
             if not path.is_file() or path.read_text() != text:

@@ -18,17 +18,46 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ..errors import UsageError
 from ..models.profiles import get_profile
-from ..models.spec import ReplaySpec, describe_validation_error
+from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
 from ..preflight.hostpvisor import complete_batches
 from ..preflight.trajectory import check_stat
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,119}$")
 #: Replay options a line may not set: the batch names each item's run directory and run ids.
 _BATCH_OWNED = {"out": "<batch out>/<id>/", "run_id": "<id>-<random>"}
+
+
+def manifest_line_model() -> type[BaseModel]:
+    """A manifest line as a model (for its JSON Schema; lines are validated as :class:`ReplaySpec`): an
+    optional ``id``, every replay option but those the batch owns, with the model upstream as its flat
+    ``model_*`` keys, as on the command line."""
+    fields: dict[str, Any] = {
+        "id": (
+            str | None,
+            Field(
+                default=None,
+                pattern=_ID.pattern,
+                description="Unique in the batch; names the item's directory (default: from the trajectory's name).",
+            ),
+        )
+    }
+    for name, info in ReplaySpec.model_fields.items():
+        if name not in _BATCH_OWNED and name != "upstream":
+            fields[name] = (info.annotation, info)
+    for flat, field in MODEL_OPTIONS.items():
+        info = ModelUpstream.model_fields[field]
+        if info.is_required():  # required of an upstream, optional on a line (an item without a model)
+            fields[flat] = (str | None, Field(default=None, description=info.description))
+        else:
+            fields[flat] = (info.annotation, info)
+    fields["no_model_bodies"] = (bool, Field(default=False, description="Keep no model request or response bodies."))
+    model = create_model("ManifestLine", __config__=ConfigDict(extra="forbid"), **fields)
+    model.__doc__ = "One line of a batch manifest (JSONL): one replay."
+    return model
 
 
 class BatchItem(BaseModel):

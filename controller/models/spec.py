@@ -14,10 +14,19 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from ..errors import UsageError
-from .units import parse_duration, parse_size
+from .units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, parse_size
 
 Mode = Literal["continue", "replay-only", "prepare-only"]
 Network = Literal["none", "bridge"]
@@ -45,8 +54,12 @@ def _duration(value: Any) -> Any:
     return parse_duration(value) if isinstance(value, str) else value
 
 
-Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0)]
-Seconds = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
+#: Bytes: a number, or the CLI's sizes (``4g``, ``512m``) in a manifest or a library call.
+Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0), WithJsonSchema(SIZE_JSON_SCHEMA, mode="validation")]
+#: Seconds: a number, or the CLI's durations (``90m``, ``8s``).
+Seconds = Annotated[
+    float, BeforeValidator(_duration), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
+]
 
 #: The flat ``--model-*`` options (and manifest keys) and the :class:`ModelUpstream` field each one sets.
 MODEL_OPTIONS = {
@@ -64,7 +77,7 @@ class ModelUpstream(BaseModel):
     """The real model a live continuation talks to, and how the sandbox reaches it. The key stays on the host:
     a host-side gateway forwards the sandbox's requests with it (except with ``network="pass-through"``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     base_url: str
     """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1`` (``--model-base-url``)."""
@@ -104,7 +117,7 @@ class ReplaySpec(BaseModel):
     """One replay request. Every field is the ``pvisor-host replay`` option of the same name, but ``upstream``,
     which the ``--model-*`` options (or manifest keys) fill in."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     trajectory: Path
     """The agent's native trajectory on the host (read-only in the sandbox)."""

@@ -12,6 +12,28 @@ _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
 _SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
+#: What :func:`parse_duration` and :func:`parse_size` accept, as JSON Schema (a manifest's durations and sizes).
+DURATION_JSON_SCHEMA = {
+    "anyOf": [
+        {"type": "number", "exclusiveMinimum": 0},
+        {
+            "type": "string",
+            "pattern": r"^\s*(\d+(\.\d+)?|(\d+(\.\d+)?([mM][sS]|[sSmMhHdD]))+)\s*$",
+            "examples": ["90s", "5m", "1h30m"],
+        },
+    ]
+}
+SIZE_JSON_SCHEMA = {
+    "anyOf": [
+        {"type": "integer", "exclusiveMinimum": 0},
+        {
+            "type": "string",
+            "pattern": r"^\s*\d+(\.\d+)?\s*[kKmMgGtT]?[iI]?[bB]?\s*$",
+            "examples": ["512m", "2g", "1GiB"],
+        },
+    ]
+}
+
 
 def parse_duration(text: str, *, flag: str | None = None) -> float:
     """Parse ``30``, ``30s``, ``5m``, ``1h30m`` or ``250ms`` into seconds (> 0).

@@ -278,3 +278,18 @@ def test_percentiles_and_allowed_failures():
         allowed_failures("-1")
     with pytest.raises(UsageError):
         allowed_failures("101%")
+
+
+def test_the_manifest_line_schema_has_every_option_a_line_may_set():
+    from pvisor_host.fanout.manifest import manifest_line_model
+    from pvisor_host.models.spec import MODEL_OPTIONS, ReplaySpec
+
+    line = manifest_line_model()
+    expected = {"id", *ReplaySpec.model_fields, *MODEL_OPTIONS, "no_model_bodies"} - {"out", "run_id", "upstream"}
+    assert set(line.model_fields) == expected
+    schema = line.model_json_schema()
+    assert schema["required"] == ["trajectory", "after_step"] and schema["additionalProperties"] is False
+    # The strings a manifest may use for sizes and durations are what the schema allows.
+    accepted = line.model_validate({"trajectory": "t.jsonl", "after_step": 2, "timeout": "8s", "memory": "200m"})
+    assert (accepted.timeout, accepted.memory) == (8.0, 200 * 2**20)  # type: ignore[attr-defined]
+    assert [kind["type"] for kind in schema["properties"]["timeout"]["anyOf"]] == ["number", "string"]
