@@ -126,9 +126,10 @@ def _item(out: Path, result: ItemResult) -> ItemView:
         skipped=result.skipped,
         dir=result.path,
     )
-    if result.path is None:
+    item_dir = out / result.path if result.path is not None else None
+    if item_dir is None or not item_dir.is_dir():
+        view.dir = None  # nothing to link to
         return view
-    item_dir = out / result.path
     try:
         record = load_record(item_dir / "record.json")
     except (OSError, ValueError):

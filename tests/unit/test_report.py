@@ -175,7 +175,7 @@ def test_calls_are_exact_diverged_or_errored_with_a_compact_diff(batch_dir):
     )
     assert (breaks.mode, breaks.after_step, breaks.replayed, breaks.dir) == ("replay-only", 4, 2, "breaks")
     refused, late = items["refused"], items["late"]
-    assert (refused.status, refused.calls, refused.dir) == ("rejected", [], "refused")  # no record: what is known
+    assert (refused.status, refused.calls, refused.dir) == ("rejected", [], None)  # no directory, nothing to link
     assert (late.status, late.dir, late.agent) == ("not_run", None, "codex")
 
 
