@@ -15,6 +15,19 @@ from .model import CallView, ItemView
 PAGE_BUDGET = 1_900_000
 
 
+def base_size(items: list[ItemView]) -> int:
+    """The JSON characters of what always fits: the rows and the calls that did not reproduce, no diffs."""
+    return sum(
+        len(
+            item.model_copy(
+                update={"calls": [c.model_copy(update={"diff": None}) for c in item.calls if c.outcome != "exact"]}
+            ).model_dump_json(exclude_defaults=True)
+        )
+        + 1
+        for item in items
+    )
+
+
 def fit(items: list[ItemView], fixed: int, budget: int = PAGE_BUDGET) -> tuple[int, int]:
     """Strip diffs and exact calls from ``items`` (in place) until the page's JSON fits ``budget``; ``fixed``
     is the size of everything else in it. Returns (diffs dropped, items whose exact calls were dropped)."""
@@ -29,7 +42,7 @@ def fit(items: list[ItemView], fixed: int, budget: int = PAGE_BUDGET) -> tuple[i
                 rank += 1
         exact.append([call for call in item.calls if call.outcome == "exact"])
         item.calls = [call for call in item.calls if call.outcome != "exact"]
-    left = budget - fixed - sum(len(item.model_dump_json(exclude_defaults=True)) + 1 for item in items)
+    left = budget - fixed - base_size(items)
     dropped = 0
     for _, _, call, diff in sorted(diffs, key=lambda entry: entry[:2]):
         cost = len(json.dumps(diff)) + len(',"diff":')

@@ -14,12 +14,12 @@ import json
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import UsageError
 from ..fanout.report import PHASES, RESULTS_FILE, ItemResult, percentile
 from ..models.record import ReplayRecord, load_record
-from .budget import PAGE_BUDGET, fit
+from .budget import PAGE_BUDGET, base_size, fit
 from .model import (
     REPORT_SCHEMA,
     ActionTool,
@@ -44,7 +44,8 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
     """Read the batch directory ``out`` (with its items' results when the batch passes them), and fit what
     the page shows into ``budget`` characters of JSON (see :mod:`.budget`)."""
     results = results if results is not None else load_results(out)
-    items = [_item(out, result) for result in results]
+    read = [_item(out, result) for result in results]
+    items = [view for view, _ in read]
     ran = [result for result in results if not result.skipped]
     data = ReportData(
         schema_version=REPORT_SCHEMA,
@@ -64,8 +65,10 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
         exact_hidden=0,
         defaults=field_defaults(),
     )
-    dropped, hidden = fit(items, fixed=len(data.page_json()) + 64, budget=budget)
-    return data.model_copy(update={"items": items, "diffs_dropped": dropped, "exact_hidden": hidden})
+    fixed = len(data.page_json()) + 64
+    unread = _add_diffs([(v, source) for v, source in read if source is not None], budget - fixed - base_size(items))
+    dropped, hidden = fit(items, fixed=fixed, budget=budget)
+    return data.model_copy(update={"items": items, "diffs_dropped": unread + dropped, "exact_hidden": hidden})
 
 
 def _stats(values: list[float]) -> PhaseStats:
@@ -113,7 +116,16 @@ def load_results(out: Path) -> list[ItemResult]:
     return sorted(results, key=lambda r: (r.line, r.id))
 
 
-def _item(out: Path, result: ItemResult) -> ItemView:
+class _Observations(NamedTuple):
+    """Where an item's recorded and fresh observations are, for its diffs."""
+
+    original: Path
+    size: int
+    """The original trajectory's size in the record: a file of another size is not the one replayed."""
+    fresh: Path
+
+
+def _item(out: Path, result: ItemResult) -> tuple[ItemView, _Observations | None]:
     view = ItemView(
         id=result.id,
         line=result.line,
@@ -129,11 +141,11 @@ def _item(out: Path, result: ItemResult) -> ItemView:
     item_dir = out / result.path if result.path is not None else None
     if item_dir is None or not item_dir.is_dir():
         view.dir = None  # nothing to link to
-        return view
+        return view, None
     try:
         record = load_record(item_dir / "record.json")
     except (OSError, ValueError):
-        return view
+        return view, None
     view.mode, view.after_step = record.inputs.mode, record.inputs.after_step
     if record.result is not None:
         view.replayed, view.continued = record.result.replayed_tool_calls, record.result.continued_steps
@@ -141,7 +153,10 @@ def _item(out: Path, result: ItemResult) -> ItemView:
     outcomes = Counter(call.outcome for call in view.calls)
     view.exact, view.diverged, view.errored = outcomes["exact"], outcomes["diverged"], outcomes["errored"]
     view.next_action = _next_action(record.artifact_json(item_dir, "next_action_comparison"))
-    return view
+    fresh = record.artifact_path(item_dir, "reconstructed_native_trajectory")
+    if fresh is None or not any(call.outcome != "exact" for call in view.calls):
+        return view, None
+    return view, _Observations(Path(record.inputs.trajectory.path), record.inputs.trajectory.size, fresh)
 
 
 def _calls(record: ReplayRecord, item_dir: Path) -> list[CallView]:
@@ -165,21 +180,36 @@ def _calls(record: ReplayRecord, item_dir: Path) -> list[CallView]:
                 replayed_is_error=replayed_error,
             )
         )
-    differing = [call for call in calls if call.outcome != "exact"]
-    if differing:
-        _add_diffs(record, item_dir, differing[:DIFFS_PER_ITEM])
     return calls
 
 
-def _add_diffs(record: ReplayRecord, item_dir: Path, calls: list[CallView]) -> None:
+def _add_diffs(pending: list[tuple[ItemView, _Observations]], room: int) -> int:
+    """Diffs for the calls that did not reproduce, while the page has ``room`` for them: first each item's
+    first one, then the others (up to ``DIFFS_PER_ITEM``). Reading the trajectories is what a report costs,
+    so a batch too large for any diff reads none. Returns how many calls were left without a look."""
+    skipped = 0
+    for first in (True, False):
+        for view, source in pending:
+            differing = [call for call in view.calls if call.outcome != "exact"][:DIFFS_PER_ITEM]
+            calls = differing[:1] if first else differing[1:]
+            if room <= 0:
+                skipped += len(calls)
+            elif calls:
+                room -= _diff(calls, source)
+    return skipped
+
+
+def _diff(calls: list[CallView], source: _Observations) -> int:
+    """Set each call's diff from its two observations; return the characters added."""
     ids = {call.call_id for call in calls}
-    reconstructed = record.artifact_path(item_dir, "reconstructed_native_trajectory")
-    fresh = read_observations(reconstructed, ids) if reconstructed is not None else {}
-    original = Path(record.inputs.trajectory.path)
-    recorded = read_observations(original, ids) if fresh and _unchanged(original, record.inputs.trajectory.size) else {}
+    fresh = read_observations(source.fresh, ids)
+    recorded = read_observations(source.original, ids) if fresh and _unchanged(source.original, source.size) else {}
+    added = 0
     for call in calls:
         if call.call_id in fresh and call.call_id in recorded:
             call.diff = compact_diff(recorded[call.call_id], fresh[call.call_id])
+            added += len(call.diff) + 16
+    return added
 
 
 def _unchanged(path: Path, size: int) -> bool:

@@ -121,7 +121,7 @@ class ReportData(BaseModel):
     by_tool: list[DivergenceGroup]
     by_command: list[DivergenceGroup]
     diffs_dropped: int
-    """Diffs left out to keep the page small."""
+    """Calls that did not reproduce and have no diff because the page had no room for one."""
     exact_hidden: int
     """Items whose exact calls were left out to keep the page small."""
     defaults: dict[str, dict[str, Any]]

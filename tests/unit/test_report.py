@@ -322,3 +322,15 @@ def test_report_cli_bad_input_is_one_line(tmp_path):
         f"rerun the batch into {tmp_path} to rewrite it"
     ]
     assert not (tmp_path / "report.html").exists()
+
+
+def test_no_room_for_diffs_reads_no_trajectory(batch_dir, monkeypatch):
+    import pvisor_host.report.gather as gather_module
+
+    out, results = batch_dir
+    read: list[object] = []
+    monkeypatch.setattr(gather_module, "read_observations", lambda *args: read.append(args) or {})
+    data = gather(out, results, budget=1000)  # less than the rows alone
+    assert read == []
+    assert [c.diff for i in data.items for c in i.calls] == [None, None, None]  # the 3 calls that diverged
+    assert data.diffs_dropped == 3
