@@ -57,8 +57,17 @@ ping_engine() { engine_get /_ping >/dev/null; }
 
 runsc_registered() { engine_get /info | python3 -c 'import json,sys; sys.exit("runsc" not in json.load(sys.stdin).get("Runtimes", {}))'; }
 
+# The dockerd processes of this machine itself: not those running inside containers (a cluster test's nodes
+# run their own engines), whose cgroup names their container.
+host_dockerds() {
+    local pid
+    for pid in $(pgrep -x dockerd || true); do
+        grep -qE 'docker[-/][0-9a-f]{64}' "/proc/$pid/cgroup" 2>/dev/null || echo "$pid"
+    done
+}
+
 ours_running() {
-    [[ -f $PIDFILE ]] && [[ -n "$(cat "$PIDFILE")" ]] && [[ "$(pgrep -x dockerd || true)" == "$(cat "$PIDFILE")" ]]
+    [[ -f $PIDFILE ]] && [[ -n "$(cat "$PIDFILE")" ]] && [[ "$(host_dockerds)" == "$(cat "$PIDFILE")" ]]
 }
 
 # Write the runsc runtime into daemon.json when the file is ours to write; true when it now holds it.
@@ -112,7 +121,7 @@ if [[ $can_install != yes ]]; then
     exit 3
 fi
 
-if pgrep -x dockerd >/dev/null 2>&1; then
+if [[ -n "$(host_dockerds)" ]]; then
     log "a dockerd is already running; waiting for it to answer (never starting a second one)"
 else
     if [[ $WITH_RUNSC == yes ]] && command -v runsc >/dev/null 2>&1; then

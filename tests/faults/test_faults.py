@@ -91,7 +91,14 @@ def engine_is_ours() -> bool:
         pid = int(PIDFILE.read_text())
     except (OSError, ValueError):
         return False
-    return subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True).stdout.split() == [str(pid)]
+    return host_dockerds() == [str(pid)]
+
+
+def host_dockerds() -> list[str]:
+    """The machine's own dockerd processes (not the engines of cluster nodes, which run in containers)."""
+    pids = subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True).stdout.split()
+    in_container = re.compile(r"docker[-/][0-9a-f]{64}")
+    return [pid for pid in pids if not in_container.search(Path(f"/proc/{pid}/cgroup").read_text(errors="replace"))]
 
 
 def restart_engine() -> None:
