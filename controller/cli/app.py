@@ -52,11 +52,27 @@ def say(line: str) -> None:
 
 
 @contextlib.contextmanager
-def _backend(*, pool_size: int = 10, timeout: float = 120) -> Iterator[Backend]:
-    """The local engine for one command, closed afterwards."""
+def _backend(*, pool_size: int = 10, timeout: float = 120, cluster: str | None = None) -> Iterator[Backend]:
+    """The local engine (or, with ``cluster``, the Ray cluster at that address) for one command, closed
+    afterwards."""
     from ..backend import open_backend
 
-    backend = open_backend(pool_size=pool_size, timeout=timeout)
+    if cluster is not None:
+        from ..cluster.connect import check_address, require_ray
+
+        check_address(cluster)
+        require_ray()  # one line naming the extra, before the engine is touched
+    backend: Backend = open_backend(pool_size=pool_size, timeout=timeout)
+    if cluster is not None:
+        from ..backend.docker import DockerBackend
+        from ..cluster.backend import ClusterBackend
+
+        assert isinstance(backend, DockerBackend)
+        try:
+            backend = ClusterBackend(cluster, backend)
+        except BaseException:
+            backend.close()
+            raise
     try:
         yield backend
     finally:
@@ -137,6 +153,10 @@ def agents(json_output: Annotated[bool, typer.Option("--json", help="Print JSON.
 
 images_app = typer.Typer(help="List and prune the images and runtime volumes pvisor-host built.", no_args_is_help=False)
 app.add_typer(images_app, name="images")
+node_app = typer.Typer(help="Make this Docker host a worker node of a Ray cluster.", no_args_is_help=True)
+app.add_typer(node_app, name="node")
+cluster_app = typer.Typer(help="Look at a Ray cluster of Docker hosts.", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
 
 
 @images_app.callback(invoke_without_command=True)
@@ -349,6 +369,14 @@ def batch(
             "exit 1 when an item regressed."
         ),
     ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HEAD:PORT",
+            help="Run the items on the Docker hosts of the Ray cluster at HEAD:PORT (needs pvisor-host[ray] and "
+            "RAY_AUTH_TOKEN); images are built here and shipped to the nodes.",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
     agent: opt.Agent = None,
@@ -455,7 +483,9 @@ def batch(
         retry_oom=retry_oom,
         build=BuildOptions(base=base, ca_bundle=ca_bundle),
     )
-    with _backend(pool_size=options.workers + 8) as backend:
+    with _backend(pool_size=options.workers + 8, cluster=None if plan else cluster) as backend:
+        if cluster is not None and not plan and workers is None:
+            options = options.model_copy(update={"workers": getattr(backend, "slots", options.workers)})
         if plan:
             return _plan(source, backend, options, json_output=json_output)
         code = _run(source, checked, backend, options, quiet=quiet, json_output=json_output, allowed=allowance)
@@ -575,6 +605,40 @@ def compare(
     else:
         render.comparison(_out, comparison)
     return ExitCode.REPLAY_FAILED if comparison.regressions else ExitCode.OK
+
+
+@node_app.command("join")
+def node_join(
+    address: Annotated[str, typer.Option(metavar="HEAD:PORT", help="The Ray head's address (its GCS port).")],
+    slots: Annotated[
+        int | None, typer.Option(min=1, help="Replays this host runs at once (default: one per CPU).")
+    ] = None,
+) -> int:
+    """Check this host's engine, sweep our leftovers, and join the cluster at HEAD:PORT as a worker (blocks).
+
+    The token comes from RAY_AUTH_TOKEN (or the file PVISOR_HOST_CLUSTER_TOKEN_FILE names), never from a flag.
+    """
+    from ..cluster.join import join
+
+    join(address, slots=slots)
+    return ExitCode.INFRASTRUCTURE  # join replaces this process with `ray start`; reaching here is a failure
+
+
+@cluster_app.command("status")
+def cluster_status(
+    address: Annotated[str, typer.Option(metavar="HEAD:PORT", help="The Ray head's address (its GCS port).")],
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> int:
+    """The cluster's nodes: alive or not, engine, slots, sandboxes of ours running, images present."""
+    from . import render
+
+    with _backend(cluster=address) as backend:
+        nodes = backend.status()  # type: ignore[attr-defined]
+    if json_output:
+        typer.echo(json.dumps([n.model_dump() for n in nodes], indent=2))
+    else:
+        render.cluster_status(_out, nodes)
+    return ExitCode.OK
 
 
 @app.command()

@@ -22,6 +22,7 @@ from ..models.units import format_duration, format_size
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ..cluster.backend import NodeStatus
     from ..fanout.compare import Comparison
     from ..fanout.plan import ItemPlan
 
@@ -327,4 +328,21 @@ def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:
         f"{verb} {done} resources; left {report.live} of live pvisor-host processes"
         f" and {report.other_hosts} of other hosts",
         highlight=False,
+    )
+
+
+def cluster_status(console: Console, nodes: list[NodeStatus]) -> None:
+    """``cluster status``: a row per node, then the totals."""
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for column in ("node", "address", "state", "engine", "slots", "running", "images"):
+        table.add_column(column, justify="right" if column in ("slots", "running") else "left")
+    for node in nodes:
+        state = "[green]alive[/green]" if node.alive else "[red]dead[/red]"
+        images = ", ".join(tag.rsplit("/", 1)[-1] for tag in node.images) or "-"
+        table.add_row(node.node, node.address, state, node.engine or "-", str(node.slots), str(node.running), images)
+    console.print(table)
+    alive = [n for n in nodes if n.alive and n.slots]
+    slots, running = sum(n.slots for n in alive), sum(n.running for n in alive)
+    console.print(
+        f"{len(alive)} nodes with an engine, {slots} slots, {running} running, {slots - running} free", highlight=False
     )

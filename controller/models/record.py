@@ -155,6 +155,15 @@ class AttemptSummary(BaseModel):
     """Where the attempt's files are, relative to the run directory (``.`` for the final attempt)."""
 
 
+class SupersededAttempt(BaseModel):
+    """A copy of an attempt given up on because its cluster node died, hung or was cut off; it ran again on
+    another node in a fresh sandbox (a late finish of this copy is ignored)."""
+
+    node: str
+    reason: str
+    started_at: datetime
+
+
 class BatchInfo(BaseModel):
     """Where a batch item came from, and the key that decides whether a rerun may skip it."""
 
@@ -192,6 +201,8 @@ class ReplayRecord(BaseModel):
     """Every attempt of the replay, this one last (in the top-level record only)."""
     batch: BatchInfo | None = None
     """For batch items: the item and its content key."""
+    superseded: list[SupersededAttempt] = []
+    """On a cluster: copies of this attempt given up on with their node, before this one ran."""
     host: dict[str, str] = {}
 
     @property

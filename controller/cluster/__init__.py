@@ -1,0 +1,6 @@
+"""The cluster backend: replays spread over the Docker hosts of a Ray cluster (the ``ray`` extra).
+
+:mod:`.connect` imports Ray and joins a cluster (token authentication on), :mod:`.join` makes a Docker host
+a node (``pvisor-host node join``), :mod:`.agent` is what runs on each node, and :mod:`.backend` is the
+driver's side of the backend seam (``batch --cluster``). Nothing here is imported unless a cluster is used.
+"""
