@@ -1,0 +1,324 @@
+"""A real Ray cluster of Docker hosts on this one machine, for tests (after ``../shared/reference/cluster.md``).
+
+* The **head** is ``ray start --head`` on this host, bound to the ``docker0`` gateway, token auth on.
+* Each **node** is a container running its own ``dockerd`` and then ``pvisor-host node join`` — the real
+  command — so that its replays run against its own engine. Nodes get the capabilities a nested engine
+  needs (not ``--privileged``, which this VM refuses).
+* The **node image** is Debian bookworm (mmdebstrap, no registry) with ``docker.io``, this interpreter
+  copied to the same path (Ray needs the driver's exact Python; Debian's 3.11.2 also lacks
+  ``tarfile.data_filter``) and a venv with pvisor-host's dependencies and Ray from an offline wheelhouse.
+  pvisor-host's own source is bind-mounted read-only and copied in at start, so a code change needs no
+  rebuild. The
+  image is tagged by a hash of what goes into it and built once per machine (about 80 s).
+
+The cluster token is handed to nodes in a file (never in their command line or environment), and the head
+is stopped by its own process ids (``ray stop`` would kill every Ray process of the machine, nodes' too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = "ray==2.60.0"
+NODE_LABEL = "pvisor-host.test-node"
+#: Node engine volumes kept between the clusters of one test session: ``<prefix><n>``.
+ENGINE_VOLUME = "pvh-test-engine-node"
+NODE_PACKAGES = "docker.io,iptables,procps,ca-certificates,python3"
+NODE_START = r"""#!/bin/sh
+# A test node: its own dockerd, then `pvisor-host node join` (the container's main process).
+set -e
+for m in $(awk '$3=="cgroup"||$3=="cgroup2"{print $2}' /proc/mounts); do
+    mount -o remount,bind,rw "$m" 2>/dev/null || true
+done
+mount -o remount,rw /sys/fs/cgroup 2>/dev/null || true
+rm -rf /run/docker /run/docker.pid /run/docker.sock /run/containerd
+# pvisor-host's source, laid out as the installed package (the checkout is mounted read-only at /opt/repo)
+rm -rf /opt/src && mkdir -p /opt/src/pvisor_host && cp -a /opt/repo/controller/. /opt/src/pvisor_host/
+cp -a /opt/repo/adapters /opt/src/pvisor_host/adapters && cp -a /opt/repo/images /opt/src/pvisor_host/images
+dockerd --log-level=warn >/var/log/dockerd.log 2>&1 &
+i=0
+until docker version >/dev/null 2>&1; do
+    i=$((i+1)); [ $i -gt 600 ] && { cat /var/log/dockerd.log; exit 1; }; sleep 0.1
+done
+exec python -m pvisor_host node join "$@"
+"""
+
+
+def _dependencies() -> list[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [*project["dependencies"], RAY]
+
+
+def node_image_tag() -> str:
+    """The node image's tag: a hash of the interpreter, the dependencies and this recipe."""
+    material = json.dumps(
+        {"python": sys.version, "prefix": sys.base_prefix, "deps": _dependencies(), "packages": NODE_PACKAGES,
+         "start": NODE_START},
+        sort_keys=True,
+    )  # fmt: skip
+    return f"pvisor-host-test/node:{hashlib.sha256(material.encode()).hexdigest()[:12]}"
+
+
+def build_node_image(client) -> str:
+    """The node image (built when missing); its tag."""
+    import docker.errors
+
+    tag = node_image_tag()
+    with contextlib.suppress(docker.errors.ImageNotFound):
+        client.images.get(tag)
+        return tag
+    with tempfile.TemporaryDirectory(prefix="pvh-node-image-") as scratch:
+        wheels = Path(scratch) / "wheels"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(wheels),
+             *_dependencies()],
+            check=True,
+        )  # fmt: skip
+        start = Path(scratch) / "node-start.sh"
+        start.write_text(NODE_START)
+        prefix = sys.base_prefix
+        excludes = " ".join(
+            f"--exclude='{prefix.lstrip('/')}/{p}'" for p in ("lib/python3.11/site-packages/*", "lib/python3.11/test")
+        )
+        hooks = [
+            f'tar -C / {excludes} --exclude="*/__pycache__" -cf - {prefix.lstrip("/")} | tar -C "$1" -xf -',
+            f'mkdir -p "$1/opt/wheels" && cp {wheels}/* "$1/opt/wheels/"',
+            f'install -m 755 {start} "$1/node-start.sh"',
+            f'chroot "$1" {prefix}/bin/python3 -m venv /opt/pvh',
+            'chroot "$1" /opt/pvh/bin/pip install -q --no-index --find-links /opt/wheels '
+            + " ".join(f"'{d}'" for d in _dependencies()),
+            'rm -rf "$1/opt/wheels" "$1/root/.cache"',
+        ]
+        command = [
+            "mmdebstrap", "--quiet", "--variant=minbase", f"--include={NODE_PACKAGES}",
+            "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+            "--dpkgopt=path-exclude=/usr/share/locale/*",
+            *(f"--customize-hook={hook}" for hook in hooks),
+            "bookworm", "-",
+        ]  # fmt: skip
+        environment = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CERT")}
+        with subprocess.Popen(command, stdout=subprocess.PIPE, env=environment) as process:
+            repository, _, version = tag.partition(":")
+            client.api.import_image_from_stream(
+                process.stdout,
+                repository=repository,
+                tag=version,
+                changes=[
+                    "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
+                    "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
+                    f'LABEL {NODE_LABEL}="image"',
+                    'ENTRYPOINT ["/node-start.sh"]',
+                ],
+            )
+        assert process.returncode == 0, f"mmdebstrap exited {process.returncode}"
+    return tag
+
+
+def docker0_address(client) -> str:
+    """The host's address on the default bridge: where node containers reach the head."""
+    return client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+class Cluster:
+    """A head on this host and nodes in containers; ``with Cluster(...) as cluster:`` removes all of it."""
+
+    def __init__(self, client, *, nodes: int = 2, slots: int = 2) -> None:
+        self.client = client
+        self.image = build_node_image(client)
+        self.host = docker0_address(client)
+        self.port = _free_port(self.host)
+        self.address = f"{self.host}:{self.port}"
+        self.token = secrets.token_hex(32)
+        self.scratch = Path(tempfile.mkdtemp(prefix="pvh-cluster-"))
+        self.token_file = self.scratch / "token"
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o644)  # read by the node's root inside its container
+        self.temp_dir = self.scratch / "ray"
+        self.nodes: list[str] = []
+        self._engines: dict[str, str] = {}
+        self._count, self._slots = nodes, slots
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a driver needs in its environment."""
+        return {"RAY_AUTH_TOKEN": self.token}
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start_head()
+            for n in range(self._count):
+                self.add_node(f"pvh-test-node{n + 1}-{secrets.token_hex(3)}", engine=f"{ENGINE_VOLUME}{n + 1}")
+            self.wait_for_nodes(self._count)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in list(self.nodes):
+            self.remove_node(name)
+        self.stop_head()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # -- head -------------------------------------------------------------------------------------------------
+
+    def start_head(self) -> None:
+        ray = Path(sys.executable).parent / "ray"
+        environment = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+                       "RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "1000",
+                       "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}  # fmt: skip
+        subprocess.run(
+            [str(ray), "start", "--head", "--node-ip-address", self.host, "--port", str(self.port), "--num-cpus", "1",
+             "--include-dashboard", "false", "--temp-dir", str(self.temp_dir), "--disable-usage-stats"],
+            check=True, env=environment, capture_output=True, timeout=120,
+        )  # fmt: skip
+
+    def head_pids(self) -> list[int]:
+        """This head's processes: on this host (not in a container), their command line naming its temp dir
+        or port."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cgroup = (entry / "cgroup").read_text()
+            except OSError:
+                continue
+            if "docker" in cgroup or int(entry.name) == os.getpid():
+                continue
+            if (
+                str(self.temp_dir) in cmdline
+                or f"{self.host}:{self.port}" in cmdline
+                or f"--port={self.port}" in cmdline
+            ):
+                found.append(int(entry.name))
+        return found
+
+    def stop_head(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            pids = self.head_pids()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while pids and time.monotonic() < deadline:
+                pids = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+                time.sleep(0.1)
+            if not pids:
+                return
+
+    # -- nodes ------------------------------------------------------------------------------------------------
+
+    def add_node(self, name: str, *, engine: str | None = None) -> str:
+        """Start a node; its engine's state lives in the volume ``engine`` (kept when the node goes, so that the
+        next cluster's node has the shipped images already; :func:`remove_engines` removes them)."""
+        api = self.client.api
+        self._engines[name] = engine or f"{name}-engine"
+        host_config = api.create_host_config(
+            init=True,
+            cap_add=["ALL"],
+            cap_drop=["SYS_RESOURCE"],
+            security_opt=["seccomp=unconfined", "apparmor=unconfined"],
+            shm_size="512m",
+            binds={
+                self._engines[name]: {"bind": "/var/lib/docker", "mode": "rw"},
+                str(ROOT): {"bind": "/opt/repo", "mode": "ro"},
+                str(self.token_file): {"bind": "/run/cluster-token", "mode": "ro"},
+            },
+        )
+        host_config.update(MaskedPaths=[], ReadonlyPaths=[])  # the CLI's `--security-opt systempaths=unconfined`
+        created = api.create_container(
+            self.image,
+            ["--address", self.address, "--slots", str(self._slots)],
+            name=name,
+            hostname=name,
+            labels={NODE_LABEL: "node"},
+            environment={"PVISOR_HOST_CLUSTER_TOKEN_FILE": "/run/cluster-token"},
+            host_config=host_config,
+        )
+        self.nodes.append(name)
+        api.start(created["Id"])
+        return name
+
+    def remove_node(self, name: str) -> None:
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound):
+            self.client.containers.get(name).remove(force=True, v=True)
+        engine = self._engines.pop(name, f"{name}-engine")
+        if not engine.startswith(ENGINE_VOLUME):
+            with contextlib.suppress(docker.errors.NotFound):
+                self.client.volumes.get(engine).remove(force=True)
+        if name in self.nodes:
+            self.nodes.remove(name)
+
+    def alive_engine_nodes(self) -> int:
+        """Worker nodes the head has alive with a Docker engine."""
+        done = subprocess.run(
+            [sys.executable, "-c", _COUNT_NODES, self.address],
+            env={**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        return int(done.stdout.strip() or -1)
+
+    def wait_for_nodes(self, count: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.alive_engine_nodes() >= count:
+                return
+            time.sleep(1)
+        logs = {name: self.node_logs(name)[-2000:] for name in self.nodes}
+        raise AssertionError(f"{count} nodes did not join within {timeout}s: {logs}")
+
+    def node_logs(self, name: str) -> str:
+        return self.client.containers.get(name).logs().decode(errors="replace")
+
+    def node_containers(self, name: str, *, all_states: bool = True) -> list[str]:
+        """The containers in a node's own engine that carry pvisor-host labels."""
+        done = self.client.containers.get(name).exec_run(
+            ["docker", "ps", "-q" + ("a" if all_states else ""), "--filter", "label=pvisor-host.managed"]
+        )
+        return done.output.decode().split()
+
+
+def remove_engines(client) -> None:
+    """Remove the node engine volumes that clusters kept (the end of a test session)."""
+    for volume in client.volumes.list():
+        if volume.name.startswith(ENGINE_VOLUME):
+            volume.remove(force=True)
+
+
+_COUNT_NODES = """
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("docker_engine", 0) >= 1))
+"""
+
+
+@contextlib.contextmanager
+def cluster(client, **kwargs) -> Iterator[Cluster]:
+    """:class:`Cluster` as a context manager."""
+    with Cluster(client, **kwargs) as running:
+        yield running

@@ -1,0 +1,232 @@
+"""``batch --cluster`` on a real Ray cluster: a head on this host and two nodes, each a container running its
+own Docker engine and ``pvisor-host node join`` (``tests/cluster.py``). Real images, shipped to the nodes
+with ``docker save`` and ``docker load``; real pvisor; a stub model for continuations, reached through
+each node's own gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import Cluster, remove_engines
+from conftest import run_cli
+from modelserver import StubServer
+from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+KEY = "sk-test-cluster-key-5e1f0b"
+
+
+def one(command: str, result: str = "", n: int = 0, version: str | None = None) -> list[dict]:
+    extra = {"version": version} if version else {}
+    calls = [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])]
+    return claude_session(f"Task {n}.", calls, **extra)
+
+
+def mixed_manifest(root: Path, model_url: str) -> Path:
+    """30 items: replay-only (ok, a diverging observation, an old agent version, a timeout), prepare-only,
+    and live continuations through the gateway."""
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def add(item_id: str, events: list[dict], **fields: object) -> None:
+        write_jsonl(root / f"{item_id}.jsonl", events)
+        lines.append({"id": item_id, "trajectory": f"{item_id}.jsonl", "after_step": 1, **fields})
+
+    for n in range(12):
+        add(f"ok{n:02d}", one(f"echo {n}", f"{n}\n", n))
+    for n in range(4):
+        add(f"drift{n}", one(f"echo {n}", "something else\n", n))
+    for n in range(4):
+        add(f"prep{n}", one(f"echo {n}", f"{n}\n", n), mode="prepare-only")
+    for n in range(2):
+        add(f"old{n}", one("true", n=n, version="2.1.0"))
+        add(f"slow{n}", one("sleep 60", n=n), timeout="4s")
+    for n in range(6):
+        add(f"live{n}", claude_files_session(), after_step=4, mode="continue", max_steps=8,
+            model_base_url=model_url, model="stub-model", model_api_key_env="PVH_TEST_MODEL_KEY")  # fmt: skip
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+def batch(manifest: Path, out: Path, *args: str, env: dict[str, str] | None = None):
+    return run_cli(
+        "batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--quiet", *args,
+        env={"PVH_TEST_MODEL_KEY": KEY, **(env or {})},
+    )  # fmt: skip
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def records(out: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/record.json")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_engines(docker_client):
+    """The nodes' engine volumes live as long as this module: an image is shipped to a node slot only once."""
+    yield
+    remove_engines(docker_client)
+
+
+@pytest.fixture
+def cluster(docker_client, claude_image):
+    with Cluster(docker_client, nodes=2, slots=2) as running:
+        yield running
+        for name in running.nodes:
+            assert running.node_containers(name) == [], f"{name} kept containers of ours"
+
+
+def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_path, claude_image):
+    with StubServer(host=cluster.host) as stub:
+        manifest = mixed_manifest(tmp_path / "data", stub.base_url)
+        on_cluster = batch(manifest, tmp_path / "cluster", "--cluster", cluster.address, env=cluster.env)
+        local = batch(manifest, tmp_path / "local", "--workers", "4")
+    assert on_cluster.code == local.code == 1, on_cluster.stderr
+    remote, here = summary(tmp_path / "cluster"), summary(tmp_path / "local")
+    assert remote["counts"] == here["counts"] == {"ok": 26, "replay_failed": 2, "timeout": 2}
+    assert remote["categories"] == here["categories"]
+    assert remote["ran"] == 30 and remote["failed"] == here["failed"]
+
+    ran = records(tmp_path / "cluster")
+    assert len(ran) == 30
+    nodes = {record["host"]["node"] for record in ran.values()}
+    assert nodes == set(cluster.nodes)  # both nodes ran items, and only they did
+    for item_id, record in ran.items():
+        assert record["host"]["cluster"] == cluster.address
+        assert record["superseded"] == []
+        assert record["inputs"]["trajectory"]["path"] == str(tmp_path / "data" / f"{item_id}.jsonl")
+    for n in range(6):
+        live = ran[f"live{n}"]
+        assert (live["status"], live["result"]["phase"], live["model"]["requests"] > 0) == ("ok", "continued", True)
+        assert (tmp_path / "cluster" / f"live{n}" / "workspace" / "continued.txt").read_text() == "continued\n"
+    assert (tmp_path / "cluster" / "report.html").is_file()
+    for path in (tmp_path / "cluster").rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path  # the key stayed with the nodes' gateways
+    assert KEY not in on_cluster.stderr and cluster.token not in on_cluster.stderr
+
+    status = run_cli("cluster", "status", "--address", cluster.address, "--json", env=cluster.env)
+    assert status.code == 0, status.stderr
+    nodes = {n["node"]: n for n in json.loads(status.stdout)}
+    for name in cluster.nodes:  # the image was shipped once to each, nothing runs any more
+        assert (nodes[name]["alive"], nodes[name]["slots"], nodes[name]["running"]) == (True, 2, 0)
+        assert claude_image in nodes[name]["images"]
+    heads = [n for n in nodes.values() if n["slots"] == 0]
+    assert len(heads) == 1 and heads[0]["engine"] is None  # the head has no engine: nothing ran there
+
+
+def slow_manifest(root: Path, count: int, seconds: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for n in range(count):
+        write_jsonl(root / f"s{n}.jsonl", one(f"sleep {seconds}; echo {n}", f"{n}\n", n))
+        lines.append({"id": f"s{n}", "trajectory": f"s{n}.jsonl", "after_step": 1})
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+def start_batch(manifest: Path, out: Path, cluster: Cluster) -> subprocess.Popen[str]:
+    env = {**os.environ, **cluster.env, "PVISOR_HOST_CLUSTER_GRACE": "3", "PVH_TEST_MODEL_KEY": KEY}
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(manifest), "--agent", "claude-code",
+         "--mode", "replay-only", "--out", str(out), "--quiet", "--cluster", cluster.address],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_until_running(cluster: Cluster, name: str, process: subprocess.Popen[str], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cluster.node_containers(name, all_states=False):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the batch ended first ({process.returncode}): {process.stderr.read()[-3000:]}")
+        time.sleep(0.3)
+    process.kill()
+    raise AssertionError(f"no sandbox started on {name}: {process.communicate()[1][-3000:]}")
+
+
+@pytest.mark.parametrize("failure", ["kill", "pause", "disconnect"])
+def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_client, failure):
+    manifest = slow_manifest(tmp_path / "data", 8, 6)
+    out = tmp_path / "out"
+    process = start_batch(manifest, out, cluster)
+    victim, survivor = cluster.nodes
+    wait_until_running(cluster, victim, process)
+    node = docker_client.containers.get(victim)
+    if failure == "kill":
+        node.kill()
+    elif failure == "pause":
+        node.pause()
+    else:
+        docker_client.networks.get("bridge").disconnect(node)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr
+    assert summary(out)["counts"] == {"ok": 8}
+    ran = records(out)
+    assert sorted(ran) == [f"s{n}" for n in range(8)]  # every item, each once
+    lost = [r for r in ran.values() if r["superseded"]]
+    assert lost, "no attempt was run again"
+    for record in lost:
+        assert record["host"]["node"] == survivor
+        assert [s["node"] for s in record["superseded"]] == [victim]
+    assert cluster.node_containers(survivor) == []
+    # The lost node comes back: it is swept when it joins again.
+    if failure == "pause":
+        node.unpause()
+    elif failure == "disconnect":
+        docker_client.networks.get("bridge").connect(node)
+    node.reload()
+    deadline = time.monotonic() + 120
+    while node.status == "running" and failure != "kill" and time.monotonic() < deadline:
+        time.sleep(1)  # its raylet finds it was marked dead and exits, and the node container with it
+        node.reload()
+    if node.status != "running":
+        node.start()
+    cluster.wait_for_nodes(2)
+    assert cluster.node_containers(victim) == []  # `node join` swept what the lost attempts left
+
+
+def test_ctrl_c_on_a_cluster_batch_leaves_no_container_on_any_node(cluster, tmp_path):
+    manifest = slow_manifest(tmp_path / "data", 6, 60)
+    out = tmp_path / "out"
+    process = start_batch(manifest, out, cluster)
+    for name in cluster.nodes:
+        wait_until_running(cluster, name, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert summary(out)["interrupted"] is True
+    for name in cluster.nodes:
+        assert cluster.node_containers(name) == [], name
+
+
+def test_without_a_token_or_a_node_the_batch_says_so_in_one_line(cluster, tmp_path):
+    manifest = slow_manifest(tmp_path / "data", 1, 0)
+    no_token = run_cli(
+        "batch", manifest, "--agent", "claude-code", "--out", tmp_path / "a", "--cluster", cluster.address,
+        env={"RAY_AUTH_TOKEN": ""},
+    )  # fmt: skip
+    assert (no_token.code, len(no_token.error_lines)) == (2, 1)
+    assert no_token.error_lines[0].startswith(
+        "pvisor-host: error: the cluster's token is not set: export RAY_AUTH_TOKEN"
+    )
+    bad = run_cli("batch", manifest, "--agent", "claude-code", "--out", tmp_path / "b", "--cluster", "nowhere")
+    assert bad.code == 2
+    assert bad.error_lines == [
+        "pvisor-host: error: --cluster 'nowhere' is not HOST:PORT (the Ray head's address, e.g. 10.0.0.5:6379)"
+    ]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
