@@ -14,6 +14,10 @@ drifts hit both alike; medians, with the spread of the per-pair ratios. Sections
 * ``plan``    the same for ``batch --plan --json`` over a 10,000-line manifest.
 * ``cache``   ``build`` of an image that exists against a docker-py script that only looks the tag up.
 * ``startup`` ``pvisor-host --help`` and ``replay --help`` against ``python -c "import typer"``.
+* ``cluster`` ``batch --cluster`` on a real Ray cluster of node containers (``tests/cluster.py``): the same
+  replay-only items against a local batch with as many workers as the cluster has slots, throughput at 3,
+  2 and 1 nodes, and a node's memory (idle, and its peak while replaying). Not in the default run (it
+  builds the node image once, about 80 s): ``--only cluster``.
 
 Writes ``bench-results.json`` and prints a compact table. ``BENCH_SCALE=0.1`` shrinks every count (a quick
 look, not a measurement).
@@ -456,7 +460,82 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"cached build vs a docker-py tag lookup: {c['ratio']['median']}x ({c['median_seconds']})")
     if "startup" in results:
         lines.append(f"start-up (s): {results['startup']['median_seconds']}")
+    if "cluster" in results:
+        c = results["cluster"]
+        lines.append(
+            f"cluster, {c['items']} replay-only items, {c['slots_per_node']} slots per node: wall against a local "
+            f"batch at the same width {c['cluster_vs_local_wall']['median']}x; replays/min "
+            + ", ".join(f"{k} {v['per_minute']}" for k, v in c["throughput"].items())
+            + f"; node memory {c['node_memory_mib']}"
+        )
     return "\n".join(lines)
+
+
+def cluster(work: Path) -> dict[str, Any]:
+    """See the module docstring; every batch here is replay-only over the demo trajectory."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import docker
+
+    from cluster import remove_engines
+
+    client = docker.from_env(timeout=600)
+    try:
+        return _cluster(work, client)
+    finally:
+        remove_engines(client)  # the nodes' engine volumes, kept between the clusters of this run
+
+
+def _cluster(work: Path, client: Any) -> dict[str, Any]:
+    from cluster import Cluster
+
+    items, slots = scaled(24, 6), 2
+    manifest = write_manifest(work / "cluster.jsonl", items, "c")
+    rows: dict[str, Any] = {}
+    with Cluster(client, nodes=3, slots=slots) as running:
+        env = {**os.environ, **running.env}
+        idle = {name: _memory(client, name) for name in running.nodes}
+        warm = write_manifest(work / "warm.jsonl", 3 * slots, "w")  # ships the image to every node, untimed
+        timed(batch_command(warm, work / "warm", "replay-only", "--quiet", "--cluster", running.address), env=env)
+        pairs = []
+        for n in range(max(1, scaled(3, 1))):
+            ours = timed(
+                batch_command(manifest, work / f"on-3-{n}", "replay-only", "--quiet", "--cluster", running.address),
+                env=env,
+            )
+            local = _cli_batch(manifest, work / f"local-{n}", 3 * slots)
+            pairs.append((ours, local))
+        rows["3 nodes"] = {"per_minute": round(items / median([o for o, _ in pairs]) * 60, 1)}
+        after = {name: _memory(client, name) for name in running.nodes}
+        for nodes in (2, 1):
+            running.remove_node(running.nodes[-1])
+            time.sleep(8)  # Ray marks the removed node dead (tuned health check)
+            wall = timed(
+                batch_command(manifest, work / f"on-{nodes}", "replay-only", "--quiet", "--cluster", running.address),
+                env=env,
+            )
+            rows[f"{nodes} nodes"] = {"per_minute": round(items / wall * 60, 1)}
+    ratios = [ours / local for ours, local in pairs]
+    return {
+        "items": items,
+        "slots_per_node": slots,
+        "cluster_vs_local_wall": {"median": round(median(ratios), 3), "spread": spread(ratios)},
+        "throughput": rows,
+        "node_memory_mib": {
+            "idle_rss": round(median([m[0] for m in idle.values()]), 1),
+            "idle_cgroup": round(median([m[1] for m in idle.values()]), 1),
+            "rss_after_replaying": round(max(m[0] for m in after.values()), 1),
+            "cgroup_peak_incl_page_cache": round(max(m[2] for m in after.values()), 1),
+        },
+        "note": "every node is a container on this one machine: more nodes add no CPU",
+    }
+
+
+def _memory(client: Any, name: str) -> tuple[float, float, float]:
+    """A container's memory (MiB) from the engine's stats: its RSS now, its cgroup usage now, and the cgroup's
+    peak (cgroup v1 keeps it; it counts the page cache too, so a ``docker load`` of the image shows there)."""
+    stats = client.containers.get(name).stats(stream=False)["memory_stats"]
+    rss = stats.get("stats", {}).get("total_rss", stats.get("stats", {}).get("anon", 0))
+    return rss / 2**20, stats.get("usage", 0) / 2**20, stats.get("max_usage", stats.get("usage", 0)) / 2**20
 
 
 def main() -> int:
@@ -483,6 +562,9 @@ def main() -> int:
             results["scale"] = scale(work / "scale")
         if "plan" in sections:
             results["plan"] = plan(work / "plan")
+        if "cluster" in sections:
+            (work / "cluster").mkdir()
+            results["cluster"] = cluster(work / "cluster")
     results["controller_peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
