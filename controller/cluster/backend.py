@@ -323,6 +323,8 @@ class ClusterBackend:
             self._fetch(node, reply["token"], attempt.run_dir, prepared.spec.collect_limit)
         finally:
             node.agent.drop.remote(reply["token"])
+        if reply["interrupted"] and not (attempt.run_dir / "record.json").exists():
+            raise Interrupted("interrupted on a node before its sandbox started")
         record = load_record(attempt.run_dir / "record.json")
         record = self._as_local(record, prepared, node, lost)
         save_record(record, attempt.run_dir)
