@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,10 +314,3 @@ import sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 print(sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("docker_engine", 0) >= 1))
 """
-
-
-@contextlib.contextmanager
-def cluster(client, **kwargs) -> Iterator[Cluster]:
-    """:class:`Cluster` as a context manager."""
-    with Cluster(client, **kwargs) as running:
-        yield running

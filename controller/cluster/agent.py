@@ -112,7 +112,8 @@ class NodeAgent:
     ) -> dict[str, Any]:
         """Run one attempt here; its run directory stays on this node until :meth:`drop`.
 
-        Returns ``{"token", "record", "interrupted", "node"}``, or ``{"error": ...}``.
+        Returns ``{"token", "interrupted"}`` (the record is in the run directory :meth:`read` serves), or
+        ``{"error": ...}``.
         """
         token = uuid.uuid4().hex
         base = self.root / token
@@ -138,10 +139,9 @@ class NodeAgent:
         try:
             if spec.continuation is not None and key is not None:
                 gateway = self._gateway(spec.continuation, key, prepared.user)
-            record = self.backend.run_attempt(local, attempt, gateway=gateway)
+            self.backend.run_attempt(local, attempt, gateway=gateway)
         except Interrupted:
             interrupted = True
-            record = None
         except PvisorHostError as exc:
             shutil.rmtree(base, ignore_errors=True)
             return _error(type(exc).__name__, exc.one_line(), exit_code=int(exc.exit_code))
@@ -152,12 +152,7 @@ class NodeAgent:
             if gateway is not None:
                 gateway.close()
         self._runs[token] = base
-        return {
-            "token": token,
-            "record": record.model_dump_json() if record is not None else None,
-            "interrupted": interrupted,
-            "node": self.node,
-        }
+        return {"token": token, "interrupted": interrupted}  # the record is in the run directory
 
     def _gateway(self, upstream: Any, key: str, user: str) -> Any:
         # The gateway reads the key from the variable the user named; set it only while the gateway starts.

@@ -14,8 +14,8 @@ commands stay local. :meth:`ClusterBackend.run_attempt` runs the attempt on a no
 
 A node that dies, hangs or is cut off mid-attempt (Ray marks it dead; a hung node's calls would stay
 blocked) is given up on after ``grace`` seconds: the attempt runs again on another node, in a fresh
-sandbox, and the record lists the lost one in ``superseded``. Whichever copy finishes first is the record;
-a late one is ignored (its node removes its sandbox itself).
+sandbox, and the record lists the lost one in ``superseded``. The record is that of the copy not given up
+on; a late finish of a lost one is ignored (its node removes its sandbox, or ``node join`` sweeps it).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from .._log import logger
+from .._version import __version__
 from ..errors import (
     ImageBuildError,
     InfrastructureError,
@@ -159,8 +160,6 @@ class ClusterBackend:
             self._nodes.append(_Node(found["NodeID"], found.get("NodeManagerAddress", "?"), slots, agent))
         infos = self._get([node.agent.info.remote() for node in self._nodes], timeout=120)
         for node, info in zip(self._nodes, infos, strict=True):
-            from .._version import __version__
-
             node.name = info["node"]
             if info["version"] != __version__:
                 raise PrerequisiteError(
@@ -376,12 +375,8 @@ class ClusterBackend:
                 offset += len(chunk)
                 yield chunk
 
-        def under_run(name: str) -> str | None:
-            parts = name.split("/", 1)
-            return parts[1] if parts[0] == "run" and len(parts) == 2 and parts[1] else None
-
         # The run directory holds what pvisor-host collected under the cap; a little room for its own files.
-        extract_tar(tar_stream(chunks()), dest, Budget(limit + 64 * 2**20), mapper=under_run)
+        extract_tar(tar_stream(chunks()), dest, Budget(limit + 64 * 2**20))  # the tar's top directory is "run"
 
     def _as_local(
         self, record: ReplayRecord, prepared: PreparedReplay, node: _Node, lost: list[SupersededAttempt]

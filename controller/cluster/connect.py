@@ -15,8 +15,6 @@ from types import ModuleType
 
 from ..errors import PrerequisiteError, UsageError
 
-#: The Ray version pvisor-host is tested with (driver and nodes must run the same one).
-RAY_VERSION = "2.60.0"
 #: The Ray namespace of everything pvisor-host starts in a cluster.
 NAMESPACE = "pvisor-host"
 #: The custom resource a node advertises: how many replays it may run at once.

@@ -53,7 +53,8 @@ def join(address: str, *, slots: int | None = None) -> None:
     """
     require_ray()
     environment = {**os.environ, **auth_environment()}
-    command = join_command(address, slots or default_slots(), ray_binary=_ray_binary())
+    slots = slots or default_slots()
+    command = join_command(address, slots, ray_binary=_ray_binary())
     from ..backend import open_backend
 
     backend = open_backend()
@@ -65,7 +66,7 @@ def join(address: str, *, slots: int | None = None) -> None:
         logger.info("swept {} leftovers of earlier runs", len(report.orphans))
     finally:
         backend.close()
-    logger.info("joining {} with {} slots", address, slots or default_slots())
+    logger.info("joining {} with {} slots", address, slots)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], command, environment)

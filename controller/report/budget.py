@@ -28,9 +28,10 @@ def base_size(items: list[ItemView]) -> int:
     )
 
 
-def fit(items: list[ItemView], fixed: int, budget: int = PAGE_BUDGET) -> tuple[int, int]:
+def fit(items: list[ItemView], fixed: int, base: int, budget: int = PAGE_BUDGET) -> tuple[int, int]:
     """Strip diffs and exact calls from ``items`` (in place) until the page's JSON fits ``budget``; ``fixed``
-    is the size of everything else in it. Returns (diffs dropped, items whose exact calls were dropped)."""
+    is the size of everything else in it, ``base`` the :func:`base_size` of ``items``. Returns (diffs
+    dropped, items whose exact calls were dropped)."""
     diffs: list[tuple[int, int, CallView, str]] = []
     exact: list[list[CallView]] = []
     for n, item in enumerate(items):
@@ -42,7 +43,7 @@ def fit(items: list[ItemView], fixed: int, budget: int = PAGE_BUDGET) -> tuple[i
                 rank += 1
         exact.append([call for call in item.calls if call.outcome == "exact"])
         item.calls = [call for call in item.calls if call.outcome != "exact"]
-    left = budget - fixed - base_size(items)
+    left = budget - fixed - base
     dropped = 0
     for _, _, call, diff in sorted(diffs, key=lambda entry: entry[:2]):
         cost = len(json.dumps(diff)) + len(',"diff":')

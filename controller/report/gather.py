@@ -65,9 +65,9 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
         exact_hidden=0,
         defaults=field_defaults(),
     )
-    fixed = len(data.page_json()) + 64
-    unread = _add_diffs([(v, source) for v, source in read if source is not None], budget - fixed - base_size(items))
-    dropped, hidden = fit(items, fixed=fixed, budget=budget)
+    fixed, base = len(data.page_json()) + 64, base_size(items)
+    unread = _add_diffs([(v, source) for v, source in read if source is not None], budget - fixed - base)
+    dropped, hidden = fit(items, fixed=fixed, base=base, budget=budget)
     return data.model_copy(update={"items": items, "diffs_dropped": unread + dropped, "exact_hidden": hidden})
 
 
