@@ -37,7 +37,7 @@ RAY = "ray==2.60.0"
 NODE_LABEL = "pvisor-host.test-node"
 #: Node engine volumes kept between the clusters of one test session: ``<prefix><n>``.
 ENGINE_VOLUME = "pvh-test-engine-node"
-NODE_PACKAGES = "docker.io,iptables,procps,ca-certificates,python3"
+NODE_PACKAGES = "docker.io,iptables,procps,ca-certificates,python3,socat,docker-registry"
 NODE_START = r"""#!/bin/sh
 # A test node: its own dockerd, then `pvisor-host node join` (the container's main process).
 set -e
@@ -46,6 +46,10 @@ for m in $(awk '$3=="cgroup"||$3=="cgroup2"{print $2}' /proc/mounts); do
 done
 mount -o remount,rw /sys/fs/cgroup 2>/dev/null || true
 rm -rf /run/docker /run/docker.pid /run/docker.sock /run/containerd
+# a test registry published on the host: reachable here as 127.0.0.1:PORT, which dockerd trusts without TLS
+if [ -n "$PVH_TEST_REGISTRY" ]; then
+    socat TCP-LISTEN:"${PVH_TEST_REGISTRY##*:}",bind=127.0.0.1,fork,reuseaddr TCP:"$PVH_TEST_REGISTRY" &
+fi
 # pvisor-host's source, laid out as the installed package (the checkout is mounted read-only at /opt/repo)
 rm -rf /opt/src && mkdir -p /opt/src/pvisor_host && cp -a /opt/repo/controller/. /opt/src/pvisor_host/
 cp -a /opt/repo/adapters /opt/src/pvisor_host/adapters && cp -a /opt/repo/images /opt/src/pvisor_host/images
@@ -130,7 +134,9 @@ def build_node_image(client) -> str:
 
 def docker0_address(client) -> str:
     """The host's address on the default bridge: where node containers reach the head."""
-    return client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Gateway"]
+    from pvisor_host.backend.docker.gateway import network_gateway
+
+    return network_gateway(client.networks.get("bridge").attrs)
 
 
 def _free_port(host: str) -> int:
@@ -142,7 +148,7 @@ def _free_port(host: str) -> int:
 class Cluster:
     """A head on this host and nodes in containers; ``with Cluster(...) as cluster:`` removes all of it."""
 
-    def __init__(self, client, *, nodes: int = 2, slots: int = 2) -> None:
+    def __init__(self, client, *, nodes: int = 2, slots: int = 2, fresh: bool = False, registry: str = "") -> None:
         self.client = client
         self.image = build_node_image(client)
         self.host = docker0_address(client)
@@ -157,6 +163,9 @@ class Cluster:
         self.nodes: list[str] = []
         self._engines: dict[str, str] = {}
         self._count, self._slots = nodes, slots
+        self._fresh = fresh
+        self._registry = registry
+        """``HOST:PORT`` of a registry on the host that nodes reach as ``127.0.0.1:PORT``."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -167,7 +176,8 @@ class Cluster:
         try:
             self.start_head()
             for n in range(self._count):
-                self.add_node(f"pvh-test-node{n + 1}-{secrets.token_hex(3)}", engine=f"{ENGINE_VOLUME}{n + 1}")
+                name = f"pvh-test-node{n + 1}-{secrets.token_hex(3)}"
+                self.add_node(name, engine=None if self._fresh else f"{ENGINE_VOLUME}{n + 1}")
             self.wait_for_nodes(self._count)
         except BaseException:
             self.__exit__()
@@ -195,7 +205,7 @@ class Cluster:
 
     def head_pids(self) -> list[int]:
         """This head's processes: on this host (not in a container), their command line naming its temp dir
-        or port."""
+        or port, or their logs in its temp dir."""
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -211,9 +221,17 @@ class Cluster:
                 str(self.temp_dir) in cmdline
                 or f"{self.host}:{self.port}" in cmdline
                 or f"--port={self.port}" in cmdline
+                or self._logs_here(entry)  # Ray's agents rename themselves (``ray::DashboardAgent``)
             ):
                 found.append(int(entry.name))
         return found
+
+    def _logs_here(self, process: Path) -> bool:
+        """Whether the process writes into this head's temp dir (every Ray process logs there)."""
+        try:
+            return any(os.readlink(fd).startswith(str(self.temp_dir)) for fd in (process / "fd").iterdir())
+        except OSError:
+            return False
 
     def stop_head(self) -> None:
         for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
@@ -254,7 +272,7 @@ class Cluster:
             name=name,
             hostname=name,
             labels={NODE_LABEL: "node"},
-            environment={"PVISOR_HOST_CLUSTER_TOKEN_FILE": "/run/cluster-token"},
+            environment={"PVISOR_HOST_CLUSTER_TOKEN_FILE": "/run/cluster-token", "PVH_TEST_REGISTRY": self._registry},
             host_config=host_config,
         )
         self.nodes.append(name)
@@ -314,3 +332,69 @@ import sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 print(sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("docker_engine", 0) >= 1))
 """
+
+
+class Registry:
+    """A real registry (Debian's ``docker-registry``, in a container of the node image) published on this host
+    at ``127.0.0.1:PORT``, which the host engine trusts without TLS, and on the ``docker0`` address for the
+    nodes (whose forwarder makes it ``127.0.0.1:PORT`` there too)."""
+
+    #: Debian's default configuration asks for htpasswd authentication: this one does not.
+    CONFIG = (
+        "version: 0.1\nlog: {level: warn}\nstorage: {filesystem: {rootdirectory: /var/lib/registry}}\n"
+        "http: {addr: ':5000'}\n"
+    )
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.port = _free_port("127.0.0.1")
+        self.host = docker0_address(client)
+        self.container = None
+
+    @property
+    def name(self) -> str:
+        """What the driver is told (``--registry``): the one name that works on the host and on the nodes."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def for_nodes(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> Registry:
+        image = build_node_image(self.client)
+        self.container = self.client.containers.run(
+            image,
+            ["-c", 'printf "%s" "$CONFIG" > /tmp/registry.yml && exec docker-registry serve /tmp/registry.yml'],
+            entrypoint=["/bin/sh"],
+            environment={"CONFIG": self.CONFIG},
+            detach=True,
+            labels={NODE_LABEL: "registry"},
+            ports={"5000/tcp": [("127.0.0.1", self.port), (self.host, self.port)]},
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return self
+            time.sleep(0.2)
+        raise AssertionError(f"the registry did not listen: {self.container.logs().decode(errors='replace')}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.container is not None:
+            self.container.remove(force=True, v=True)
+
+    def digests(self, repository: str) -> list[str]:
+        """The digests the registry holds for ``repository`` (every tag)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v2/{repository}/tags/list", timeout=10) as answer:
+            tags = json.load(answer).get("tags") or []
+        found = []
+        for tag in tags:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/v2/{repository}/manifests/{tag}",
+                method="HEAD",
+                headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                found.append(answer.headers["Docker-Content-Digest"])
+        return found
