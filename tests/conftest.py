@@ -7,6 +7,7 @@ Tests marked ``docker`` drive a real Docker engine. Without one they are skipped
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,19 +40,33 @@ class CliResult:
 def run_cli(
     *args: str | Path, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
 ) -> CliResult:
-    """Run ``pvisor-host`` (``python -m pvisor_host``) as a real process."""
+    """Run ``pvisor-host`` (``python -m pvisor_host``) as a real process.
+
+    One that runs past ``timeout`` is interrupted as a user would (Ctrl-C, so that it removes its sandboxes),
+    killed only if that does not end it, and the test fails with what it printed.
+    """
     environment = {**os.environ, **(env or {})}
     environment.pop("PVISOR_HOST_DEBUG", None)
-    done = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", "pvisor_host", *map(str, args)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=environment,
         cwd=cwd,
-        timeout=timeout,
-        check=False,
-    )
-    return CliResult(done.returncode, done.stdout, done.stderr)
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGINT)
+            try:
+                stdout, stderr = process.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            command = " ".join(map(str, args))
+            pytest.fail(f"pvisor-host {command} ran past {timeout:.0f}s and was interrupted: {stderr[-3000:]}")
+    return CliResult(process.returncode, stdout, stderr)
 
 
 def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

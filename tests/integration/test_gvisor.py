@@ -127,10 +127,10 @@ def test_a_live_continuation_reaches_the_gateway_through_its_socket(tmp_path, cl
         result = run_cli(
             "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "4", "--max-steps", "8",
             "--model-base-url", stub.base_url, "--model", "stub-model", "--model-api-key-env", "PVH_TEST_MODEL_KEY",
-            "--out", out, *RUNSC, env=KEY,
+            "--timeout", "300s", "--out", out, *RUNSC, env=KEY,
         )  # fmt: skip
         requests = stub.model.model_requests()
-    assert result.code == 0, result.stderr
+    assert result.code == 0, (result.stderr, _tail(out / "logs" / "stderr.log"))
     record = record_of(out)
     assert record["status"] == "ok" and record["result"]["phase"] == "continued"
     assert record["limits"]["runtime"] == "runsc" and record["model"]["network"] == "unix"
@@ -235,3 +235,7 @@ def test_gvisor_can_be_the_default_through_the_environment(tmp_path, claude_imag
     )  # fmt: skip
     assert result.code == 0, result.stderr
     assert record_of(out)["limits"]["runtime"] == "runsc"
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.is_file() else f"(no {path.name})"
