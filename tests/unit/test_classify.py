@@ -91,3 +91,21 @@ def test_pvisor_finding_the_run_directory_full_is_the_disk_not_the_replay():
     assert (
         failure.message == "the run directory's filesystem is full: write x.tmp: No space left on device (os error 28)"
     )
+
+
+def test_a_version_probe_past_its_budget_is_a_busy_host_and_worth_another_sandbox():
+    slow = ReplayResult.model_validate(
+        {**OK.model_dump(), "failure": {"category": "unsupported_version",
+         "message": "version probe exceeded time/output budget"}, "retryable": False}
+    )  # fmt: skip
+    status, failure = decide(WaitOutcome(exit_code=11), slow)
+    assert (status, failure.category, failure.retryable) == ("infra_error", "infra_error", True)
+    assert failure.message == (
+        "pvisor's version probe of the agent ran past its 5 s budget (a busy host): "
+        "version probe exceeded time/output budget"
+    )
+    wrong = ReplayResult.model_validate(
+        {**slow.model_dump(), "failure": {"category": "unsupported_version",
+         "message": "claude-code profile requires 2.1.220, got \"2.1.100 (Claude Code)\" from /usr/bin/claude"}}
+    )  # fmt: skip
+    assert decide(WaitOutcome(exit_code=11), wrong)[0] == "replay_failed"  # a real mismatch is not retried

@@ -37,6 +37,8 @@ from .launch import limits
 from .stage import Staging
 
 #: How pvisor (Rust) words a write that found no space.
+#: pvisor's failure message when ``<agent> --version`` ran past 5 s (or printed more than 8 KiB).
+_PROBE_BUDGET = "version probe exceeded time/output budget"
 _NO_SPACE = re.compile(r"No space left on device|\(os error 28\)|Disk quota exceeded|\(os error 122\)")
 #: The gateway's journal of a live continuation, relative to the run directory.
 MODEL_JOURNAL = "model-traffic.jsonl"
@@ -104,6 +106,14 @@ def classify(
         # pvisor could not write into the run directory (the host's filesystem): not the replay's failure
         return "infra_error", Failure(category=DISK_FULL, message=f"the run directory's filesystem is full: "
                                       f"{result.failure.message}")  # fmt: skip
+    if result.failure is not None and result.failure.message.endswith(_PROBE_BUDGET):
+        # pvisor gives `<agent> --version` 5 s: a busy host, not another version (a fresh sandbox is worth a try)
+        return "infra_error", Failure(
+            category="infra_error",
+            message=f"pvisor's version probe of the agent ran past its 5 s budget (a busy host): "
+            f"{result.failure.message}",
+            retryable=True,
+        )
     if result.failure is not None:
         return "replay_failed", Failure(
             category=result.failure.category, message=result.failure.message, retryable=result.retryable
