@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,15 +53,20 @@ def say(line: str) -> None:
 
 
 @contextlib.contextmanager
-def _backend(*, pool_size: int = 10, timeout: float = 120, cluster: str | None = None) -> Iterator[Backend]:
-    """The local engine (or, with ``cluster``, the Ray cluster at that address) for one command, closed
-    afterwards."""
+def _backend(
+    *, pool_size: int = 10, timeout: float = 120, cluster: str | None = None, registry: str | None = None
+) -> Iterator[Backend]:
+    """The local engine (or, with ``cluster``, the Ray cluster at that address, its nodes pulling images from
+    ``registry`` when given) for one command, closed afterwards."""
     from ..backend import open_backend
 
     if cluster is not None:
         from ..cluster.connect import check_address, require_ray
+        from ..cluster.ship import REGISTRY_ENV, check_registry
 
         check_address(cluster)
+        registry = registry or os.environ.get(REGISTRY_ENV)
+        registry = check_registry(registry) if registry else None
         require_ray()  # one line naming the extra, before the engine is touched
     backend: Backend = open_backend(pool_size=pool_size, timeout=timeout)
     if cluster is not None:
@@ -69,7 +75,7 @@ def _backend(*, pool_size: int = 10, timeout: float = 120, cluster: str | None =
 
         assert isinstance(backend, DockerBackend)
         try:
-            backend = ClusterBackend(cluster, backend)
+            backend = ClusterBackend(cluster, backend, registry=registry)
         except BaseException:
             backend.close()
             raise
@@ -377,6 +383,14 @@ def batch(
             "RAY_AUTH_TOKEN); images are built here and shipped to the nodes.",
         ),
     ] = None,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST[:PORT]",
+            help="With --cluster: push each image here once and have the nodes pull it by digest (default: "
+            "$PVISOR_HOST_REGISTRY, else ship it through the cluster, docker save then docker load, once per node).",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
     agent: opt.Agent = None,
@@ -467,6 +481,8 @@ def batch(
     allowance = allowed_failures(allow_failures)
     if baseline is not None:
         _check_baseline(baseline, out, plan=plan)
+    if registry and cluster is None:
+        raise UsageError("--registry is where cluster nodes pull images from; it needs --cluster")
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, defaults=defaults
     )
@@ -483,7 +499,7 @@ def batch(
         retry_oom=retry_oom,
         build=BuildOptions(base=base, ca_bundle=ca_bundle),
     )
-    with _backend(pool_size=options.workers + 8, cluster=None if plan else cluster) as backend:
+    with _backend(pool_size=options.workers + 8, cluster=None if plan else cluster, registry=registry) as backend:
         if cluster is not None and not plan and workers is None:
             options = options.model_copy(update={"workers": getattr(backend, "slots", options.workers)})
         if plan:
@@ -630,10 +646,12 @@ def cluster_status(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> int:
     """The cluster's nodes: alive or not, engine, slots, sandboxes of ours running, images present."""
+    from ..cluster.connect import require_ray
+    from ..cluster.status import cluster_status
     from . import render
 
-    with _backend(cluster=address) as backend:
-        nodes = backend.status()  # type: ignore[attr-defined]
+    require_ray()
+    nodes = cluster_status(address)
     if json_output:
         typer.echo(json.dumps([n.model_dump() for n in nodes], indent=2))
     else:

@@ -22,7 +22,7 @@ from ..models.units import format_duration, format_size
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ..cluster.backend import NodeStatus
+    from ..cluster.status import NodeStatus
     from ..fanout.compare import Comparison
     from ..fanout.plan import ItemPlan
 

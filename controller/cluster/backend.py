@@ -1,21 +1,21 @@
 """The cluster backend: the backend seam's second implementation, over a Ray cluster of Docker hosts.
 
-The driver (this process) keeps a local :class:`~pvisor_host.backend.docker.DockerBackend` for what
-happens before a sandbox: images are planned, built and verified here, as for a local run, and housekeeping
-commands stay local. :meth:`ClusterBackend.run_attempt` runs the attempt on a node instead:
+The driver (this process, on a machine of the cluster) keeps a local
+:class:`~pvisor_host.backend.docker.DockerBackend` for what happens before a sandbox: images are planned,
+built and verified here, as for a local run, and the housekeeping commands stay local.
+:meth:`ClusterBackend.run_attempt` runs the attempt as a **Ray task** instead (:func:`.node.run_copy`):
 
-1. a node with a free slot is chosen (each node advertises ``docker_engine: N``; at most N at once);
-2. the image is shipped to it once — ``docker save`` here, chunks through Ray, ``docker load`` there,
-   checked by id — never pulled;
-3. the node's :class:`~.agent.NodeAgent` runs the single-host pipeline against its own engine (the same
-   pre-flighted replay, hardening, limits, record and gateway confinement);
-4. the attempt's run directory streams back in chunks into ``attempt.run_dir``, through the same safe
-   extractor and byte cap as a local collection, and the record is rewritten with this host's paths.
-
-A node that dies, hangs or is cut off mid-attempt (Ray marks it dead; a hung node's calls would stay
-blocked) is given up on after ``grace`` seconds: the attempt runs again on another node, in a fresh
-sandbox, and the record lists the lost one in ``superseded``. The record is that of the copy not given up
-on; a late finish of a lost one is ignored (its node removes its sandbox, or ``node join`` sweeps it).
+* Ray schedules it by resources on a node that advertises a free ``docker_engine`` slot (``node join
+  --slots``), never on a node without an engine;
+* the task makes the image present (:mod:`.ship`: by digest from a registry, or chunks through the cluster,
+  once per node), runs the same single-host pipeline as a local run against the node's own engine, and
+  leaves the run directory on the node; a pinned streaming task (:func:`.node.fetch_run`) brings it back in
+  chunks, through the same safe extractor and byte cap as a local collection;
+* when a node dies, Ray runs the task again elsewhere (``max_retries``). When a node hangs or is cut off,
+  Ray marks it dead but leaves its tasks blocked: the driver's watchdog (:class:`Watch`) sees that in the
+  batch's :class:`~.ledger.Ledger` and, after ``grace`` seconds, submits another copy of the attempt. Two
+  copies may then run at once, each in its own disposable sandbox; the first to finish is the attempt's
+  record, and the record lists every other start in ``superseded``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import tarfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from pydantic import BaseModel
 
 from .._log import logger
 from .._version import __version__
@@ -46,8 +44,10 @@ from ..errors import (
 )
 from ..files.archive import Budget, extract_tar, tar_stream
 from ..models.record import ReplayRecord, SupersededAttempt, load_record, save_record
-from .agent import CHUNK, NodeAgent
-from .connect import ENGINE_RESOURCE, NAMESPACE, connect
+from . import node as on_node
+from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
+from .ledger import Ledger
+from .ship import Shipper
 
 if TYPE_CHECKING:
     from ..backend.docker import DockerBackend
@@ -57,12 +57,14 @@ if TYPE_CHECKING:
     from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
     from ..models.spec import ModelUpstream
 
-#: A node Ray has marked dead for this long while it runs an attempt is given up on (seconds; the
-#: ``PVISOR_HOST_CLUSTER_GRACE`` variable sets another).
+#: A node Ray has marked dead for this long while a copy runs (or may be queued) there is given up on, and
+#: the attempt runs again elsewhere (seconds; the ``PVISOR_HOST_CLUSTER_GRACE`` variable sets another).
 DEFAULT_GRACE = 20.0
 GRACE_ENV = "PVISOR_HOST_CLUSTER_GRACE"
-#: Node losses one attempt survives before it fails as an infrastructure error.
+#: Node losses one attempt survives (Ray's retries and the watchdog's together) before it fails.
 MAX_NODE_LOSSES = 3
+#: How often the watchdog reads the ledger and the nodes' liveness (seconds).
+WATCH_PERIOD = 0.5
 _ERRORS: dict[str, type[PvisorHostError]] = {
     "UsageError": UsageError,
     "PreflightRejected": UsageError,
@@ -72,39 +74,8 @@ _ERRORS: dict[str, type[PvisorHostError]] = {
 }
 
 
-class NodeStatus(BaseModel):
-    """One node, as ``cluster status`` shows it."""
-
-    node: str
-    address: str
-    alive: bool
-    slots: int
-    """Replays it may run at once (its ``docker_engine`` resource; 0: no engine, the head say)."""
-    engine: str | None = None
-    """Its Docker engine's version (none without an engine)."""
-    running: int = 0
-    """Sandboxes of pvisor-host running there now."""
-    images: list[str] = []
-    """pvisor-host images its engine holds."""
-
-
-class NodeLost(InfrastructureError):
-    """The node running an attempt died, hung or was cut off."""
-
-
-class _Node:
-    """One node with an engine, as the driver sees it."""
-
-    def __init__(self, node_id: str, address: str, slots: int, agent: Any) -> None:
-        self.id, self.address, self.slots, self.agent = node_id, address, slots, agent
-        self.name = address
-        self.running = 0
-        self.images: set[str] = set()
-        self.image_lock = threading.Lock()
-
-
 class ClusterGateway:
-    """A continuation's model, for sandboxes on nodes: each attempt's node starts its own gateway with the key,
+    """A continuation's model, for sandboxes on nodes: each copy's node starts its own gateway with the key,
     which travels to it only over the cluster's authenticated channel."""
 
     def __init__(self, upstream: ModelUpstream) -> None:
@@ -112,23 +83,100 @@ class ClusterGateway:
         self.key = os.environ[upstream.api_key_env]
 
     def close(self) -> None:
-        """Nothing runs here; each node's gateway closes with its attempt."""
+        """Nothing runs here; each node's gateway closes with its copy."""
+
+
+class Watch:
+    """The driver's view of the cluster, refreshed every :data:`WATCH_PERIOD` by one thread: where every copy
+    started (the ledger) and since when each node has been dead."""
+
+    def __init__(self, ray: Any, ledger: Any) -> None:
+        self._ray, self._ledger = ray, ledger
+        self._lock = threading.Lock()
+        self._starts: dict[str, list[dict[str, str]]] = {}
+        self._dead_since: dict[str, float] = {}
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pvisor-host-cluster-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(WATCH_PERIOD):
+            with contextlib.suppress(Exception):  # a slow head: keep the last view, try again
+                self.refresh()
+
+    def refresh(self) -> None:
+        """Read the ledger and the nodes now."""
+        starts = self._ray.get(self._ledger.snapshot.remote(), timeout=30)
+        nodes = self._ray.nodes()
+        now = time.monotonic()
+        with self._lock:
+            self._starts = starts
+            for entry in nodes:
+                node_id = entry["NodeID"]
+                if entry.get("Alive"):
+                    self._dead_since.pop(node_id, None)
+                else:
+                    self._dead_since.setdefault(node_id, now)
+
+    def starts(self, copy_id: str) -> list[dict[str, str]]:
+        """Where copy ``copy_id`` started so far (Ray starts it again when its node dies)."""
+        with self._lock:
+            return list(self._starts.get(copy_id, []))
+
+    def dead_for(self, node_id: str) -> float:
+        """Seconds the node has been dead (0: alive, or not seen dead yet)."""
+        with self._lock:
+            since = self._dead_since.get(node_id)
+        return 0.0 if since is None else time.monotonic() - since
+
+    def deaths_since(self, moment: float) -> list[float]:
+        """When the nodes that died after ``moment`` (monotonic) were first seen dead."""
+        with self._lock:
+            return [since for since in self._dead_since.values() if since >= moment]
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+class _Copy:
+    """One copy of an attempt: a Ray task, and what the driver decided about it."""
+
+    def __init__(self, ref: Any, copy_id: str) -> None:
+        self.ref, self.id = ref, copy_id
+        self.submitted = time.monotonic()
+        self.given_up = False
+        """The driver runs another copy instead (this one may still finish first)."""
+
+    @property
+    def hopeful(self) -> bool:
+        """Running, or waiting to, and not given up on."""
+        return self.ref is not None and not self.given_up
 
 
 class ClusterBackend:
     """Sandboxes on the Docker hosts of a Ray cluster (see the module docstring)."""
 
-    def __init__(self, address: str, local: DockerBackend, *, grace: float | None = None) -> None:
+    def __init__(
+        self, address: str, local: DockerBackend, *, grace: float | None = None, registry: str | None = None
+    ) -> None:
         self.address = address
         self.local = local
         self.grace = grace if grace is not None else float(os.environ.get(GRACE_ENV) or DEFAULT_GRACE)
-        self._alive_cache: tuple[float, set[str]] = (0.0, set())
-        self._alive_lock = threading.Lock()
         self.ray = connect(address)
-        self._nodes: list[_Node] = []
-        self._free = threading.Condition()
         self._cancelled = threading.Event()
-        self._start_agents()
+        self._inputs: dict[Path, Any] = {}
+        self._inputs_lock = threading.Lock()
+        try:
+            self._remotes()
+            self._check_nodes()
+            here = self.ray.get_runtime_context().get_node_id()  # the ledger lives as long as this driver
+            self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
+            self.watch = Watch(self.ray, self.ledger)
+            self.shipper = Shipper(local.client, self.ray, registry)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+            raise
 
     @property
     def ownership(self) -> Ownership:
@@ -136,58 +184,48 @@ class ClusterBackend:
         return self.local.ownership
 
     @property
-    def slots(self) -> int:
-        """Replays the cluster runs at once."""
-        return sum(node.slots for node in self._nodes)
+    def session(self) -> str:
+        return self.local.ownership.session
 
-    def _start_agents(self) -> None:
+    def _remotes(self) -> None:
         ray = self.ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        self._run_copy = ray.remote(
+            num_cpus=0,
+            resources={ENGINE_RESOURCE: 1},  # Ray places a copy only where an engine slot is free
+            max_retries=MAX_NODE_LOSSES,  # ... and runs it again elsewhere when its node dies
+            retry_exceptions=False,
+            scheduling_strategy="SPREAD",
+        )(on_node.run_copy)
+        self._calls = {
+            "info": ray.remote(num_cpus=0, max_retries=0)(on_node.node_info),
+            # the run directory comes back as a stream, at most two chunks ahead of the driver
+            "fetch": ray.remote(num_cpus=0, max_retries=0, _generator_backpressure_num_objects=2)(on_node.fetch_run),
+        }
 
-        engines = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(ENGINE_RESOURCE, 0) >= 1]
+    def on_node(self, name: str, node_id: str) -> Any:
+        """The node call ``name`` (``info``, ``fetch``), pinned to one node."""
+        return self._calls[name].options(scheduling_strategy=pinned_to(node_id))
+
+    @property
+    def slots(self) -> int:
+        """Replays the cluster runs at once now (the ``docker_engine`` slots of its alive nodes)."""
+        return int(sum(n["Resources"][ENGINE_RESOURCE] for n in engine_nodes(self.ray)))
+
+    def _check_nodes(self) -> None:
+        engines = engine_nodes(self.ray)
         if not engines:
             raise PrerequisiteError(
                 f"no node of the cluster at {self.address} has a Docker engine",
                 hint=f"run `pvisor-host node join --address {self.address}` on each Docker host",
             )
-        remote = ray.remote(num_cpus=0, max_concurrency=64, max_restarts=0)(NodeAgent)
-        for found in engines:
-            slots = int(found["Resources"][ENGINE_RESOURCE])
-            agent = remote.options(
-                namespace=NAMESPACE,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(found["NodeID"], soft=False),
-            ).remote(self.ownership.session)
-            self._nodes.append(_Node(found["NodeID"], found.get("NodeManagerAddress", "?"), slots, agent))
-        infos = self._get([node.agent.info.remote() for node in self._nodes], timeout=120)
-        for node, info in zip(self._nodes, infos, strict=True):
-            node.name = info["node"]
+        infos = self._get([self.on_node("info", n["NodeID"]).remote() for n in engines], timeout=120)
+        for info in infos:
             if info["version"] != __version__:
                 raise PrerequisiteError(
-                    f"node {node.name} runs pvisor-host {info['version']}; this is {__version__}",
+                    f"node {info['node']} runs pvisor-host {info['version']}; this is {__version__}",
                     hint="install the same pvisor-host on every node",
                 )
-        logger.info("cluster {}: {} nodes, {} slots", self.address, len(self._nodes), self.slots)
-
-    def status(self) -> list[NodeStatus]:
-        """Every node of the cluster: alive or not, its engine's slots, and for nodes with an engine their
-        images and the sandboxes of pvisor-host running there now (any driver's)."""
-        reports = self._get([node.agent.status.remote() for node in self._nodes], timeout=60)
-        by_id: dict[str, dict[str, Any]] = {node.id: report for node, report in zip(self._nodes, reports, strict=True)}
-        found = []
-        for entry in self.ray.nodes():
-            report = by_id.get(entry["NodeID"], {})
-            found.append(
-                NodeStatus(
-                    node=report.get("node") or entry.get("NodeManagerAddress", "?"),
-                    address=entry.get("NodeManagerAddress", "?"),
-                    alive=bool(entry.get("Alive")),
-                    slots=int(entry.get("Resources", {}).get(ENGINE_RESOURCE, 0)),
-                    engine=report.get("engine"),
-                    running=int(report.get("running", 0)),
-                    images=list(report.get("images", [])),
-                )
-            )
-        return sorted(found, key=lambda n: (not n.alive, -n.slots, n.node))
+        logger.info("cluster {}: {} nodes, {} slots", self.address, len(engines), self.slots)
 
     def _get(self, refs: Any, *, timeout: float | None = None) -> Any:
         try:
@@ -235,169 +273,25 @@ class ClusterBackend:
         gateway: Any = None,
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
-        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: on a node (see the module docstring)."""
-        key = gateway.key if isinstance(gateway, ClusterGateway) else None
-        trajectory = prepared.trajectory.path.read_bytes()
-        workspace = _tar_directory(prepared.spec.workspace_dir) if prepared.spec.workspace_dir else None
-        lost: list[SupersededAttempt] = []
-        while True:
-            node = self._take_slot(cancel)
-            started = datetime.now(UTC)
-            try:
-                self._ship_image(node, prepared)
-                return self._run_on(node, prepared, attempt, trajectory, workspace, key, cancel, lost)
-            except NodeLost as exc:
-                lost.append(SupersededAttempt(node=node.name, reason=exc.one_line(), started_at=started))
-                logger.warning("{}; running the attempt again on another node", exc.one_line())
-                self._forget(node)
-                if len(lost) >= MAX_NODE_LOSSES:
-                    raise InfrastructureError(f"{len(lost)} nodes were lost running {attempt.run_id}") from None
-            finally:
-                self._give_slot(node)
-
-    def _take_slot(self, cancel: threading.Event | None) -> _Node:
-        with self._free:
-            while True:
-                if self._cancelled.is_set() or (cancel is not None and cancel.is_set()):
-                    raise Interrupted("cancelled before a node was free")
-                nodes = [n for n in self._nodes if n.running < n.slots]
-                if not self._nodes:
-                    raise InfrastructureError(f"every node of the cluster at {self.address} was lost")
-                if nodes:
-                    node = min(nodes, key=lambda n: n.running / n.slots)
-                    node.running += 1
-                    return node
-                self._free.wait(0.5)
-
-    def _give_slot(self, node: _Node) -> None:
-        with self._free:
-            node.running -= 1
-            self._free.notify_all()
-
-    def _forget(self, node: _Node) -> None:
-        with self._free:
-            if node in self._nodes:
-                self._nodes.remove(node)
-            self._free.notify_all()
-
-    def _ship_image(self, node: _Node, prepared: PreparedReplay) -> None:
-        image_id = prepared.image.id
-        with node.image_lock:
-            if image_id in node.images:
-                return
-            if not self._call(node, node.agent.has_image.remote(image_id), timeout=60):
-                started = time.monotonic()
-                token = uuid.uuid4().hex
-                sent = 0
-                for chunk in self.local.client.images.get(image_id).save(chunk_size=CHUNK, named=True):
-                    sent = self._call(node, node.agent.upload.remote(token, chunk), timeout=120)
-                done = self._call(node, node.agent.load_image.remote(token, image_id), timeout=600)
-                _raise_error(done)
-                logger.info(
-                    "shipped {} ({:.0f} MiB) to {} in {:.1f}s",
-                    prepared.image.ref,
-                    sent / 2**20,
-                    node.name,
-                    time.monotonic() - started,
-                )
-            node.images.add(image_id)
-
-    def _run_on(
-        self,
-        node: _Node,
-        prepared: PreparedReplay,
-        attempt: Attempt,
-        trajectory: bytes,
-        workspace: bytes | None,
-        key: str | None,
-        cancel: threading.Event | None,
-        lost: list[SupersededAttempt],
-    ) -> ReplayRecord:
-        ref = node.agent.run.remote(
-            prepared.model_dump_json(), attempt.number, attempt.run_id, trajectory, workspace, key
-        )
-        reply = self._call(node, ref, timeout=None, cancel=cancel)
-        _raise_error(reply)
-        try:
-            self._fetch(node, reply["token"], attempt.run_dir, prepared.spec.collect_limit)
-        finally:
-            node.agent.drop.remote(reply["token"])
-        if reply["interrupted"] and not (attempt.run_dir / "record.json").exists():
-            raise Interrupted("interrupted on a node before its sandbox started")
-        record = load_record(attempt.run_dir / "record.json")
-        record = self._as_local(record, prepared, node, lost)
-        save_record(record, attempt.run_dir)
-        if reply["interrupted"]:
-            raise Interrupted("interrupted while the sandbox ran on a node; its record says so")
-        return record
-
-    def _call(self, node: _Node, ref: Any, *, timeout: float | None, cancel: threading.Event | None = None) -> Any:
-        """Wait for one agent call, giving the node up once Ray has marked it dead for ``grace`` seconds."""
-        ray = self.ray
-        deadline = None if timeout is None else time.monotonic() + timeout
-        dead_since: float | None = None
-        cancelled = False
-        while True:
-            ready, _ = ray.wait([ref], timeout=0.5)
-            if ready:
-                try:
-                    return ray.get(ready[0])
-                except _lost_errors(ray) as exc:
-                    raise NodeLost(f"node {node.name} was lost ({type(exc).__name__})") from None
-            if not cancelled and (self._cancelled.is_set() or (cancel is not None and cancel.is_set())):
-                cancelled = True  # the node stops the sandbox; its reply says interrupted
-                node.agent.cancel.remote()
-            if not self._alive(node):
-                dead_since = dead_since or time.monotonic()
-                if time.monotonic() - dead_since >= self.grace:
-                    raise NodeLost(f"node {node.name} stopped answering (Ray marked it dead {self.grace:.0f}s ago)")
-            else:
-                dead_since = None
-            if deadline is not None and time.monotonic() > deadline:
-                raise NodeLost(f"node {node.name} did not answer within {timeout:.0f}s")
-
-    def _alive(self, node: _Node) -> bool:
-        """Whether Ray has the node alive (asked at most once a second, whatever the number of waiting calls)."""
-        with self._alive_lock:
-            asked, alive = self._alive_cache
-            if time.monotonic() - asked > 1.0:
-                alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
-                self._alive_cache = (time.monotonic(), alive)
-        return node.id in alive
-
-    def _fetch(self, node: _Node, token: str, dest: Path, limit: int) -> None:
-        def chunks() -> Iterator[bytes]:
-            offset = 0
-            while True:
-                chunk = self._call(node, node.agent.read.remote(token, offset), timeout=120)
-                if not chunk:
-                    return
-                offset += len(chunk)
-                yield chunk
-
-        # The run directory holds what pvisor-host collected under the cap; a little room for its own files.
-        extract_tar(tar_stream(chunks()), dest, Budget(limit + 64 * 2**20))  # the tar's top directory is "run"
-
-    def _as_local(
-        self, record: ReplayRecord, prepared: PreparedReplay, node: _Node, lost: list[SupersededAttempt]
-    ) -> ReplayRecord:
-        spec = prepared.spec
-        inputs = record.inputs.model_copy(
-            update={
-                "trajectory": record.inputs.trajectory.model_copy(update={"path": str(prepared.trajectory.path)}),
-                "workspace_dir": str(spec.workspace_dir.absolute()) if spec.workspace_dir else None,
-            }
-        )
-        host = {**record.host, "node": node.name, "cluster": self.address}
-        return record.model_copy(update={"inputs": inputs, "host": host, "superseded": list(lost)})
+        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: as Ray tasks (see the module docstring)."""
+        run = _AttemptRun(self, prepared, attempt, gateway.key if isinstance(gateway, ClusterGateway) else None)
+        return run.follow(cancel)
 
     def cancel(self) -> None:
-        """Stop every sandbox of this batch on every node (their attempts end ``interrupted``)."""
+        """Stop every copy of this batch on every node (their attempts end ``interrupted``)."""
         self._cancelled.set()
-        for node in list(self._nodes):
-            node.agent.cancel.remote()
-        with self._free:
-            self._free.notify_all()
+        with contextlib.suppress(Exception):
+            self.ledger.stop_all.remote()
+
+    def cancelled(self, cancel: threading.Event | None) -> bool:
+        return self._cancelled.is_set() or (cancel is not None and cancel.is_set())
+
+    def workspace_ref(self, path: Path) -> Any:
+        """The workspace directory as a tar in the object store, once per directory for the whole batch."""
+        with self._inputs_lock:
+            if path not in self._inputs:
+                self._inputs[path] = self.ray.put(_tar_directory(path))
+            return self._inputs[path]
 
     # -- housekeeping (the driver's engine) ------------------------------------------------------------------
 
@@ -424,29 +318,237 @@ class ClusterBackend:
         return self.local.diagnose()
 
     def close(self) -> None:
-        """Stop the node agents (each removes its scratch directory) and leave the cluster."""
-        closing = [node.agent.close.remote() for node in self._nodes]
+        """Stop watching, let the object store drop what the batch put there, and leave the cluster."""
+        self.watch.close()
+        self.shipper.close()
         with contextlib.suppress(Exception):
-            self.ray.wait(closing, num_returns=len(closing), timeout=30)
-        for node in self._nodes:
-            with contextlib.suppress(Exception):
-                self.ray.kill(node.agent)
+            self.ray.kill(self.ledger)
         with contextlib.suppress(Exception):
             self.ray.shutdown()
         self.local.close()
 
 
+class _AttemptRun:
+    """One attempt on the cluster: its copies, followed until the first finishes (see the module docstring)."""
+
+    def __init__(self, backend: ClusterBackend, prepared: PreparedReplay, attempt: Attempt, key: str | None) -> None:
+        self.backend, self.prepared, self.attempt, self.key = backend, prepared, attempt, key
+        self.ray = backend.ray
+        self.copies: list[_Copy] = []
+        self.reasons: dict[str, str] = {}
+        """Why each copy that did not make the record was left (by copy id)."""
+        self.unshipped: set[str] = set()
+        """Copies that found no image on their node and ran nothing (not superseded: nothing ran)."""
+        self.losses = 0
+        self.chunks = False
+        self.trajectory = prepared.trajectory.path.read_bytes()
+        workspace = prepared.spec.workspace_dir
+        self.workspace = backend.workspace_ref(workspace.absolute()) if workspace is not None else None
+
+    def submit(self) -> _Copy:
+        request = {
+            "session": self.backend.session,
+            "prepared": self.prepared.model_dump_json(),
+            "attempt": self.attempt.number,
+            "run_id": self.attempt.run_id,
+            "image": self.backend.shipper.manifest(self.prepared.image, chunks=self.chunks),
+        }
+        copy_id = f"{self.attempt.run_id}/{uuid.uuid4().hex[:8]}"
+        ref = self.backend._run_copy.remote(
+            copy_id, request, self.backend.ledger, self.trajectory, self.workspace, self.key
+        )
+        copy = _Copy(ref, copy_id)
+        self.copies.append(copy)
+        return copy
+
+    def live(self) -> list[_Copy]:
+        return [c for c in self.copies if c.ref is not None]
+
+    def follow(self, cancel: threading.Event | None) -> ReplayRecord:
+        """Wait for the first copy to finish with a record, keeping a copy running while nodes fail."""
+        backend, ray = self.backend, self.ray
+        self.submit()
+        stopped_at: float | None = None
+        try:
+            while True:
+                if stopped_at is None and backend.cancelled(cancel):
+                    stopped_at = time.monotonic()
+                    backend.cancel()
+                    for copy in self.live():
+                        if not self.backend.watch.starts(copy.id):
+                            ray.cancel(copy.ref)  # not started: it never will
+                if not any(copy.hopeful for copy in self.copies):
+                    if stopped_at is not None:
+                        raise Interrupted("cancelled; no copy of it is running on a node that answers")
+                    self._lost_all()
+                live = self.live()
+                ready, _ = ray.wait([c.ref for c in live], num_returns=1, timeout=WATCH_PERIOD)
+                for ref in ready:
+                    copy = next(c for c in live if c.ref is ref)
+                    record = self._finished(copy, interrupted_wanted=stopped_at is not None)
+                    if record is not None:
+                        return self._won(copy, record)
+                if stopped_at is None:
+                    self._watchdog()
+                elif time.monotonic() - stopped_at > 60 + backend.grace:
+                    raise Interrupted("cancelled; a node did not answer, so its copy may still run there")
+        finally:
+            for copy in self.copies:
+                with contextlib.suppress(Exception):
+                    backend.ledger.forget.remote(copy.id)
+
+    def _finished(self, copy: _Copy, *, interrupted_wanted: bool) -> ReplayRecord | None:
+        """A copy's task ended: its record (fetched), or None when it gave none (and what to do next is done)."""
+        ray = self.ray
+        ref, copy.ref = copy.ref, None
+        try:
+            reply = ray.get(ref)
+        except ray.exceptions.TaskCancelledError:
+            return None
+        except _lost_errors(ray) as exc:
+            self._lose(copy, f"its node was lost and Ray's retries ran out ({type(exc).__name__})")
+            return None
+        except ray.exceptions.RayTaskError as exc:  # a bug on the node: its last line says what
+            raise InfrastructureError(f"a node failed running {self.attempt.run_id}: {_last_line(exc)}") from None
+        if reply.get("superseded"):
+            return None
+        if reply.get("need_image"):
+            self.unshipped.add(copy.id)
+            self.chunks = True
+            self.submit()  # not a loss: the node learns how to get the image
+            return None
+        error = reply.get("error")
+        if error is not None:
+            if any(c.hopeful for c in self.copies) and error["type"] not in _ERRORS:
+                self.reasons[copy.id] = f"it failed there: {error['message']}"
+                return None  # another copy is still running: it may do better
+            raise _ERRORS.get(error["type"], InfrastructureError)(error["message"])
+        try:
+            self._fetch(reply["node_id"], reply["token"])
+        except _NodeLost as exc:
+            self._lose(copy, str(exc))
+            return None
+        path = self.attempt.run_dir / "record.json"
+        if not path.exists():
+            if reply["interrupted"] or interrupted_wanted:
+                raise Interrupted("interrupted on a node before its sandbox started")
+            raise InfrastructureError(f"the copy on {reply['node']} sent back no record")
+        return self._as_local(load_record(path), reply["node"])
+
+    def _won(self, winner: _Copy, record: ReplayRecord) -> ReplayRecord:
+        """``winner`` finished first: stop the others, list every other start, and write the record."""
+        for copy in self.live():
+            self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
+            self.backend.ledger.stop.remote(copy.id)
+            if not self.backend.watch.starts(copy.id):
+                self.ray.cancel(copy.ref)
+        record = record.model_copy(update={"superseded": self._superseded(winner)})
+        save_record(record, self.attempt.run_dir)
+        if record.status == "interrupted":
+            raise Interrupted("interrupted while the sandbox ran on a node; its record says so")
+        return record
+
+    def _superseded(self, winner: _Copy) -> list[SupersededAttempt]:
+        with contextlib.suppress(Exception):
+            self.backend.watch.refresh()
+        found = []
+        for copy in self.copies:
+            if copy.id in self.unshipped:
+                continue
+            starts = self.backend.watch.starts(copy.id)
+            if copy is winner:
+                starts = starts[:-1]
+            for n, start in enumerate(starts):
+                if copy is winner or n < len(starts) - 1:
+                    reason = f"node {start['node']} was lost; Ray ran the copy again"
+                else:
+                    reason = self.reasons.get(copy.id, "stopped by the driver")
+                found.append(
+                    SupersededAttempt(node=start["node"], reason=reason, started_at=datetime.fromisoformat(start["at"]))
+                )
+        return sorted(found, key=lambda s: s.started_at)
+
+    def _lose(self, copy: _Copy, reason: str) -> None:
+        self.reasons[copy.id] = reason
+        self.losses += 1
+        logger.warning("{}: {}; running it on another node", self.attempt.run_id, reason)
+
+    def _lost_all(self) -> None:
+        """No copy is left: run another, unless nodes were lost too often."""
+        if self.losses > MAX_NODE_LOSSES:
+            raise InfrastructureError(f"{self.losses} nodes were lost running {self.attempt.run_id}")
+        self.submit()
+
+    def _watchdog(self) -> None:
+        """Give up on copies whose node Ray has marked dead for ``grace`` seconds, and on copies that may be
+        queued at such a node (the loop then runs another copy; see the module docstring)."""
+        watch, grace = self.backend.watch, self.backend.grace
+        for copy in self.copies:
+            if not copy.hopeful:
+                continue
+            starts = watch.starts(copy.id)
+            if starts:
+                dead = watch.dead_for(starts[-1]["node_id"])
+                if dead >= grace:
+                    copy.given_up = True
+                    node = starts[-1]["node"]
+                    self._lose(copy, f"node {node} stopped answering (Ray marked it dead {dead:.0f}s ago)")
+            elif any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted)):
+                copy.given_up = True  # its lease may wait at the dead node: let Ray place another copy
+                self.reasons[copy.id] = "queued while a node died; replaced"
+                self.ray.cancel(copy.ref)
+
+    def _fetch(self, node_id: str, token: str) -> None:
+        """Stream the copy's run directory from its node into ``attempt.run_dir`` (under the run's cap)."""
+        ray, watch = self.ray, self.backend.watch
+        dest = self.attempt.run_dir
+        if dest.exists():
+            shutil.rmtree(dest)  # what an earlier copy's interrupted fetch left
+        generator = self.backend.on_node("fetch", node_id).remote(self.backend.session, token)
+
+        def chunks() -> Any:
+            while True:
+                ready, _ = ray.wait([generator], timeout=WATCH_PERIOD)
+                if not ready:
+                    if watch.dead_for(node_id) >= self.backend.grace:
+                        raise _NodeLost("its node stopped answering while its results came back")
+                    continue
+                try:
+                    ref = next(generator)
+                    yield ray.get(ref)
+                except StopIteration:
+                    return
+                except _lost_errors(ray) as exc:
+                    raise _NodeLost(f"its node was lost while its results came back ({type(exc).__name__})") from None
+
+        # The run directory holds what pvisor-host collected under the cap; a little room for its own files.
+        extract_tar(tar_stream(chunks()), dest, Budget(self.prepared.spec.collect_limit + 64 * 2**20))
+
+    def _as_local(self, record: ReplayRecord, node: str) -> ReplayRecord:
+        spec = self.prepared.spec
+        inputs = record.inputs.model_copy(
+            update={
+                "trajectory": record.inputs.trajectory.model_copy(update={"path": str(self.prepared.trajectory.path)}),
+                "workspace_dir": str(spec.workspace_dir.absolute()) if spec.workspace_dir else None,
+            }
+        )
+        host = {**record.host, "node": node, "cluster": self.backend.address}
+        return record.model_copy(update={"inputs": inputs, "host": host})
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
+class _NodeLost(Exception):
+    """A node was lost while a copy's results came back."""
+
+
 def _lost_errors(ray: Any) -> tuple[type[BaseException], ...]:
-    names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError")
+    names = ("WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
+             "ActorDiedError", "ObjectReconstructionFailedError", "ObjectFetchTimedOutError")  # fmt: skip
     return tuple(kind for name in names if (kind := getattr(ray.exceptions, name, None)) is not None)
-
-
-def _raise_error(reply: Any) -> None:
-    error = reply.get("error") if isinstance(reply, dict) else None
-    if error is None:
-        return
-    kind = _ERRORS.get(error["type"], InfrastructureError)
-    raise kind(error["message"])
 
 
 def _tar_directory(path: Path) -> bytes:

@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from ..errors import PrerequisiteError, UsageError
 
@@ -71,18 +72,26 @@ def connect(address: str) -> ModuleType:
     """Join the cluster at ``address`` as a driver (token auth on); ``ray`` is returned, initialised.
 
     Raises:
-        PrerequisiteError: Ray is not installed.
+        PrerequisiteError: Ray is not installed, or this machine runs no node of a cluster.
+        UsageError: a bad address, or no token.
         InfrastructureError: the head does not answer, or refuses the token.
     """
     from ..errors import InfrastructureError
 
     require_ray()
-    os.environ.update(auth_environment())  # before Ray is imported: it reads them then
+    environment = auth_environment()
+    check_address(address)
+    if not local_raylet():
+        raise PrerequisiteError(
+            f"this machine is not a node of the cluster at {address}, and Ray runs a driver only on one",
+            hint="run the batch on the head, or on a Docker host that ran `pvisor-host node join`",
+        )
+    os.environ.update(environment)  # before Ray is imported: it reads them then
     import ray
 
     try:
         ray.init(
-            address=check_address(address),
+            address=address,
             namespace=NAMESPACE,
             logging_level=logging.ERROR,
             log_to_driver=False,
@@ -96,3 +105,27 @@ def connect(address: str) -> ModuleType:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def local_raylet() -> bool:
+    """Whether a Ray node (a ``raylet``) runs on this machine: a driver joins a cluster through one."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "raylet":
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def engine_nodes(ray: Any) -> list[dict[str, Any]]:
+    """The alive nodes of the connected cluster that advertise a Docker engine."""
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(ENGINE_RESOURCE, 0) >= 1]
+
+
+def pinned_to(node_id: str) -> Any:
+    """Ray's scheduling strategy for "on this node, nowhere else"."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)

@@ -1,9 +1,10 @@
 """``pvisor-host node join``: make this Docker host a worker of a cluster.
 
-It checks the engine the way ``doctor`` does, sweeps what earlier runs of ours left in it, and becomes
-``ray start --block`` joined to the head, advertising ``docker_engine: SLOTS`` (how many replays it may run
-at once). The cluster token comes from the environment (see :mod:`.connect`) and is handed to Ray the same
-way; it is never on a command line, so ``ps`` does not show it either.
+It checks the engine the way ``doctor`` does, sweeps what earlier runs of ours left in it (and the run
+directories of copies no driver fetched), and becomes ``ray start --block`` joined to the head, advertising
+``docker_engine: SLOTS`` (how many replays it may run at once). The cluster token comes from the
+environment (see :mod:`.connect`) and is handed to Ray the same way; it is never on a command line, so
+``ps`` does not show it either.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from .._log import logger
 from ..errors import PrerequisiteError
 from .connect import ENGINE_RESOURCE, auth_environment, check_address, require_ray
+from .node import scratch_root
 
 #: The machine checks a node must pass (``doctor``'s image and registry checks do not apply: images arrive
 #: from the driver).
@@ -63,6 +65,7 @@ def join(address: str, *, slots: int | None = None) -> None:
             if check.name in NODE_CHECKS and check.status == "fail" and check.required:
                 raise PrerequisiteError(f"{check.name}: {check.detail}", hint=check.fix)
         report = backend.sweep()
+        shutil.rmtree(scratch_root(), ignore_errors=True)  # run directories no driver fetched
         logger.info("swept {} leftovers of earlier runs", len(report.orphans))
     finally:
         backend.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, remove_engines
+from cluster import Cluster, Registry, remove_engines
 from conftest import run_cli
 from modelserver import StubServer
 from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
@@ -180,9 +180,12 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
     assert sorted(ran) == [f"s{n}" for n in range(8)]  # every item, each once
     lost = [r for r in ran.values() if r["superseded"]]
     assert lost, "no attempt was run again"
+    # a crash is Ray's to retry; a node that hangs or is cut off is given up on by the driver's watchdog
+    reason = "was lost; Ray ran the copy again" if failure == "kill" else "stopped answering (Ray marked it dead"
     for record in lost:
         assert record["host"]["node"] == survivor
         assert [s["node"] for s in record["superseded"]] == [victim]
+        assert reason in record["superseded"][0]["reason"]
     assert cluster.node_containers(survivor) == []
     # The lost node comes back: it is swept when it joins again.
     if failure == "pause":
@@ -230,3 +233,30 @@ def test_without_a_token_or_a_node_the_batch_says_so_in_one_line(cluster, tmp_pa
         "pvisor-host: error: --cluster 'nowhere' is not HOST:PORT (the Ray head's address, e.g. 10.0.0.5:6379)"
     ]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, tmp_path, claude_image):
+    image_id = docker_client.images.get(claude_image).id
+    repository, _, tag = claude_image.rpartition(":")
+    with (
+        Registry(docker_client) as registry,
+        Cluster(docker_client, nodes=2, slots=1, fresh=True, registry=registry.for_nodes) as cluster,
+    ):
+        manifest = slow_manifest(tmp_path / "data", 4, 0)
+        result = batch(manifest, tmp_path / "out", "--cluster", cluster.address, "--registry", registry.name,
+                       env=cluster.env)  # fmt: skip
+        assert result.code == 0, result.stderr
+        assert summary(tmp_path / "out")["counts"] == {"ok": 4}
+        pushed = registry.digests(repository)
+        assert len(pushed) == 1  # pushed once, under its content-hash tag
+        for name in cluster.nodes:  # each node pulled exactly that digest (a load sets none) and has the tag
+            done = docker_client.containers.get(name).exec_run(
+                ["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}} {{json .RepoTags}}", image_id]
+            )
+            assert done.exit_code == 0, done.output
+            found_id, digests, tags = done.output.decode().split()
+            assert found_id == image_id
+            assert json.loads(digests) == [f"{registry.name}/{repository}@{pushed[0]}"]
+            assert json.loads(tags) == [claude_image]
+            assert cluster.node_containers(name) == []
+        assert {r["host"]["node"] for r in records(tmp_path / "out").values()} == set(cluster.nodes)

@@ -1,5 +1,5 @@
 """The cluster's set-up without a cluster: Ray as an optional extra, the head's address, the token (never on a
-command line), and the `ray start` a node becomes."""
+command line), the `ray start` a node becomes, a registry's name, and the ledger of where copies run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 
 from pvisor_host.cluster import connect
 from pvisor_host.cluster.join import join_command
+from pvisor_host.cluster.ledger import Ledger
+from pvisor_host.cluster.ship import _target, check_registry
 from pvisor_host.errors import PrerequisiteError, UsageError
+from pvisor_host.models.image import ImageRef
 
 
 def test_without_ray_a_cluster_is_one_line_naming_the_extra(monkeypatch):
@@ -58,3 +61,54 @@ def test_a_node_becomes_ray_start_with_its_slots_and_no_secret(monkeypatch):
         "--num-cpus", "3", "--block", "--disable-usage-stats",
     ]  # fmt: skip
     assert not any("s3cret" in part for part in command)
+
+
+@pytest.mark.parametrize("registry", ["127.0.0.1:5000", "registry.internal:5000/team", "ghcr.io", "reg.example"])
+def test_a_registry_is_host_port_and_path(registry):
+    assert check_registry(registry + "/") == registry
+
+
+@pytest.mark.parametrize("registry", ["http://reg:5000", "reg:5000:tag", "reg 1", "reg:port", ""])
+def test_a_registry_with_a_scheme_or_a_tag_is_refused(registry):
+    with pytest.raises(UsageError, match=r"is not HOST\[:PORT\]\[/PATH\]"):
+        check_registry(registry)
+
+
+def image_ref(ref: str) -> ImageRef:
+    return ImageRef(ref=ref, id="sha256:" + "ab" * 32, agent="codex", agent_version="0.149.0", pvisor_version="0.3.1",
+                    agent_entrypoint="codex", pvisor_path="/usr/local/bin/pvisor", verified_by="build")  # fmt: skip
+
+
+def test_an_image_is_pushed_under_its_own_reference_or_its_id():
+    built = image_ref("pvisor-host/codex:0.149.0-pvisor0.3.1-0123456789ab")
+    assert _target("127.0.0.1:5000", built) == ("127.0.0.1:5000/pvisor-host/codex", "0.149.0-pvisor0.3.1-0123456789ab")
+    assert _target("reg:5000", image_ref("localhost:5001/task:v2")) == ("reg:5000/localhost:5001/task", "v2")
+    assert _target("reg:5000", image_ref("sha256:" + "ab" * 32)) == ("reg:5000/pvisor-host/image", "ab" * 16)
+
+
+def test_the_ledger_says_where_copies_started_and_which_should_stop():
+    ledger = Ledger()
+    ledger.started("run-1/a", "n1", "node1", "2026-12-02T10:00:00+00:00", "t1")
+    ledger.started("run-1/a", "n2", "node2", "2026-12-02T10:00:05+00:00", "t2")  # Ray ran it again
+    ledger.started("run-2/b", "n2", "node2", "2026-12-02T10:00:01+00:00", "t3")
+    assert [start["node"] for start in ledger.snapshot()["run-1/a"]] == ["node1", "node2"]
+    assert ledger.should_stop("run-1/a") is None
+    ledger.stop("run-1/a")
+    assert (ledger.should_stop("run-1/a"), ledger.should_stop("run-2/b")) == ("superseded", None)
+    ledger.forget("run-1/a")
+    assert list(ledger.snapshot()) == ["run-2/b"] and ledger.should_stop("run-1/a") == "superseded"
+    ledger.started("run-1/a", "n3", "node3", "2026-12-02T10:01:00+00:00", "t4")  # Ray ran the stopped copy again
+    assert list(ledger.snapshot()) == ["run-2/b"]
+    ledger.stop_all()
+    assert ledger.should_stop("run-2/b") == ledger.should_stop("run-9/z") == "cancelled"
+
+
+def test_a_driver_off_the_cluster_is_one_line_before_ray_is_touched(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "abc")
+    monkeypatch.setattr(connect, "local_raylet", lambda: False)
+    with pytest.raises(PrerequisiteError) as caught:
+        connect.connect("10.0.0.5:6379")
+    assert caught.value.one_line() == (
+        "this machine is not a node of the cluster at 10.0.0.5:6379, and Ray runs a driver only on one "
+        "(run the batch on the head, or on a Docker host that ran `pvisor-host node join`)"
+    )

@@ -122,14 +122,14 @@ class DockerBackend:
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
         return launch.describe(prepared, cspec)
 
-    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ModelGateway:
-        """See :meth:`pvisor_host.backend.base.Backend.open_gateway`."""
+    def open_gateway(self, upstream: ModelUpstream, *, user: str, api_key: str | None = None) -> ModelGateway:
+        """See :meth:`pvisor_host.backend.base.Backend.open_gateway`; ``api_key`` is the real key when it did not
+        come from this process's environment (a cluster node gets it from the driver)."""
         from .gateway import Gateway
 
         uid, _ = parse_user(user)
-        gateway = Gateway(
-            upstream, os.environ[upstream.api_key_env], client=self.client, ownership=self._ownership, sandbox_uid=uid
-        )
+        key = api_key if api_key is not None else os.environ[upstream.api_key_env]
+        gateway = Gateway(upstream, key, client=self.client, ownership=self._ownership, sandbox_uid=uid)
         return gateway.start()
 
     def run_attempt(
@@ -151,9 +151,12 @@ class DockerBackend:
             self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel, leftovers=self._leftovers
         )
 
-    def cancel(self) -> None:
-        """Kill (in parallel) every running replay container of this session; their workers remove them."""
+    def cancel(self, *, run_id: str | None = None) -> None:
+        """Kill (in parallel) every running replay container of this session (only those of ``run_id``, when
+        given); their workers remove them."""
         filters = {"label": [f"{L.SESSION}={self._ownership.session}", f"{L.ROLE}=replay"]}
+        if run_id is not None:
+            filters["label"].append(f"{L.RUN}={run_id}")
         try:
             containers = self.client.containers.list(filters=filters)
         except ENGINE_ERRORS as exc:
