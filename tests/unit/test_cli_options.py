@@ -12,7 +12,7 @@ from pvisor_host.models.spec import MODEL_OPTIONS, ReplaySpec
 NOT_SPEC = {"base", "ca_bundle", "json_output"}
 #: Options of ``batch`` that are about the batch (or its input), not defaults for its items.
 BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out", "workers", "deadline", "rerun_failed",
-             "retry_oom", "allow_failures", "plan", "baseline", "cluster", "quiet", "json_output", "base",
+             "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet", "json_output", "base",
              "ca_bundle"}  # fmt: skip
 SPEC_FIELDS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
 
