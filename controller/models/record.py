@@ -156,11 +156,14 @@ class AttemptSummary(BaseModel):
 
 
 class SupersededAttempt(BaseModel):
-    """A copy of an attempt given up on because its cluster node died, hung or was cut off; it ran again on
-    another node in a fresh sandbox (a late finish of this copy is ignored)."""
+    """On a cluster: another start of this attempt that did not make the record. Ray ran it again after its
+    node died, the driver gave up on a node that hung or was cut off, or another copy finished first; every
+    copy ran in a fresh sandbox of its own."""
 
     node: str
+    """The node it started on."""
     reason: str
+    """Why it was left, in words (``node n1 was lost; Ray ran the copy again``, ...)."""
     started_at: datetime
 
 
@@ -202,7 +205,7 @@ class ReplayRecord(BaseModel):
     batch: BatchInfo | None = None
     """For batch items: the item and its content key."""
     superseded: list[SupersededAttempt] = []
-    """On a cluster: copies of this attempt given up on with their node, before this one ran."""
+    """On a cluster: every other start of this attempt (this record is the first copy to finish)."""
     host: dict[str, str] = {}
 
     @property
