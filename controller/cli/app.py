@@ -653,7 +653,7 @@ def cluster_status(
     require_ray()
     nodes = cluster_status(address)
     if json_output:
-        typer.echo(json.dumps([n.model_dump() for n in nodes], indent=2))
+        typer.echo(json.dumps([{**n.model_dump(), "free": n.free} for n in nodes], indent=2))
     else:
         render.cluster_status(_out, nodes)
     return ExitCode.OK

@@ -334,15 +334,14 @@ def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:
 def cluster_status(console: Console, nodes: list[NodeStatus]) -> None:
     """``cluster status``: a row per node, then the totals."""
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-    for column in ("node", "address", "state", "engine", "slots", "running", "images"):
-        table.add_column(column, justify="right" if column in ("slots", "running") else "left")
+    for column in ("node", "address", "state", "engine", "slots", "running", "free", "images"):
+        table.add_column(column, justify="right" if column in ("slots", "running", "free") else "left")
     for node in nodes:
         state = "[green]alive[/green]" if node.alive else "[red]dead[/red]"
         images = ", ".join(tag.rsplit("/", 1)[-1] for tag in node.images) or "-"
-        table.add_row(node.node, node.address, state, node.engine or "-", str(node.slots), str(node.running), images)
+        counts = (str(node.slots), str(node.running), str(node.free))
+        table.add_row(node.node, node.address, state, node.engine or "-", *counts, images)
     console.print(table)
     alive = [n for n in nodes if n.alive and n.slots]
-    slots, running = sum(n.slots for n in alive), sum(n.running for n in alive)
-    console.print(
-        f"{len(alive)} nodes with an engine, {slots} slots, {running} running, {slots - running} free", highlight=False
-    )
+    slots, running, free = sum(n.slots for n in alive), sum(n.running for n in alive), sum(n.free for n in alive)
+    console.print(f"{len(alive)} nodes with an engine, {slots} slots, {running} running, {free} free", highlight=False)

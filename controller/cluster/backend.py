@@ -96,6 +96,9 @@ class Watch:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._dead_since: dict[str, float] = {}
         self._closed = threading.Event()
+        for entry in ray.nodes():  # dead before this batch: no copy of it can be waiting there
+            if not entry.get("Alive"):
+                self._dead_since[entry["NodeID"]] = float("-inf")
         self._thread = threading.Thread(target=self._run, name="pvisor-host-cluster-watch", daemon=True)
         self._thread.start()
 
@@ -124,7 +127,7 @@ class Watch:
             return list(self._starts.get(copy_id, []))
 
     def dead_for(self, node_id: str) -> float:
-        """Seconds the node has been dead (0: alive, or not seen dead yet)."""
+        """Seconds the node has been dead (0: alive, or not seen dead yet; infinite: dead before the batch)."""
         with self._lock:
             since = self._dead_since.get(node_id)
         return 0.0 if since is None else time.monotonic() - since

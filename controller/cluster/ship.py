@@ -71,14 +71,17 @@ class Shipper:
             started = time.monotonic()
             try:
                 self._client.images.get(image.id).tag(repository, tag)
-                errors = [
-                    line["error"]
-                    for line in self._client.images.push(repository, tag, stream=True, decode=True)
-                    if "error" in line
-                ]
-                if errors:
-                    raise InfrastructureError(f"docker push {repository}:{tag} failed: {errors[-1]}")
-                digests = self._client.images.get(image.id).attrs.get("RepoDigests") or []
+                try:
+                    errors = [
+                        line["error"]
+                        for line in self._client.images.push(repository, tag, stream=True, decode=True)
+                        if "error" in line
+                    ]
+                    if errors:
+                        raise InfrastructureError(f"docker push {repository}:{tag} failed: {errors[-1]}")
+                    digests = self._client.images.get(image.id).attrs.get("RepoDigests") or []
+                finally:  # the push needed the registry's name on the image; this engine keeps only its own
+                    self._client.images.remove(f"{repository}:{tag}", noprune=True)
             except InfrastructureError:
                 raise
             except Exception as exc:  # noqa: BLE001 - docker's errors, in one line

@@ -30,6 +30,11 @@ class NodeStatus(BaseModel):
     images: list[str] = []
     """pvisor-host images its engine holds."""
 
+    @property
+    def free(self) -> int:
+        """Slots not taken by a running sandbox of pvisor-host."""
+        return max(0, self.slots - self.running) if self.alive else 0
+
 
 def cluster_status(address: str) -> list[NodeStatus]:
     """Join the cluster at ``address`` as a driver, ask every node, and leave.

@@ -116,12 +116,19 @@ def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_pat
         if path.is_file():
             assert KEY.encode() not in path.read_bytes(), path  # the key stayed with the nodes' gateways
     assert KEY not in on_cluster.stderr and cluster.token not in on_cluster.stderr
+    assert subprocess.run(["grep", "-rlF", KEY, str(cluster.temp_dir)], capture_output=True).stdout == b""
+    for name in cluster.nodes:  # nor in Ray's logs and spilled objects (the head's temp dir, on every node)
+        node = cluster.client.containers.get(name)
+        assert node.exec_run(["test", "-d", str(cluster.temp_dir)]).exit_code == 0
+        found = node.exec_run(["grep", "-rlF", KEY, str(cluster.temp_dir), "/var/log"])
+        assert (found.exit_code, found.output) == (1, b""), found.output
 
     status = run_cli("cluster", "status", "--address", cluster.address, "--json", env=cluster.env)
     assert status.code == 0, status.stderr
     nodes = {n["node"]: n for n in json.loads(status.stdout)}
     for name in cluster.nodes:  # the image was shipped once to each, nothing runs any more
-        assert (nodes[name]["alive"], nodes[name]["slots"], nodes[name]["running"]) == (True, 2, 0)
+        node = nodes[name]
+        assert (node["alive"], node["slots"], node["running"], node["free"]) == (True, 2, 0, 2)
         assert claude_image in nodes[name]["images"]
     heads = [n for n in nodes.values() if n["slots"] == 0]
     assert len(heads) == 1 and heads[0]["engine"] is None  # the head has no engine: nothing ran there
@@ -249,6 +256,7 @@ def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, t
         assert summary(tmp_path / "out")["counts"] == {"ok": 4}
         pushed = registry.digests(repository)
         assert len(pushed) == 1  # pushed once, under its content-hash tag
+        assert docker_client.images.get(image_id).tags == [claude_image]  # the driver's engine keeps its own name
         for name in cluster.nodes:  # each node pulled exactly that digest (a load sets none) and has the tag
             done = docker_client.containers.get(name).exec_run(
                 ["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}} {{json .RepoTags}}", image_id]
@@ -260,3 +268,7 @@ def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, t
             assert json.loads(tags) == [claude_image]
             assert cluster.node_containers(name) == []
         assert {r["host"]["node"] for r in records(tmp_path / "out").values()} == set(cluster.nodes)
+        again = batch(manifest, tmp_path / "out", "--cluster", cluster.address, "--registry", registry.name,
+                      env=cluster.env)  # fmt: skip
+        assert again.code == 0, again.stderr
+        assert (summary(tmp_path / "out")["skipped"], summary(tmp_path / "out")["ran"]) == (4, 0)  # resumed
