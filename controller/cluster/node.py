@@ -1,7 +1,6 @@
 """What runs on a node: the bodies of the Ray tasks of a cluster batch, each against the node's own engine.
 
-The driver makes these plain functions Ray tasks (:mod:`.backend`); none of them imports Ray at module level,
-so the unit tests call them directly.
+The driver makes these plain functions Ray tasks (:mod:`.backend`); none of them imports Ray at module level.
 
 * :func:`run_copy` — one copy of an attempt, scheduled by Ray on any node with a free ``docker_engine`` slot
   and retried by Ray when its node dies. It says in the :class:`~.ledger.Ledger` where it started, makes the
@@ -11,7 +10,7 @@ so the unit tests call them directly.
   the cap, the record) in this node's scratch directory, and leaves the run directory there.
 * :func:`fetch_run` — pinned to that node: streams the run directory back as a tar, one chunk at a time,
   then removes it. Neither side holds a whole tree in memory.
-* :func:`node_info`, :func:`node_status`, :func:`has_image`, :func:`drop_run` — small pinned calls.
+* :func:`node_info`, :func:`node_status` — small pinned calls (the driver's version check, ``cluster status``).
 
 A failure comes back as ``{"error": {...}}`` naming the exception's class, never as a raised exception, so
 Ray retries only what it should: a copy whose node died.
@@ -119,11 +118,6 @@ def has_image(session: str, image_id: str) -> bool:
     return True
 
 
-def drop_run(session: str, token: str) -> None:
-    """Remove what copy ``token`` left on this node (the driver did not want its run directory)."""
-    shutil.rmtree(scratch_root() / session / token, ignore_errors=True)
-
-
 # -- images ---------------------------------------------------------------------------------------------------
 
 
@@ -198,8 +192,9 @@ def run_copy(
     the copy started and asked whether it should stop (Ctrl-C on the driver, or the driver gave it up).
 
     Returns:
-        ``{"node", "token", "interrupted"}``: the run directory waits here for :func:`fetch_run`;
-        ``{"need_image": True}``: the node has not got the image and was sent no way to get it; or
+        ``{"node", "node_id", "token", "interrupted"}``: the run directory waits here for :func:`fetch_run`;
+        ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
+        ``{"superseded": True}``: another copy finished first, and this one removed what it made; or
         ``{"error": {"type", "message", "exit_code"}}``.
     """
     import ray

@@ -1,0 +1,137 @@
+"""What a cluster node does with an image and a finished copy, without Ray or an engine: the image arrives once
+(by digest, or from the driver's chunks) and is checked by id; a run directory goes back as a tar in chunks
+and is removed. The real cluster runs in ``tests/integration/test_cluster.py``."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import docker.errors
+import pytest
+
+from pvisor_host.cluster import node
+from pvisor_host.errors import InfrastructureError
+from pvisor_host.files.archive import Budget, extract_tar, tar_stream
+
+IMAGE_ID = "sha256:" + "cd" * 32
+REF = "pvisor-host/codex:0.149.0-pvisor0.3.1-0123456789ab"
+
+
+class FakeImages:
+    """The engine's images: ``load`` and ``pull`` give ``gives`` (an id), slowly, and are counted."""
+
+    def __init__(self, gives: str = IMAGE_ID) -> None:
+        self.present: dict[str, list[str]] = {}
+        self.gives = gives
+        self.loaded: list[bytes] = []
+        self.pulled: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def get(self, name: str) -> SimpleNamespace:
+        if name not in self.present:
+            raise docker.errors.ImageNotFound(name)
+        return SimpleNamespace(tag=lambda ref: self.present[name].append(ref), tags=self.present[name])
+
+    def load(self, handle: io.BufferedReader) -> None:
+        data = handle.read()
+        threading.Event().wait(0.2)  # long enough for a second copy to arrive meanwhile
+        with self.lock:
+            self.loaded.append(data)
+            self.present[self.gives] = [REF]
+
+    def pull(self, repository: str, tag: str) -> None:
+        with self.lock:
+            self.pulled.append((repository, tag))
+            self.present[self.gives] = []
+
+
+@pytest.fixture
+def images(monkeypatch, tmp_path) -> FakeImages:
+    fake = FakeImages()
+    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
+    monkeypatch.setattr(node, "backend_for", lambda session: SimpleNamespace(client=SimpleNamespace(images=fake)))
+    return fake
+
+
+def test_an_image_the_node_has_gets_nothing(images):
+    images.present[IMAGE_ID] = [REF]
+    assert node.ensure_image("s", {"id": IMAGE_ID, "ref": REF, "chunks": ["c0"]}, fetch_chunk=pytest.fail)
+    assert images.loaded == images.pulled == []
+
+
+def test_without_chunks_or_a_registry_the_node_asks_for_the_image(images):
+    assert node.ensure_image("s", {"id": IMAGE_ID, "ref": REF}, fetch_chunk=pytest.fail) is False
+
+
+def test_copies_arriving_at_once_load_the_chunks_once(images):
+    chunks = {"c0": b"first ", "c1": b"second"}
+    done: list[bool] = []
+    image = {"id": IMAGE_ID, "ref": REF, "chunks": ["c0", "c1"]}
+    copies = [threading.Thread(target=lambda: done.append(node.ensure_image("s", image, chunks.get))) for _ in "abc"]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.join()
+    assert done == [True, True, True]
+    assert images.loaded == [b"first second"]  # once, the chunks in order
+    assert not [p for p in node.scratch_root().iterdir() if p.name.startswith("upload-")]  # the upload is gone
+
+
+def test_a_pull_is_by_digest_and_the_node_tags_the_image_as_the_driver_knows_it(images):
+    pull = f"127.0.0.1:5000/pvisor-host/codex@sha256:{'ef' * 32}"
+    assert node.ensure_image("s", {"id": IMAGE_ID, "ref": REF, "pull": pull}, fetch_chunk=pytest.fail)
+    assert images.pulled == [("127.0.0.1:5000/pvisor-host/codex", f"sha256:{'ef' * 32}")]
+    assert images.present[IMAGE_ID] == [REF]
+
+
+def test_an_image_that_arrives_as_another_id_is_refused(images):
+    images.gives = "sha256:" + "00" * 32
+    with pytest.raises(InfrastructureError) as caught:
+        node.ensure_image("s", {"id": IMAGE_ID, "ref": REF, "chunks": ["c0"]}, fetch_chunk=lambda ref: b"x")
+    assert caught.value.one_line() == f"{node.node_name()}: {REF} arrived as another image than {IMAGE_ID[:19]}"
+
+
+def test_a_run_directory_goes_back_in_chunks_and_is_removed(monkeypatch, tmp_path):
+    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
+    monkeypatch.setattr(node, "CHUNK", 4096)
+    run = node.scratch_root() / "session" / "token" / "run"
+    (run / "workspace").mkdir(parents=True)
+    (run / "record.json").write_text('{"status": "ok"}')
+    (run / "workspace" / "big.bin").write_bytes(bytes(range(256)) * 100)
+    chunks = list(node.fetch_run("session", "token"))
+    assert len(chunks) > 1 and all(len(c) <= 4096 for c in chunks)
+    assert not (node.scratch_root() / "session").exists()  # the copy's folder, then the batch's empty folder
+    report = extract_tar(tar_stream(iter(chunks)), tmp_path / "back", Budget(2**20))
+    assert not report.skipped
+    assert (tmp_path / "back" / "record.json").read_text() == '{"status": "ok"}'
+    assert (tmp_path / "back" / "workspace" / "big.bin").read_bytes() == bytes(range(256)) * 100
+
+
+def test_a_copy_with_no_run_directory_sends_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
+    (node.scratch_root() / "session" / "token" / "input").mkdir(parents=True)
+    assert list(node.fetch_run("session", "token")) == []
+    assert not (node.scratch_root() / "session" / "token").exists()
+
+
+def _tar_names(chunks: list[bytes]) -> list[str]:
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as archive:
+        return archive.getnames()
+
+
+def test_the_tar_has_one_top_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
+    run = node.scratch_root() / "s" / "t" / "run"
+    run.mkdir(parents=True)
+    (run / "a.txt").write_text("a")
+    assert sorted(_tar_names(list(node.fetch_run("s", "t")))) == ["run", "run/a.txt"]
+
+
+def test_scratch_defaults_to_the_temp_dir(monkeypatch):
+    monkeypatch.delenv(node.SCRATCH_ENV, raising=False)
+    assert node.scratch_root() == Path(tempfile.gettempdir()) / "pvisor-host-node"
