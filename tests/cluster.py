@@ -176,8 +176,8 @@ class Cluster:
         try:
             self.start_head()
             for n in range(self._count):
-                name = f"pvh-test-node{n + 1}-{secrets.token_hex(3)}"
-                self.add_node(name, engine=None if self._fresh else f"{ENGINE_VOLUME}{n + 1}")
+                engine = None if self._fresh else f"{ENGINE_VOLUME}{n + 1}"
+                self.add_node(_node_name(n + 1, engine), engine=engine)
             self.wait_for_nodes(self._count)
         except BaseException:
             self.__exit__()
@@ -318,6 +318,17 @@ class Cluster:
             ["docker", "ps", "-q" + ("a" if all_states else ""), "--filter", "label=pvisor-host.managed"]
         )
         return done.output.decode().split()
+
+
+#: One name per kept engine volume, so that a node that finds what an earlier cluster's node left in that
+#: engine (say, after a test failed half-way) is the same host and ``node join`` sweeps it.
+_ENGINE_NAMES: dict[str, str] = {}
+
+
+def _node_name(n: int, engine: str | None) -> str:
+    if engine is None:
+        return f"pvh-test-node{n}-{secrets.token_hex(3)}"
+    return _ENGINE_NAMES.setdefault(engine, f"pvh-test-node{n}-{secrets.token_hex(3)}")
 
 
 def remove_engines(client) -> None:

@@ -28,6 +28,7 @@ import tarfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -427,7 +428,10 @@ class _AttemptRun:
                 return None  # another copy is still running: it may do better
             raise _ERRORS.get(error["type"], InfrastructureError)(error["message"])
         try:
-            self._fetch(reply["node_id"], reply["token"])
+            if "tar" in reply:
+                self._extract(iter([reply["tar"]]))
+            else:
+                self._fetch(reply["node_id"], reply["token"])
         except _NodeLost as exc:
             self._lose(copy, str(exc))
             return None
@@ -496,6 +500,9 @@ class _AttemptRun:
                     copy.given_up = True
                     node = starts[-1]["node"]
                     self._lose(copy, f"node {node} stopped answering (Ray marked it dead {dead:.0f}s ago)")
+                    # A crashed node's copy may still wait for a slot to be run again by Ray: ours replaces it.
+                    # (A hung node's copy cannot be cancelled; Ray drops its result when the node returns.)
+                    self.ray.cancel(copy.ref)
             elif any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted)):
                 copy.given_up = True  # its lease may wait at the dead node: let Ray place another copy
                 self.reasons[copy.id] = "queued while a node died; replaced"
@@ -504,9 +511,6 @@ class _AttemptRun:
     def _fetch(self, node_id: str, token: str) -> None:
         """Stream the copy's run directory from its node into ``attempt.run_dir`` (under the run's cap)."""
         ray, watch = self.ray, self.backend.watch
-        dest = self.attempt.run_dir
-        if dest.exists():
-            shutil.rmtree(dest)  # what an earlier copy's interrupted fetch left
         generator = self.backend.on_node("fetch", node_id).remote(self.backend.session, token)
 
         def chunks() -> Any:
@@ -524,8 +528,15 @@ class _AttemptRun:
                 except _lost_errors(ray) as exc:
                     raise _NodeLost(f"its node was lost while its results came back ({type(exc).__name__})") from None
 
+        self._extract(chunks())
+
+    def _extract(self, chunks: Iterator[bytes]) -> None:
+        """Unpack a copy's run directory into ``attempt.run_dir``, through the safe extractor, under the cap."""
+        dest = self.attempt.run_dir
+        if dest.exists():
+            shutil.rmtree(dest)  # what an earlier copy's interrupted fetch left
         # The run directory holds what pvisor-host collected under the cap; a little room for its own files.
-        extract_tar(tar_stream(chunks()), dest, Budget(self.prepared.spec.collect_limit + 64 * 2**20))
+        extract_tar(tar_stream(chunks), dest, Budget(self.prepared.spec.collect_limit + 64 * 2**20))
 
     def _as_local(self, record: ReplayRecord, node: str) -> ReplayRecord:
         spec = self.prepared.spec

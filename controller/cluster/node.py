@@ -9,7 +9,8 @@ The driver makes these plain functions Ray tasks (:mod:`.backend`); none of them
   <pvisor_host.backend.docker.DockerBackend.run_attempt>`: staging, the hardened sandbox, collection under
   the cap, the record) in this node's scratch directory, and leaves the run directory there.
 * :func:`fetch_run` — pinned to that node: streams the run directory back as a tar, one chunk at a time,
-  then removes it. Neither side holds a whole tree in memory.
+  then removes it (a run directory that fits in one chunk comes back with the copy's reply). Neither side
+  holds more than a chunk of it in memory.
 * :func:`node_info`, :func:`node_status` — small pinned calls (the driver's version check, ``cluster status``).
 
 A failure comes back as ``{"error": {...}}`` naming the exception's class, never as a raised exception, so
@@ -192,7 +193,8 @@ def run_copy(
     the copy started and asked whether it should stop (Ctrl-C on the driver, or the driver gave it up).
 
     Returns:
-        ``{"node", "node_id", "token", "interrupted"}``: the run directory waits here for :func:`fetch_run`;
+        ``{"node", "node_id", "token", "interrupted"}``, and ``"tar"``, the run directory, when it fits in one
+        chunk; a larger one waits here for :func:`fetch_run`;
         ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
         ``{"superseded": True}``: another copy finished first, and this one removed what it made; or
         ``{"error": {"type", "message", "exit_code"}}``.
@@ -231,9 +233,14 @@ def run_copy(
         if gateway is not None:
             gateway.close()
     if stop.reason == SUPERSEDED:  # another copy made the record: nobody fetches this one
-        shutil.rmtree(base, ignore_errors=True)
+        _remove(base)
         return {"superseded": True}
-    return {"node": node, "node_id": _node_id(), "token": token, "interrupted": interrupted}
+    reply: dict[str, Any] = {"node": node, "node_id": _node_id(), "token": token, "interrupted": interrupted}
+    archive = _pack(base)
+    if archive is None or archive.stat().st_size <= CHUNK:  # one chunk: it comes back with the reply
+        reply["tar"] = archive.read_bytes() if archive is not None else b""
+        _remove(base)
+    return reply
 
 
 def _materialize(
@@ -299,20 +306,31 @@ def fetch_run(session: str, token: str) -> Iterator[bytes]:
     Written to a file on this node first, so that only one chunk is in memory at a time.
     """
     base = scratch_root() / session / token
-    if not (base / "run").is_dir():
-        shutil.rmtree(base, ignore_errors=True)
-        return
-    archive = base / "run.tar"
     try:
+        archive = _pack(base)
+        if archive is not None:
+            with archive.open("rb") as handle:
+                while chunk := handle.read(CHUNK):
+                    yield chunk
+    finally:
+        _remove(base)
+
+
+def _pack(base: Path) -> Path | None:
+    """The copy's run directory as ``run.tar`` beside it (None when the copy made none)."""
+    if not (base / "run").is_dir():
+        return None
+    archive = base / "run.tar"
+    if not archive.exists():
         with tarfile.open(archive, "w") as tar:
             tar.add(base / "run", arcname="run")
-        with archive.open("rb") as handle:
-            while chunk := handle.read(CHUNK):
-                yield chunk
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            base.parent.rmdir()  # the batch's folder, once its last run directory went
+    return archive
+
+
+def _remove(base: Path) -> None:
+    shutil.rmtree(base, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        base.parent.rmdir()  # the batch's folder, once its last run directory went
 
 
 def _error(kind: str, message: str, *, exit_code: int | None = None) -> dict[str, Any]:
