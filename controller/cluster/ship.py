@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._log import logger
@@ -100,7 +101,7 @@ class Shipper:
             started = time.monotonic()
             found = self._client.images.get(image.id)
             named = image.ref if image.ref in found.tags else bool(found.tags)  # the node knows it by its tag
-            refs = [self._ray.put(chunk) for chunk in found.save(chunk_size=CHUNK, named=named)]
+            refs = [self._ray.put(chunk) for chunk in rechunk(found.save(chunk_size=CHUNK, named=named), CHUNK)]
             logger.info(
                 "{} is in the cluster's object store for the nodes that lack it ({} chunks, {:.1f}s)",
                 image.ref,
@@ -123,3 +124,16 @@ def _target(registry: str, image: ImageRef) -> tuple[str, str]:
     if not name or "/" in tag or image.ref.startswith("sha256:"):
         return f"{registry}/pvisor-host/image", image.id.removeprefix("sha256:")[:32]
     return f"{registry}/{name}", tag
+
+
+def rechunk(pieces: Iterable[bytes], size: int) -> Iterator[bytes]:
+    """``pieces`` as chunks of ``size`` bytes (the last one shorter): the engine streams an image in pieces of
+    a few KiB, and one object per piece would make a 650 MB image twenty thousand objects."""
+    buffer = bytearray()
+    for piece in pieces:
+        buffer += piece
+        while len(buffer) >= size:
+            yield bytes(buffer[:size])
+            del buffer[:size]
+    if buffer:
+        yield bytes(buffer)

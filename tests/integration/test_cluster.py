@@ -5,14 +5,17 @@ each node's own gateway."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import docker.errors
 import pytest
 
 from cluster import Cluster, Registry, remove_engines
@@ -145,13 +148,38 @@ def slow_manifest(root: Path, count: int, seconds: int) -> Path:
     return manifest
 
 
-def start_batch(manifest: Path, out: Path, cluster: Cluster, grace: int = 3) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def running_batch(manifest: Path, out: Path, cluster: Cluster, grace: int = 3) -> Iterator[subprocess.Popen[str]]:
+    """A cluster batch in the background; one still running when the test ends is interrupted like a user would."""
     env = {**os.environ, **cluster.env, "PVISOR_HOST_CLUSTER_GRACE": str(grace), "PVH_TEST_MODEL_KEY": KEY}
-    return subprocess.Popen(
+    with subprocess.Popen(
         [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(manifest), "--agent", "claude-code",
          "--mode", "replay-only", "--out", str(out), "--quiet", "--cluster", cluster.address],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    ) as process:  # fmt: skip
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+
+
+def freeze(node) -> None:
+    """``docker pause``, again if the freezer caught the node's processes mid-fork ("unable to freeze")."""
+    for _ in range(10):
+        try:
+            node.pause()
+            return
+        except docker.errors.APIError as exc:
+            if "unable to freeze" not in str(exc):
+                raise
+            time.sleep(0.5)
+    node.pause()
 
 
 def wait_until_running(cluster: Cluster, name: str, process: subprocess.Popen[str], timeout: float = 180) -> None:
@@ -171,17 +199,22 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
     manifest = slow_manifest(tmp_path / "data", 8, 6)
     out = tmp_path / "out"
     # A crash is Ray's to retry (a long grace keeps the watchdog out of it); a hang is the watchdog's.
-    process = start_batch(manifest, out, cluster, grace=60 if failure == "kill" else 3)
     victim, survivor = cluster.nodes
-    wait_until_running(cluster, victim, process)
     node = docker_client.containers.get(victim)
-    if failure == "kill":
-        node.kill()
-    elif failure == "pause":
-        node.pause()
-    else:
-        docker_client.networks.get("bridge").disconnect(node)
-    stdout, stderr = process.communicate(timeout=600)
+    with running_batch(manifest, out, cluster, grace=60 if failure == "kill" else 3) as process:
+        wait_until_running(cluster, victim, process)
+        try:
+            if failure == "kill":
+                node.kill()
+            elif failure == "pause":
+                freeze(node)
+            else:
+                docker_client.networks.get("bridge").disconnect(node)
+            stdout, stderr = process.communicate(timeout=600)
+        finally:
+            node.reload()
+            if node.status == "paused":
+                node.unpause()
     assert process.returncode == 0, stderr
     assert summary(out)["counts"] == {"ok": 8}
     ran = records(out)
@@ -194,10 +227,8 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
         assert [s["node"] for s in record["superseded"]] == [victim]
         assert reason in record["superseded"][0]["reason"]
     assert cluster.node_containers(survivor) == []
-    # The lost node comes back: it is swept when it joins again.
-    if failure == "pause":
-        node.unpause()
-    elif failure == "disconnect":
+    # The lost node comes back (unpaused above): it is swept when it joins again.
+    if failure == "disconnect":
         docker_client.networks.get("bridge").connect(node)
     node.reload()
     deadline = time.monotonic() + 120
@@ -213,11 +244,11 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
 def test_ctrl_c_on_a_cluster_batch_leaves_no_container_on_any_node(cluster, tmp_path):
     manifest = slow_manifest(tmp_path / "data", 6, 60)
     out = tmp_path / "out"
-    process = start_batch(manifest, out, cluster)
-    for name in cluster.nodes:
-        wait_until_running(cluster, name, process)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    with running_batch(manifest, out, cluster) as process:
+        for name in cluster.nodes:
+            wait_until_running(cluster, name, process)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert summary(out)["interrupted"] is True
     for name in cluster.nodes:

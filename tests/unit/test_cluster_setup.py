@@ -11,7 +11,7 @@ import pytest
 from pvisor_host.cluster import connect
 from pvisor_host.cluster.join import join_command
 from pvisor_host.cluster.ledger import Ledger
-from pvisor_host.cluster.ship import _target, check_registry
+from pvisor_host.cluster.ship import _target, check_registry, rechunk
 from pvisor_host.errors import PrerequisiteError, UsageError
 from pvisor_host.models.image import ImageRef
 
@@ -112,3 +112,9 @@ def test_a_driver_off_the_cluster_is_one_line_before_ray_is_touched(monkeypatch)
         "this machine is not a node of the cluster at 10.0.0.5:6379, and Ray runs a driver only on one "
         "(run the batch on the head, or on a Docker host that ran `pvisor-host node join`)"
     )
+
+
+def test_an_image_goes_into_the_object_store_in_whole_chunks():
+    pieces = [b"a" * 3, b"b" * 5, b"", b"c" * 9, b"d"]
+    assert list(rechunk(pieces, 4)) == [b"aaab", b"bbbb", b"cccc", b"cccc", b"cd"]
+    assert list(rechunk([], 4)) == []
