@@ -273,7 +273,9 @@ class _Handler(BaseHTTPRequestHandler):
     """One sandbox request: check the token, forward with the real key, stream back, journal."""
 
     server: Any
-    protocol_version = "HTTP/1.0"  # responses are close-delimited, so streams pass through as they arrive
+    # Every answer says where it ends (a length, or chunks), so no client waits for the connection to close:
+    # under gVisor a Rust agent side sometimes missed the close that ended a close-delimited answer, and hung.
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         return
@@ -365,18 +367,29 @@ class _Handler(BaseHTTPRequestHandler):
             for key in ("Content-Type", "Cache-Control", "x-request-id", "retry-after"):
                 if key in upstream.headers:
                     self.send_header(key, upstream.headers[key])
+            limit = gateway.config.body_limit
+            if not stream:  # one JSON answer: its length first
+                content = upstream.content
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+                return upstream.status_code, len(content), content[:limit], content[-_USAGE_TAIL:], False
+            self.send_header("Transfer-Encoding", "chunked")  # a stream passes through as it arrives
             self.end_headers()
             sent = 0
-            limit = gateway.config.body_limit
             head = bytearray()
             tail = bytearray()
             for chunk in upstream.iter_content(chunk_size=None):
-                self.wfile.write(chunk)
+                if not chunk:
+                    continue
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
                 sent += len(chunk)
                 if len(head) < limit:
                     head += chunk[: limit - len(head)]
                 tail = (tail + chunk)[-_USAGE_TAIL:]
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
         return upstream.status_code, sent, bytes(head), bytes(tail), stream
 
 
