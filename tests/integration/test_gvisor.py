@@ -1,6 +1,6 @@
 """Replays under gVisor (``--runtime runsc``), the engine's runtime that ``make test`` registers: the hardening
 probe, Claude Code and Codex replay-only, a live continuation through the gateway's unix socket, a timeout,
-an OOM kill, a 10-item batch, and what differs from runc (``--pids``), each against the real engine.
+an OOM kill, a 10-item batch, and what differs from runc (``--pids``, ``statx``), each against the real engine.
 
 Without a registered runsc these tests skip locally and fail when ``CI=true``: CI must run them.
 """
@@ -137,6 +137,24 @@ def test_a_live_continuation_reaches_the_gateway_through_its_socket(tmp_path, cl
     assert (out / "workspace" / "continued.txt").read_text() == "continued\n"
     assert requests and {r["headers"]["authorization"] for r in requests} == {f"Bearer {KEY['PVH_TEST_MODEL_KEY']}"}
     assert not any(KEY["PVH_TEST_MODEL_KEY"] in p.read_text(errors="replace") for p in out.rglob("*") if p.is_file())
+
+
+def test_stat_based_tools_fail_under_this_gvisor_release(tmp_path, claude_image):
+    """What differs from runc, pinned down: runsc 0.0~20221219 answers coreutils' statx(2) with EINVAL, so a
+    replayed `ls` or `stat` prints an error where it printed a listing under runc (docs/security.md says so).
+    Reading files and Python's os.listdir work."""
+    command = (
+        "ls / > ls.txt 2>&1; echo $? >> ls.txt; stat -c %n / > stat.txt 2>&1; echo $? >> stat.txt; "
+        'python3 -c \'import os; print("etc" in os.listdir("/"))\' > listdir.txt'
+    )
+    trajectory = write_jsonl(tmp_path / "stat.jsonl", probe(command))
+    out = tmp_path / "run"
+    result = replay_only(trajectory, out)
+    assert result.code == 0, result.stderr
+    workspace = out / "workspace"
+    assert (workspace / "ls.txt").read_text() == "ls: cannot access '/': Invalid argument\n2\n"
+    assert (workspace / "stat.txt").read_text() == "stat: cannot statx '/': Invalid argument\n1\n"
+    assert (workspace / "listdir.txt").read_text() == "True\n"
 
 
 def test_a_timeout_under_gvisor(tmp_path, claude_image, docker_client):
