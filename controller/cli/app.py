@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,25 +59,7 @@ def _backend(
     ``registry`` when given) for one command, closed afterwards."""
     from ..backend import open_backend
 
-    if cluster is not None:
-        from ..cluster.connect import check_address, require_ray
-        from ..cluster.ship import REGISTRY_ENV, check_registry
-
-        check_address(cluster)
-        registry = registry or os.environ.get(REGISTRY_ENV)
-        registry = check_registry(registry) if registry else None
-        require_ray()  # one line naming the extra, before the engine is touched
-    backend: Backend = open_backend(pool_size=pool_size, timeout=timeout)
-    if cluster is not None:
-        from ..backend.docker import DockerBackend
-        from ..cluster.backend import ClusterBackend
-
-        assert isinstance(backend, DockerBackend)
-        try:
-            backend = ClusterBackend(cluster, backend, registry=registry)
-        except BaseException:
-            backend.close()
-            raise
+    backend = open_backend(pool_size=pool_size, timeout=timeout, cluster=cluster, registry=registry)
     try:
         yield backend
     finally:
@@ -499,7 +480,9 @@ def batch(
         retry_oom=retry_oom,
         build=BuildOptions(base=base, ca_bundle=ca_bundle),
     )
-    with _backend(pool_size=options.workers + 8, cluster=None if plan else cluster, registry=registry) as backend:
+    with _backend(
+        pool_size=options.workers + 8, cluster=None if plan else cluster, registry=None if plan else registry
+    ) as backend:
         if cluster is not None and not plan and workers is None:
             options = options.model_copy(update={"workers": getattr(backend, "slots", options.workers)})
         if plan:
