@@ -42,8 +42,10 @@ Entry = ReplaySpec | Mapping[str, Any]
 
 
 @contextlib.contextmanager
-def _engine(docker_host: str | None, *, pool_size: int = 10) -> Iterator[Backend]:
-    backend = open_backend(pool_size=pool_size, docker_host=docker_host)
+def _engine(
+    docker_host: str | None, *, pool_size: int = 10, cluster: str | None = None, registry: str | None = None
+) -> Iterator[Backend]:
+    backend = open_backend(pool_size=pool_size, docker_host=docker_host, cluster=cluster, registry=registry)
     try:
         yield backend
     finally:
@@ -84,10 +86,21 @@ class Batch:
     """A batch of replays: iterate it to run it (see the module docstring). Use it as a context manager, or
     call :meth:`close`, to end it deterministically when you stop iterating early and still hold it."""
 
-    def __init__(self, items: list[BatchItem], options: BatchOptions, *, docker_host: str | None = None) -> None:
+    def __init__(
+        self,
+        items: list[BatchItem],
+        options: BatchOptions,
+        *,
+        docker_host: str | None = None,
+        cluster: str | None = None,
+        registry: str | None = None,
+        fit_workers: bool = False,
+    ) -> None:
         self._items = items
         self._options = options
         self._docker_host = docker_host
+        self._cluster, self._registry = cluster, registry
+        self._fit_workers = fit_workers
         self._run: BatchRun | None = None
         self._cancelled = False
         self._iterator: Generator[ItemResult, None, None] | None = None
@@ -121,7 +134,12 @@ class Batch:
         return self._iterator
 
     def _results(self) -> Generator[ItemResult, None, None]:
-        with _engine(self._docker_host, pool_size=self._options.workers + 8) as backend:
+        engine = _engine(
+            self._docker_host, pool_size=self._options.workers + 8, cluster=self._cluster, registry=self._registry
+        )
+        with engine as backend:
+            if self._fit_workers:  # as many sandboxes at a time as the cluster has engine slots
+                self._options = self._options.model_copy(update={"workers": getattr(backend, "slots", 1)})
             run = BatchRun(self._items, backend, self._options, total=len(self._items), images=image_specs(self._items))
             self._run = run
             if self._cancelled:
@@ -161,6 +179,8 @@ def batch(
     retry_oom: bool = False,
     build: BuildOptions | None = None,
     docker_host: str | None = None,
+    cluster: str | None = None,
+    registry: str | None = None,
 ) -> Batch:
     """A batch of replays, validated now and run as you iterate it (see the module docstring).
 
@@ -174,12 +194,28 @@ def batch(
         rerun_failed: also rerun items that finished with a failure.
         retry_oom: retry attempts killed for memory.
         build: how an agent image that must be built is built.
-        docker_host: the engine (default ``DOCKER_HOST``, else the local socket).
+        docker_host: the engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine
+            that makes the images.
+        cluster: ``HEAD:PORT`` of a Ray cluster of Docker hosts to run the items on (the ``ray`` extra; the
+            token comes from ``RAY_AUTH_TOKEN``, this process must run on a machine of the cluster, and
+            ``workers`` defaults to the cluster's engine slots); see docs/cluster.md.
+        registry: with ``cluster``, where nodes pull images from by digest (default
+            ``$PVISOR_HOST_REGISTRY``, else images travel through the cluster).
 
     Raises:
         UsageError: an item is wrong (the first, by position, and how many more), or an option is.
+        PrerequisiteError: (when iterated) no engine answers, or the cluster is missing something it needs.
     """
     checked = batch_items(items, defaults)
+    if cluster is not None:  # what the host can tell about the cluster options, now rather than when iterated
+        from .cluster.connect import check_address
+        from .cluster.ship import check_registry
+
+        check_address(cluster)
+        if registry:
+            check_registry(registry)
+    elif registry:
+        raise UsageError("registry is where cluster nodes pull images from; it needs cluster=")
     options = BatchOptions(
         out=Path(out).absolute(),
         workers=workers or default_workers(checked[0].spec.memory),
@@ -188,7 +224,8 @@ def batch(
         retry_oom=retry_oom,
         build=build or BuildOptions(),
     )
-    return Batch(checked, options, docker_host=docker_host)
+    fit = cluster is not None and workers is None
+    return Batch(checked, options, docker_host=docker_host, cluster=cluster, registry=registry, fit_workers=fit)
 
 
 _END = object()

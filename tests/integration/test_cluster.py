@@ -273,6 +273,45 @@ def test_without_a_token_or_a_node_the_batch_says_so_in_one_line(cluster, tmp_pa
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+API_BATCH = """
+import json, sys
+from pathlib import Path
+
+import pvisor_host
+
+data, out, address = map(str, sys.argv[1:])
+items = [dict(json.loads(line), trajectory=f"{data}/{json.loads(line)['trajectory']}")
+         for line in Path(data, "manifest.jsonl").read_text().splitlines()]
+with pvisor_host.batch(items, out=out, defaults={"agent": "claude-code", "mode": "replay-only"},
+                       cluster=address) as batch:
+    results = sorted((r.id, r.status) for r in batch)
+print(json.dumps({"results": results, "counts": batch.summary.counts}))
+"""
+
+
+def test_the_python_api_runs_a_batch_on_the_cluster(cluster, tmp_path):
+    """``pvisor_host.batch(..., cluster=)``: the same items, records and summary as ``batch --cluster``, and the
+    library prints nothing."""
+    slow_manifest(tmp_path / "data", 4, 0)
+    script = tmp_path / "api_batch.py"
+    script.write_text(API_BATCH)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data"), str(out), cluster.address],
+        capture_output=True, text=True, timeout=600, check=False, env={**os.environ, **cluster.env},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout) == {
+        "results": [["s0", "ok"], ["s1", "ok"], ["s2", "ok"], ["s3", "ok"]],
+        "counts": {"ok": 4},
+    }
+    ran = records(out)
+    assert sorted(ran) == ["s0", "s1", "s2", "s3"]
+    assert {r["host"]["node"] for r in ran.values()} <= set(cluster.nodes)
+    assert {r["host"]["cluster"] for r in ran.values()} == {cluster.address}
+    assert (out / "junit.xml").is_file() and (out / "report.html").is_file()
+
+
 def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, tmp_path, claude_image):
     image_id = docker_client.images.get(claude_image).id
     repository, _, tag = claude_image.rpartition(":")

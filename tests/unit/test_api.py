@@ -140,3 +140,28 @@ def test_the_documentation_site_builds_without_a_warning(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "index.html").is_file()
+
+
+def test_the_api_checks_cluster_options_as_the_cli_does_before_anything_connects(tmp_path, monkeypatch):
+    good = write_jsonl(tmp_path / "t.jsonl", claude_files_session())
+    items = [{"trajectory": good, "after_step": 1}]
+    defaults = {"agent": "claude-code"}
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.batch(items, out=out, defaults=defaults, cluster="nowhere")
+    assert caught.value.one_line() == (
+        "--cluster 'nowhere' is not HOST:PORT (the Ray head's address, e.g. 10.0.0.5:6379)"
+    )
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.batch(items, out=out, defaults=defaults, registry="127.0.0.1:5000")
+    assert caught.value.one_line() == "registry is where cluster nodes pull images from; it needs cluster="
+    with pytest.raises(UsageError, match="registry"):
+        pvisor_host.batch(items, out=out, defaults=defaults, cluster="10.0.0.5:6379", registry="http://reg:5000")
+    # Ray missing is found when the batch runs, before the engine is asked (the engine here does not exist).
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    batch = pvisor_host.batch(items, out=out, defaults=defaults, cluster="10.0.0.5:6379", docker_host=NO_ENGINE)
+    with pytest.raises(pvisor_host.PrerequisiteError) as missing:
+        list(batch)
+    assert missing.value.one_line() == ("a cluster needs Ray, which is not installed (pip install 'pvisor-host[ray]')")
+    assert not out.exists()
