@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .DEFAULT_GOAL := help
-.PHONY: help venv engine engine-runsc browser images demo test test-unit test-docker test-faults bench lint docs docs-api clean
+.PHONY: help venv engine engine-runsc browser images demo check test test-unit test-docker test-faults bench lint docs docs-api clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -42,7 +42,9 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 	@echo "Artifacts: pvisor-runs/demo/  (record.json, result.json, output/, state/, workspace/, logs/)"
 	@echo "Workspace after the replay:" && cat pvisor-runs/demo/workspace/greeting.txt
 
-test: venv engine-runsc browser ## Run the whole test suite against the real engine (gVisor and Chromium included)
+check: lint test-unit ## The fast tier: lint, then every test that needs no engine (a few minutes, no Docker)
+
+test: venv lint engine-runsc browser ## Everything: lint, then the whole suite against the real engine (gVisor and Chromium included)
 	$(BIN)/pytest
 
 test-unit: venv ## Run the tests that need no Docker engine
@@ -57,12 +59,19 @@ test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mi
 bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; writes bench-results.json
 	$(BIN)/python bench/run.py
 
-lint: venv ## ruff and mypy
-	$(BIN)/ruff check controller tests examples
-	$(BIN)/ruff format --check controller tests examples
+lint: venv ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
+	$(BIN)/ruff check controller tests examples bench scripts
+	$(BIN)/ruff format --check controller tests examples bench scripts
 	$(BIN)/mypy controller
+	@# The examples type-check as a user's code would, against the package under its import name.
+	@d=$$(mktemp -d) && ln -s $(CURDIR)/controller $$d/pvisor_host && \
+		MYPYPATH=$$d $(BIN)/mypy --strict --no-incremental examples; rc=$$?; rm -rf $$d; exit $$rc
+	$(BIN)/lint-imports
 
-docs: venv ## Build the documentation site into site/ (MkDocs, Material; any warning fails)
+docs: venv ## Check the generated reference is current, then build the site into site/ (any warning fails)
+	$(BIN)/python scripts/gen-api-docs.py --check
+	$(BIN)/python scripts/gen-cli-docs.py --check
+	$(BIN)/python scripts/gen-schemas.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-api: venv ## Regenerate the generated reference: docs/api.md, docs/reference.md, docs/schemas/
@@ -71,4 +80,4 @@ docs-api: venv ## Regenerate the generated reference: docs/api.md, docs/referenc
 	$(BIN)/python scripts/gen-schemas.py
 
 clean: ## Remove the virtualenv, caches and run directories (images stay: see `pvisor-host images`)
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache pvisor-runs site *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache pvisor-runs site *.egg-info

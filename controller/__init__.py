@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         ResultProtocolError,
         UsageError,
     )
-    from .fanout.report import BatchSummary, ItemResult
+    from .models.batch import BatchSummary, ItemResult
     from .models.housekeeping import GcReport
     from .models.image import BuildOptions, ImageRef
     from .models.record import ReplayRecord
@@ -57,8 +57,8 @@ _EXPORTS = {
     "ImageRef": "models.image",
     "BuildOptions": "models.image",
     "GcReport": "models.housekeeping",
-    "ItemResult": "fanout.report",
-    "BatchSummary": "fanout.report",
+    "ItemResult": "models.batch",
+    "BatchSummary": "models.batch",
     "ExitCode": "errors",
     "PvisorHostError": "errors",
     "UsageError": "errors",

@@ -2,12 +2,19 @@
 
 Everything here validates and defaults exactly as the CLI does (through the same
 :class:`~pvisor_host.models.spec.ReplaySpec`, the same host checks, the same backend), raises only
-:class:`~pvisor_host.errors.PvisorHostError` s for requests it refuses, prints nothing, installs no logging
-sink and keeps no global state: each call opens its own connection to the engine (``docker_host``, default
-``DOCKER_HOST`` or the local socket), so several batches may run at once in one process, against different
-engines, from different threads.
+:class:`~pvisor_host.errors.PvisorHostError` s for requests it refuses, prints nothing and installs no
+logging sink. Each call opens its own connection to the engine (``docker_host``, default ``DOCKER_HOST`` or
+the local socket), so several batches may run at once in one process, against different engines, from
+different threads.
 
-A batch is an iterator of each item's :class:`~pvisor_host.fanout.report.ItemResult`, in completion order;
+A cluster batch (``cluster=``) is the exception, because Ray is: Ray allows one cluster connection per
+process and reads its token from the process environment. While a cluster batch runs, the environment
+holds Ray's token settings (put back as they were when it ends), and a second cluster batch in the same
+process is refused with a :class:`~pvisor_host.errors.UsageError` in one line, as is one in a process where
+the application called ``ray.init()`` itself. Run concurrent cluster batches in separate processes. A
+batch never shuts down a Ray connection it did not open.
+
+A batch is an iterator of each item's :class:`~pvisor_host.models.batch.ItemResult`, in completion order;
 breaking out of it, calling :meth:`Batch.cancel`, or a ``KeyboardInterrupt`` stops and removes its running
 sandboxes, keeps the records of the items that finished, and writes the reports. Running the same batch
 into the same ``out`` again resumes it. :func:`abatch` is the same for asyncio.
@@ -17,25 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Mapping
+import functools
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from .attempts import run_replay
-from .backend import Backend, open_backend
+from .backend import AnyBackend, check_cluster_options, open_backend
 from .errors import UsageError
 from .fanout.manifest import BatchItem, batch_items, image_specs
-from .fanout.report import BatchSummary, ItemResult
 from .fanout.scheduler import BatchOptions, BatchRun, default_workers
+from .models.batch import BatchSummary, ItemResult
 from .models.housekeeping import GcReport
 from .models.image import BuildOptions, BuildPlan, ImageRef
 from .models.profiles import get_profile
 from .models.record import ReplayRecord
 from .models.spec import ReplaySpec, build_spec
-from .models.units import parse_duration
 from .preflight.checks import check_inputs
 from .preflight.prepare import prepare
+from .report import write_report
+from .units import parse_duration
 
 Entry = ReplaySpec | Mapping[str, Any]
 """A batch item: a spec, or a mapping of a manifest line's fields (``id`` included)."""
@@ -44,12 +53,21 @@ Entry = ReplaySpec | Mapping[str, Any]
 @contextlib.contextmanager
 def _engine(
     docker_host: str | None, *, pool_size: int = 10, cluster: str | None = None, registry: str | None = None
-) -> Iterator[Backend]:
+) -> Iterator[AnyBackend]:
     backend = open_backend(pool_size=pool_size, docker_host=docker_host, cluster=cluster, registry=registry)
     try:
         yield backend
     finally:
         backend.close()
+
+
+def _pooled_engine(
+    docker_host: str | None, pool_size: int, *, cluster: str | None, registry: str | None, lent: AnyBackend | None
+) -> contextlib.AbstractContextManager[AnyBackend]:
+    """The backend a batch runs on: the one lent by the caller (left open), else one opened for it."""
+    if lent is not None:
+        return contextlib.nullcontext(lent)
+    return _engine(docker_host, pool_size=pool_size, cluster=cluster, registry=registry)
 
 
 def replay(
@@ -91,15 +109,13 @@ class Batch:
         items: list[BatchItem],
         options: BatchOptions,
         *,
-        docker_host: str | None = None,
-        cluster: str | None = None,
-        registry: str | None = None,
+        backend: Callable[[int], contextlib.AbstractContextManager[AnyBackend]],
         fit_workers: bool = False,
     ) -> None:
         self._items = items
         self._options = options
-        self._docker_host = docker_host
-        self._cluster, self._registry = cluster, registry
+        self._backend = backend
+        """Opens the backend for a pool of so many threads (and closes it, unless it was lent by the caller)."""
         self._fit_workers = fit_workers
         self._run: BatchRun | None = None
         self._cancelled = False
@@ -134,13 +150,18 @@ class Batch:
         return self._iterator
 
     def _results(self) -> Generator[ItemResult, None, None]:
-        engine = _engine(
-            self._docker_host, pool_size=self._options.workers + 8, cluster=self._cluster, registry=self._registry
-        )
-        with engine as backend:
-            if self._fit_workers:  # as many sandboxes at a time as the cluster has engine slots
-                self._options = self._options.model_copy(update={"workers": getattr(backend, "slots", 1)})
-            run = BatchRun(self._items, backend, self._options, total=len(self._items), images=image_specs(self._items))
+        with self._backend(self._options.workers + 8) as backend:
+            capacity = backend.capacity()
+            if self._fit_workers and capacity is not None:  # as many sandboxes at a time as the cluster has slots
+                self._options = self._options.model_copy(update={"workers": capacity})
+            run = BatchRun(
+                self._items,
+                backend,
+                self._options,
+                total=len(self._items),
+                images=image_specs(self._items),
+                reports=(write_report,),
+            )
             self._run = run
             if self._cancelled:
                 run.cancel()
@@ -181,6 +202,7 @@ def batch(
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
+    backend: AnyBackend | None = None,
 ) -> Batch:
     """A batch of replays, validated now and run as you iterate it (see the module docstring).
 
@@ -201,21 +223,15 @@ def batch(
             ``workers`` defaults to the cluster's engine slots); see docs/cluster.md.
         registry: with ``cluster``, where nodes pull images from by digest (default
             ``$PVISOR_HOST_REGISTRY``, else images travel through the cluster).
+        backend: an open backend to run on instead (``docker_host``, ``cluster`` and ``registry`` are then
+            not used); it stays open afterwards: its caller closes it.
 
     Raises:
         UsageError: an item is wrong (the first, by position, and how many more), or an option is.
         PrerequisiteError: (when iterated) no engine answers, or the cluster is missing something it needs.
     """
     checked = batch_items(items, defaults)
-    if cluster is not None:  # what the host can tell about the cluster options, now rather than when iterated
-        from .cluster.connect import check_address
-        from .cluster.ship import check_registry
-
-        check_address(cluster)
-        if registry:
-            check_registry(registry)
-    elif registry:
-        raise UsageError("registry is where cluster nodes pull images from; it needs cluster=")
+    check_cluster_options(cluster, registry)  # now rather than when iterated; the backend checks again
     options = BatchOptions(
         out=Path(out).absolute(),
         workers=workers or default_workers(checked[0].spec.memory),
@@ -224,8 +240,8 @@ def batch(
         retry_oom=retry_oom,
         build=build or BuildOptions(),
     )
-    fit = cluster is not None and workers is None
-    return Batch(checked, options, docker_host=docker_host, cluster=cluster, registry=registry, fit_workers=fit)
+    opener = functools.partial(_pooled_engine, docker_host, cluster=cluster, registry=registry, lent=backend)
+    return Batch(checked, options, backend=opener, fit_workers=workers is None)
 
 
 _END = object()

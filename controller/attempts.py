@@ -20,18 +20,18 @@ from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
 
 from ._log import logger
-from .backend.base import Backend, ModelGateway
+from .backend.base import AnyBackend, ModelGateway
 from .errors import Interrupted
 from .files.space import full_disk_raises
 from .models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
-from .models.units import format_duration
 from .preflight.checks import release_out_dir
+from .units import format_duration
 
 
 @contextlib.contextmanager
-def model_gateway(prepared: PreparedReplay, backend: Backend) -> Iterator[ModelGateway | None]:
+def model_gateway(prepared: PreparedReplay, backend: AnyBackend) -> Iterator[ModelGateway | None]:
     """The running gateway of a live continuation (None otherwise), closed on every path."""
     upstream = prepared.spec.continuation
     if upstream is None:
@@ -70,7 +70,7 @@ class RetryPolicy(BaseModel):
         return cls(attempts=spec.attempts, backoff=spec.retry_backoff, **extra)
 
 
-def run_replay(prepared: PreparedReplay, backend: Backend) -> ReplayRecord:
+def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
     """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
     with model_gateway(prepared, backend) as gateway:
         return run_attempts(prepared, backend, gateway=gateway, policy=RetryPolicy.for_spec(prepared.spec))
@@ -78,7 +78,7 @@ def run_replay(prepared: PreparedReplay, backend: Backend) -> ReplayRecord:
 
 def run_attempts(
     prepared: PreparedReplay,
-    backend: Backend,
+    backend: AnyBackend,
     *,
     gateway: ModelGateway | None,
     policy: RetryPolicy,

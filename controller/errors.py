@@ -86,10 +86,8 @@ class ImageBuildError(InfrastructureError):
 class DiskFull(InfrastructureError):
     """A filesystem pvisor-host writes to (the run directory's, the staging's) has no space left."""
 
-    def __init__(self, mount: str, free: int) -> None:
-        from .models.units import format_size
-
-        super().__init__(f"the filesystem at {mount} is full ({format_size(free)} free)")
+    def __init__(self, mount: str, free: int, message: str) -> None:
+        super().__init__(message)
         self.mount = mount
         self.free = free
 

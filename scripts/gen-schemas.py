@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from pvisor_host.fanout.compare import COMPARE_SCHEMA, Comparison
 from pvisor_host.fanout.manifest import manifest_line_model
-from pvisor_host.fanout.report import SUMMARY_SCHEMA, BatchSummary
+from pvisor_host.models.batch import SUMMARY_SCHEMA, BatchSummary
 from pvisor_host.models.record import ReplayRecord
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,6 +32,9 @@ import time
 import tomllib
 from pathlib import Path
 
+from conftest import run_cli
+from trajgen import Call, Turn, claude_session, write_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = "ray==2.60.0"
 NODE_LABEL = "pvisor-host.test-node"
@@ -409,3 +412,41 @@ class Registry:
             with urllib.request.urlopen(request, timeout=10) as answer:
                 found.append(answer.headers["Docker-Content-Digest"])
         return found
+
+
+# -- what the cluster tests share -------------------------------------------------------------------------
+
+#: The model key the cluster tests hand their batches (never to be found on a node or in a run).
+KEY = "sk-test-cluster-key-5e1f0b"
+
+
+def one(command: str, result: str = "", n: int = 0, version: str | None = None) -> list[dict]:
+    extra = {"version": version} if version else {}
+    calls = [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])]
+    return claude_session(f"Task {n}.", calls, **extra)
+
+
+def slow_manifest(root: Path, count: int, seconds: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for n in range(count):
+        write_jsonl(root / f"s{n}.jsonl", one(f"sleep {seconds}; echo {n}", f"{n}\n", n))
+        lines.append({"id": f"s{n}", "trajectory": f"s{n}.jsonl", "after_step": 1})
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+def batch(manifest: Path, out: Path, *args: str, env: dict[str, str] | None = None):
+    return run_cli(
+        "batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--quiet", *args,
+        env={"PVH_TEST_MODEL_KEY": KEY, **(env or {})},
+    )  # fmt: skip
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def records(out: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/record.json")}

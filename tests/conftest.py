@@ -1,7 +1,14 @@
 """Shared fixtures: the real engine, the real sandbox images, and a CLI runner in a real subprocess.
 
-Tests marked ``docker`` drive a real Docker engine. Without one they are skipped locally, but when
-``CI=true`` they fail instead: CI must never pass by skipping them.
+A test that needs the engine asks for it through a fixture (``docker_client``, or one built on it:
+``backend``, ``claude_image``, ...), and is marked ``docker`` for that (:func:`pytest_collection_modifyitems`):
+no test can forget the mark. Every other test runs with ``DOCKER_HOST`` pointing nowhere, so one that reaches
+the engine some other way fails instead of passing by luck. Without an engine the ``docker`` tests are skipped
+locally; when ``CI=true`` they fail instead: CI must never pass by skipping them.
+
+Children that a test may interrupt start with SIGINT, SIGHUP and SIGTERM at their defaults
+(:func:`default_signals`): a test suite started in the background of a script (``nohup make test &``) runs
+with SIGINT ignored, and children would inherit that.
 """
 
 from __future__ import annotations
@@ -22,6 +29,43 @@ DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: The fixtures that reach the engine; a test using any of them (directly or through another) needs it.
+ENGINE_FIXTURES = frozenset({"docker_client"})
+#: Where tests that do not need the engine find one: nowhere.
+NO_ENGINE = "unix:///nonexistent/pvisor-host-no-engine-for-this-test.sock"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``docker`` every test that uses an engine fixture, directly or through another fixture."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.docker)
+
+
+@pytest.fixture(autouse=True)
+def no_engine_unless_asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the ``docker`` mark sees no engine (its children neither)."""
+    if request.node.get_closest_marker("docker") is None:
+        monkeypatch.setenv("DOCKER_HOST", NO_ENGINE)
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` in this process for the test, even when the suite was
+    started with SIGINT ignored (then Python does not install its handler)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def default_signals() -> None:
+    """``preexec_fn`` for a child a test may interrupt: SIGINT, SIGHUP and SIGTERM at their defaults, whatever
+    this process inherited (a script's background job has SIGINT ignored, ``nohup`` SIGHUP)."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @dataclass
@@ -54,6 +98,7 @@ def run_cli(
         text=True,
         env=environment,
         cwd=cwd,
+        preexec_fn=default_signals,  # it is interrupted when it runs too long
     ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
@@ -77,6 +122,7 @@ def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subproces
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_signals,
     )
 
 
@@ -175,10 +221,13 @@ def labelled_resources(client) -> dict[str, set[str]]:
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(request) -> Iterator[None]:
     """After the whole suite: no container, volume or network with our labels that the suite created remains."""
+    if not any(item.get_closest_marker("docker") for item in request.session.items):
+        yield
+        return
     client = _engine_or_none()
     before = labelled_resources(client) if client is not None else {}
     yield
-    if client is None or not any(item.get_closest_marker("docker") for item in request.session.items):
+    if client is None:
         return
     deadline = time.monotonic() + 10
     while True:

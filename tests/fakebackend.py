@@ -88,6 +88,9 @@ class FakeBackend:
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image_ref(plan.profile.agent), exists=True)
 
+    def capacity(self) -> int | None:
+        return None
+
     def runtime(self, name: str | None) -> Runtime:
         return Runtime(name=name or "runc")
 

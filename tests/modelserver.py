@@ -9,7 +9,8 @@ Its answer depends only on the request, so one server can serve many runs at onc
 
 Every request is recorded (path, headers with lower-case names, JSON body). :meth:`StubModel.fail_next`
 makes the next requests fail, :meth:`StubModel.fail_sessions` every request of chosen runs: with an HTTP
-status (429, 500, ...), ``"hang"`` (no answer) or ``"close"`` (drop the connection).
+status (429, 500, ...), ``"hang"`` (no answer), ``"close"`` (drop the connection) or ``"cut"`` (start a
+stream, then drop the connection before its end).
 Run as a script to serve on a port or a unix socket.
 """
 
@@ -179,6 +180,17 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(3600)
             return
         if failure == "close":
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        if failure == "cut":  # a stream that starts, then breaks off: no last chunk
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            event = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]}\n\n'
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(2)
             return

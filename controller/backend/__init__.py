@@ -1,7 +1,11 @@
 """Backends: where sandboxes run, behind one seam (:class:`~pvisor_host.backend.base.Backend`).
 
-Nothing outside this package imports docker; :func:`open_backend` imports a backend's module only when one
-is opened, so commands that need no engine never load it.
+* :mod:`.docker` — the local Docker engine (the default), the only package that imports docker;
+* :mod:`.cluster` — the Docker hosts of a Ray cluster (the ``ray`` extra), the only one that imports Ray.
+
+:func:`open_backend` is the one way in, for the CLI and the Python API alike: it checks the cluster options
+(:func:`check_cluster_options`) before any engine or cluster is asked, and imports a backend's module only
+when that backend is opened, so commands that need no engine never load one.
 """
 
 from __future__ import annotations
@@ -9,12 +13,36 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .base import Backend, ModelGateway
+from .base import AnyBackend, Backend, ModelGateway
 
 if TYPE_CHECKING:
     from ..models.ownership import Ownership
 
-__all__ = ["Backend", "ModelGateway", "open_backend"]
+__all__ = ["AnyBackend", "Backend", "ModelGateway", "check_cluster_options", "open_backend"]
+
+#: Where a cluster's nodes pull images from when ``--registry`` is not given.
+REGISTRY_ENV = "PVISOR_HOST_REGISTRY"
+
+
+def check_cluster_options(cluster: str | None, registry: str | None) -> str | None:
+    """Check what the host can tell about a cluster request without asking anything: ``cluster`` is
+    ``HEAD:PORT``, ``registry`` (default ``$PVISOR_HOST_REGISTRY`` with a cluster) is ``HOST[:PORT][/PATH]``
+    and is given only with a cluster. Returns the registry the nodes will pull from (None: none).
+
+    Raises:
+        UsageError: one of them is malformed, or a registry is given without a cluster.
+    """
+    from ..errors import UsageError
+
+    if cluster is None:
+        if registry:
+            raise UsageError("a registry is where cluster nodes pull images from; it needs a cluster (--cluster)")
+        return None
+    from .cluster.connect import check_address, check_registry
+
+    check_address(cluster)
+    registry = registry or os.environ.get(REGISTRY_ENV)
+    return check_registry(registry) if registry else None
 
 
 def open_backend(
@@ -25,7 +53,7 @@ def open_backend(
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
-) -> Backend:
+) -> AnyBackend:
     """The Docker engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked with a
     ping; with ``cluster`` (``HEAD:PORT``), the Ray cluster there, this engine making the images.
 
@@ -41,24 +69,17 @@ def open_backend(
     from ..models.ownership import Ownership
     from .docker import DockerBackend
 
-    if cluster is not None:  # what the host can tell, before the engine or the cluster is asked
-        from ..cluster.connect import check_address, require_ray
-        from ..cluster.ship import REGISTRY_ENV, check_registry
+    registry = check_cluster_options(cluster, registry)  # what the host can tell, before anything is asked
+    if cluster is not None:
+        from .cluster.connect import require_ray
 
-        check_address(cluster)
-        registry = registry or os.environ.get(REGISTRY_ENV)
-        registry = check_registry(registry) if registry else None
         require_ray()
-    elif registry:
-        from ..errors import UsageError
-
-        raise UsageError("a registry is where cluster nodes pull images from; it needs a cluster (--cluster)")
     local = DockerBackend.connect(
         ownership or Ownership.current(), pool_size=pool_size, timeout=timeout, docker_host=docker_host
     )
     if cluster is None:
         return local
-    from ..cluster.backend import ClusterBackend
+    from .cluster.backend import ClusterBackend
 
     try:
         return ClusterBackend(cluster, local, registry=registry)

@@ -20,7 +20,7 @@ its creating process (which :meth:`Backend.sweep` judges alive or gone).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
     import threading
@@ -34,15 +34,24 @@ if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
 
 
 class ModelGateway(Protocol):
-    """A started model gateway for the sandboxes of one user; the backend knows how a sandbox reaches it."""
+    """A started model gateway for the sandboxes of one user. What it is depends on the backend (a listener
+    on this host, the key for each node's own gateway), and only the backend that opened it uses it: the
+    backend's type says which gateway its :meth:`Backend.run_attempt` takes, so nothing downcasts."""
 
     def close(self) -> None:
         """Stop it, and remove what it created (a socket directory, a network)."""
 
 
-class Backend(Protocol):
+GatewayT = TypeVar("GatewayT", bound=ModelGateway)
+
+
+class Backend(Protocol[GatewayT]):
     """Where sandboxes run. Every method raises only :class:`~pvisor_host.errors.PvisorHostError` s; an
-    engine failure is an :class:`~pvisor_host.errors.InfrastructureError` naming what was being done."""
+    engine failure is an :class:`~pvisor_host.errors.InfrastructureError` naming what was being done.
+
+    ``GatewayT`` is the backend's own kind of model gateway: what :meth:`open_gateway` gives and
+    :meth:`run_attempt` takes back. Code above the seam holds an :data:`AnyBackend` and passes the gateway
+    along without looking into it."""
 
     @property
     def ownership(self) -> Ownership:
@@ -82,7 +91,11 @@ class Backend(Protocol):
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         """The mounts, limits and command of the sandbox :meth:`run_attempt` would start (nothing starts)."""
 
-    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ModelGateway:
+    def capacity(self) -> int | None:
+        """Sandboxes it can run at once now (a cluster: its engines' free and busy slots together), or None
+        when it has no such number (one engine: the batch's ``--workers`` decides)."""
+
+    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> GatewayT:
         """Start a gateway to ``upstream`` for sandboxes running as ``user`` (close it when done). The real key
         is read from ``upstream.api_key_env`` and never enters a sandbox unless ``network`` is pass-through."""
 
@@ -91,7 +104,7 @@ class Backend(Protocol):
         prepared: PreparedReplay,
         attempt: Attempt,
         *,
-        gateway: ModelGateway | None = None,
+        gateway: GatewayT | None = None,
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
         """Run one attempt in a fresh sandbox and return its record, also written with every artifact to
@@ -131,3 +144,7 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the connection (and anything else held open)."""
+
+
+AnyBackend = Backend[Any]
+"""A backend, whatever its gateway: what everything above the seam holds."""

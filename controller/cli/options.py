@@ -1,70 +1,205 @@
-"""The replay options, declared once for ``replay`` and ``batch``.
+"""The command-line options that describe a replay, generated from the models that validate them.
 
-``replay`` gives them its defaults; ``batch`` defaults every one to ``None`` ("not given"), so that only
-the options a user passes become the batch-wide defaults each manifest line may override. Help texts,
-types and flag names therefore cannot drift between the two commands.
+Every option of ``replay`` (and the item defaults of ``batch``) is a field of
+:class:`~pvisor_host.models.spec.ReplaySpec`, of :class:`~pvisor_host.models.spec.ModelUpstream` (as a flat
+``--model-*`` option) or of :class:`~pvisor_host.models.image.BuildOptions`. Its name, type, help and the
+default it shows come from the field, so an option is described once, in the model, and the CLI cannot
+drift from what the library validates: :func:`model_options` turns fields into typer options, and
+:func:`with_options` adds them to a command.
+
+Typer has no way to take options from a model, so this module builds the command's signature itself
+(``__signature__`` and ``__annotations__``, which typer reads like any other function's). Defaults stay in
+the model: an option not given is ``None`` here and absent from what the command passes on, so the model's
+own default applies; the help only shows it.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
+from pydantic import BeforeValidator
+from pydantic.fields import FieldInfo
 
-Agent = Annotated[str | None, typer.Option(help="Agent name; default: the image's label.")]
-Image = Annotated[str | None, typer.Option(help="Sandbox image; default: the one `build --agent` makes.")]
-Inject = Annotated[
-    bool | None,
-    typer.Option(help="Run in --image unchanged; pvisor and the agent come from a read-only runtime volume."),
-]
-Mode = Annotated[str | None, typer.Option(help="continue (replay, then the live agent), replay-only or prepare-only.")]
-MaxSteps = Annotated[int | None, typer.Option(help="Total action budget including the prefix.")]
-BoundaryUserPrompt = Annotated[str | None, typer.Option(help="User message appended after the boundary observation.")]
-DisableThinking = Annotated[bool | None, typer.Option(help="Disable thinking in live model requests.")]
-AllowStaleObservations = Annotated[
-    bool | None, typer.Option(help="Let Claude reuse source observations it cannot reproduce (degraded).")
-]
-WorkspaceDir = Annotated[Path | None, typer.Option(help="Host directory copied in as the workspace.")]
-WorkspacePath = Annotated[
-    str | None, typer.Option(help="Workspace path in the sandbox (default: the recorded cwd, else /workspace).")
-]
-ImageWorkspace = Annotated[
-    bool | None, typer.Option(help="Start from a copy of the image's own directory at the workspace path.")
-]
-NoWorkspace = Annotated[bool | None, typer.Option("--no-workspace", help="Do not collect the final workspace.")]
-Timeout = Annotated[str | None, typer.Option(help="Wall-clock limit per replay, e.g. 90s, 30m, 2h.")]
-Memory = Annotated[str | None, typer.Option(help="Memory limit, e.g. 2g.")]
-Cpus = Annotated[float | None, typer.Option(help="CPU limit.")]
-Pids = Annotated[int | None, typer.Option(help="Process limit.")]
-TmpSize = Annotated[str | None, typer.Option(help="Size of the /tmp tmpfs.")]
-CollectLimit = Annotated[str | None, typer.Option(help="Most bytes collected from the sandbox.")]
-Network = Annotated[str | None, typer.Option(help="none (default) or bridge.")]
-Env = Annotated[list[str] | None, typer.Option(help="Pass this host variable into the sandbox (repeat).")]
-User = Annotated[str | None, typer.Option(help="Sandbox user UID[:GID] or root (default: non-root).")]
-CapAdd = Annotated[list[str] | None, typer.Option(help="Keep this capability (repeat).")]
-WritableRootfs = Annotated[bool | None, typer.Option(help="Do not make the root filesystem read-only.")]
-AllowPrivilegeEscalation = Annotated[bool | None, typer.Option(help="Do not set no-new-privileges.")]
-Runtime = Annotated[
-    str | None,
-    typer.Option(
-        help="Container runtime the engine has registered, e.g. runsc (gVisor); default $PVISOR_HOST_RUNTIME."
-    ),
-]
-ModelBaseUrl = Annotated[
-    str | None, typer.Option(help="The real OpenAI-compatible endpoint; a host-side gateway forwards to it.")
-]
-Model = Annotated[str | None, typer.Option(help="Model name for the agent (MODEL_NAME).")]
-ModelApiKeyEnv = Annotated[
-    str | None, typer.Option(help="Name of the host variable holding the real key (never the key itself).")
-]
-ModelNetwork = Annotated[
-    str | None, typer.Option(help="unix (default: no network, a mounted socket), internal, or pass-through.")
-]
-ModelBodyLimit = Annotated[str | None, typer.Option(help="Bytes of each body kept in model-traffic.jsonl.")]
-NoModelBodies = Annotated[bool | None, typer.Option(help="Keep no bodies in model-traffic.jsonl.")]
-ModelTimeout = Annotated[str | None, typer.Option(help="How long the gateway waits for the upstream.")]
-Attempts = Annotated[int | None, typer.Option(help="Attempts for failures worth retrying (see docs/batch.md).")]
-RetryBackoff = Annotated[str | None, typer.Option(help="Wait before the first retry (doubles each time).")]
-Base = Annotated[str | None, typer.Option(help="Base image when the agent image must be built.")]
-CaBundle = Annotated[Path | None, typer.Option(help="CA bundle when the agent image must be built.")]
+from ..models.image import BuildOptions
+from ..models.spec import MODEL_OPTIONS, NO_MODEL_BODIES_HELP, ModelUpstream, ReplaySpec, duration_value, size_value
+from ..units import short_duration, short_size
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Fields a batch item sets for itself (or the batch names for it): not batch-wide defaults.
+PER_ITEM = frozenset({"trajectory", "after_step", "out", "run_id", "session_id"})
+#: Fields the CLI does not offer as such: ``upstream`` is the flat ``--model-*`` options.
+NOT_OPTIONS = frozenset({"upstream"})
+
+
+@dataclass(frozen=True)
+class ModelOption:
+    """One option, as a field describes it."""
+
+    name: str
+    """The parameter's name, which is also the key the model validates (``model_base_url``, ``memory``)."""
+    field: FieldInfo
+    flag: str | None = None
+    """A single flag instead of typer's ``--x/--no-x`` pair (``--no-workspace``)."""
+    grouped: bool = False
+    """A field of :class:`ModelUpstream` given as a flat ``--model-*`` option: the spec checks that the ones it
+    needs come together, so none is required on its own."""
+
+    @property
+    def required(self) -> bool:
+        return self.field.is_required() and not self.grouped
+
+    def parameter(self, *, with_default: bool) -> inspect.Parameter:
+        """The command parameter, keyword-only. ``with_default``: the field's default, in the CLI's words
+        (``4g``, ``2h``), which the model reads back as the same value; else ``None`` when not given."""
+        kind = _cli_type(self.field)
+        flags = [self.flag] if self.flag else []
+        option = typer.Option(*flags, help=_help(self.field))
+        if self.required:
+            annotation: Any = Annotated[kind, option]
+            return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
+        default = _cli_default(self.field) if with_default else None
+        annotation = Annotated[kind | None, option]
+        return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def replay_options(*, batch: bool = False) -> list[ModelOption]:
+    """The options of ``replay`` (``batch=False``) or the item defaults of ``batch``, in the models' order:
+    the required fields first, the ``--model-*`` options where the spec has ``upstream``, the build options
+    last."""
+    found: list[ModelOption] = []
+    for name, field in ReplaySpec.model_fields.items():
+        if batch and name in PER_ITEM:
+            continue
+        if name == "upstream":
+            found += list(_upstream_options())
+        elif name not in NOT_OPTIONS:
+            found.append(ModelOption(name, field, _single_flag(name, field)))
+    found += build_options(("base", "ca_bundle"))
+    return sorted(found, key=lambda option: not option.required)  # stable: the rest keep the models' order
+
+
+def build_options(names: Iterable[str], rename: dict[str, str] | None = None) -> list[ModelOption]:
+    """Options from :class:`BuildOptions` fields (``rename`` gives a field another option name)."""
+    rename = rename or {}
+    return [ModelOption(rename.get(name, name), BuildOptions.model_fields[name]) for name in names]
+
+
+def _upstream_options() -> Iterator[ModelOption]:
+    for option, field_name in MODEL_OPTIONS.items():
+        yield ModelOption(option, ModelUpstream.model_fields[field_name], grouped=True)
+        if option == "model_body_limit":
+            no_bodies = FieldInfo(annotation=bool, default=False, description=NO_MODEL_BODIES_HELP)
+            yield ModelOption("no_model_bodies", no_bodies, flag="--no-model-bodies")
+
+
+def _single_flag(name: str, field: FieldInfo) -> str | None:
+    """``no_workspace`` is the flag ``--no-workspace`` alone (a ``--no-no-workspace`` would say nothing)."""
+    return "--" + name.replace("_", "-") if field.annotation is bool and name.startswith("no_") else None
+
+
+def with_options(options: list[ModelOption], *, show_defaults: bool = True, first: bool = False) -> Callable[[F], F]:
+    """Add ``options`` to a command, after its own parameters (before them with ``first``). The command takes
+    them as ``**options``: only those given on the command line, by name (the model's defaults apply to the
+    others). ``show_defaults=False`` leaves the defaults out of the help (``batch``: they are the items')."""
+
+    def add(command: F) -> F:
+        own = inspect.signature(command, eval_str=True)
+        kept = [  # keyword-only like the added ones, so that any order is a valid signature
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in own.parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        names = {p.name for p in kept}
+        added = [option.parameter(with_default=show_defaults) for option in options]
+        clash = names & {p.name for p in added}
+        if clash:
+            raise TypeError(f"{command.__name__}: its own parameters {sorted(clash)} are also model options")
+
+        @functools.wraps(command)
+        def run(**given: Any) -> Any:
+            own_values = {name: given.pop(name) for name in names if name in given}
+            chosen = {name: value for name, value in given.items() if value is not None and value != []}
+            return command(**own_values, **chosen)
+
+        parameters = [*added, *kept] if first else [*kept, *added]
+        run.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": own.return_annotation}
+        return run  # type: ignore[return-value]
+
+    return add
+
+
+# -- what a field says about its option -------------------------------------------------------------------------
+
+_ROLE = re.compile(r":[a-z]+:`~?(?:[\w.]+\.)?([^`]+)`")
+
+
+def _help(field: FieldInfo) -> str:
+    """The field's docstring as one line of plain text (no reST markup)."""
+    text = _ROLE.sub(r"\1", field.description or "")
+    return " ".join(text.replace("``", "").split())
+
+
+def _unit(field: FieldInfo) -> Literal["size", "duration"] | None:
+    for meta in field.metadata:
+        if isinstance(meta, BeforeValidator):
+            if meta.func is size_value:
+                return "size"
+            if meta.func is duration_value:
+                return "duration"
+    return None
+
+
+def _cli_type(field: FieldInfo) -> Any:
+    """What the option takes on the command line: sizes and durations as the CLI's strings (``4g``, ``2h``),
+    choices as strings (the model names them when one is wrong), everything else as the field's own type."""
+    if _unit(field) is not None:
+        return str
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        return str
+    if typing.get_origin(annotation) is list:
+        return list[str]
+    if annotation in (str, int, float, bool, Path):
+        return annotation
+    raise TypeError(f"no command-line type for a field of type {annotation!r}")
+
+
+def _cli_default(field: FieldInfo) -> str | int | float | None:
+    """The field's default as the command line would give it (None: the model decides, when the command runs:
+    a default computed then, or one not worth showing, such as off, none or empty)."""
+    if field.is_required() or field.default_factory is not None:
+        return None
+    default = field.get_default()
+    if default is None or isinstance(default, bool) or default == []:
+        return None
+    unit = _unit(field)
+    if unit == "size":
+        return short_size(int(default))
+    if unit == "duration":
+        return short_duration(float(default))
+    return default if isinstance(default, int | float | str) else str(default)
+
+
+def spec_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """The part of a command's model options that :class:`ReplaySpec` validates (not the build options)."""
+    return {name: value for name, value in options.items() if name not in BuildOptions.model_fields}
+
+
+def build_fields(options: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, Any]:
+    """The part of a command's model options that :class:`BuildOptions` validates, by field name."""
+    back = {option: field for field, option in (rename or {}).items()}
+    fields = {back.get(name, name): value for name, value in options.items()}
+    return {name: value for name, value in fields.items() if name in BuildOptions.model_fields}

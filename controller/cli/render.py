@@ -13,16 +13,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..fanout.report import BatchSummary, ItemResult
+from ..models.batch import BatchSummary, ItemResult
 from ..models.housekeeping import AgentStatus, CatalogEntry, GcReport, HealthReport, PruneResult
 from ..models.image import BuiltImage
 from ..models.record import ReplayRecord
-from ..models.units import format_duration, format_size
+from ..units import format_duration, format_size
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ..cluster.status import NodeStatus
+    from ..backend.cluster.node.status import NodeStatus
     from ..fanout.compare import Comparison
     from ..fanout.plan import ItemPlan
 

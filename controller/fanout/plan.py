@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from ..backend.base import Backend
+from ..backend.base import AnyBackend
 from ..errors import PvisorHostError
 from ..files.digest import tree_sha256
 from ..models.image import ImagePlan, ImagePreview
@@ -53,7 +53,7 @@ class ItemPlan(BaseModel):
     """For ``reject``: the exit code the refusal maps to (2 for a bad item, 6 for an engine failure)."""
 
 
-def plan_batch(items: Iterable[BatchItem], backend: Backend, options: BatchOptions) -> Iterator[ItemPlan]:
+def plan_batch(items: Iterable[BatchItem], backend: AnyBackend, options: BatchOptions) -> Iterator[ItemPlan]:
     """Plan every item, one at a time (see the module docstring)."""
     previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
     workspaces: Memo[str] = Memo()
@@ -73,7 +73,7 @@ def plan_batch(items: Iterable[BatchItem], backend: Backend, options: BatchOptio
 
 def _plan_item(
     item: BatchItem,
-    backend: Backend,
+    backend: AnyBackend,
     options: BatchOptions,
     previews: Memo[tuple[ImagePlan, ImagePreview]],
     workspaces: Memo[str],

@@ -20,11 +20,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..files.trees import remove_tree
+from ..models.batch import FINAL_STATUSES, ItemResult
 from ..models.image import ImageRef
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
 from ..models.spec import ReplaySpec
-from .report import FINAL_STATUSES, ItemResult
 
 #: Options that do not change an item's outcome, so changing them does not rerun it.
 NOT_OUTCOME: dict[str, bool | set[str]] = {

@@ -18,7 +18,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,23 +26,24 @@ from pydantic import BaseModel
 
 from .._log import logger
 from ..attempts import RetryPolicy, run_attempts
-from ..backend.base import Backend, ModelGateway
+from ..backend.base import AnyBackend, ModelGateway
 from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError, UsageError
 from ..files.digest import tree_sha256
 from ..files.space import disk_full, full_disk_raises, is_full, tree_bytes
+from ..models.batch import BatchSummary, ItemResult
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.profiles import get_profile
 from ..models.record import DISK_FULL, BatchInfo
 from ..models.spec import ModelUpstream, ReplaySpec
-from ..models.units import format_size
 from ..preflight.checks import check_inputs
 from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
 from ..signals import deferred_interrupts
+from ..units import format_size
 from .manifest import BatchItem
 from .memo import Memo
-from .report import BatchSummary, ItemResult, summarize, write_reports
 from .resume import content_key, finished_result, item_result, item_run_id, set_aside
+from .summary import BatchReport, summarize, write_reports
 
 ImageKey = tuple[str | None, str | None, bool]
 
@@ -95,7 +96,7 @@ def image_request(spec: ReplaySpec) -> ImageRequest:
 class _Batch:
     """What the workers of one batch share."""
 
-    def __init__(self, backend: Backend, options: BatchOptions) -> None:
+    def __init__(self, backend: AnyBackend, options: BatchOptions) -> None:
         self.backend = backend
         self.options = options
         self.cancel = threading.Event()
@@ -153,14 +154,16 @@ class BatchRun:
     def __init__(
         self,
         items: Iterable[BatchItem],
-        backend: Backend,
+        backend: AnyBackend,
         options: BatchOptions,
         *,
         total: int,
         images: Iterable[ReplaySpec] = (),
+        reports: Sequence[BatchReport] = (),
     ) -> None:
         self._items = items
         self._images = images
+        self._reports = reports
         self._total = total
         self._batch = _Batch(backend, options)
         self._stop = threading.Event()
@@ -218,7 +221,7 @@ class BatchRun:
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
                 try:
-                    write_reports(options.out, self.results, summary)
+                    write_reports(options.out, self.results, summary, more=self._reports)
                 except OSError as exc:
                     if not is_full(exc):
                         raise
@@ -297,11 +300,12 @@ class BatchRun:
 
 def run_batch(
     items: Iterable[BatchItem],
-    backend: Backend,
+    backend: AnyBackend,
     options: BatchOptions,
     *,
     total: int,
     images: Iterable[ReplaySpec] = (),
+    reports: Sequence[BatchReport] = (),
     progress: Callable[[ItemResult], None] | None = None,
 ) -> BatchOutcome:
     """Run every item (see :class:`BatchRun`) to the end and return the outcome; ``progress`` is called with
@@ -310,7 +314,7 @@ def run_batch(
     Raises:
         UsageError: another batch is running in ``options.out``.
     """
-    run = BatchRun(items, backend, options, total=total, images=images)
+    run = BatchRun(items, backend, options, total=total, images=images, reports=reports)
     try:
         for result in run:
             if progress is not None:

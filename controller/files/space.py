@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DiskFull
+from ..units import format_size
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -33,7 +34,8 @@ def disk_full(path: Path) -> DiskFull:
     """The error for a write under ``path`` that found no space."""
     mount = mount_point(path)
     stats = os.statvfs(mount)
-    return DiskFull(str(mount), stats.f_bavail * stats.f_frsize)
+    free = stats.f_bavail * stats.f_frsize
+    return DiskFull(str(mount), free, f"the filesystem at {mount} is full ({format_size(free)} free)")
 
 
 @contextlib.contextmanager

@@ -75,14 +75,15 @@ class BuiltImage(BaseModel):
 class BuildOptions(BaseModel):
     """How agent images are built when one must be (``--base``, ``--ca-bundle``, ``--bootstrap``)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     base: str | None = None
-    """Base image; default ``debian:<suite>-slim``, bootstrapped with mmdebstrap when no registry answers."""
+    """Base image when an agent image must be built; default ``debian:<suite>-slim``, bootstrapped with
+    mmdebstrap when no registry answers."""
     ca_bundle: Path | None = None
     """CA bundle for the build's downloads; default: ``SSL_CERT_FILE``, ``REQUESTS_CA_BUNDLE`` or ``PIP_CERT``."""
     force_bootstrap: bool = False
-    """Bootstrap the Debian base even when a registry might have it."""
+    """Bootstrap the Debian base with mmdebstrap instead of pulling it."""
 
 
 class ImageRequest(BaseModel):

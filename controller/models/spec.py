@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from ..errors import UsageError
-from .units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, parse_size
+from ..units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, parse_size
 
 Mode = Literal["continue", "replay-only", "prepare-only"]
 Network = Literal["none", "bridge"]
@@ -46,19 +46,21 @@ _RESERVED_PATHS = ("/", "/bin", "/sbin", "/lib", "/lib64", "/usr", "/etc", "/opt
 _RESERVED_TREES = ("/proc", "/sys", "/dev", "/pvisor-host", "/usr", "/opt/pvisor", "/etc", "/bin", "/sbin", "/lib")
 
 
-def _size(value: Any) -> Any:
+def size_value(value: Any) -> Any:
+    """A size field's value: the CLI's strings (``4g``) parsed, numbers as they are."""
     return parse_size(value) if isinstance(value, str) else value
 
 
-def _duration(value: Any) -> Any:
+def duration_value(value: Any) -> Any:
+    """A duration field's value: the CLI's strings (``90m``) parsed, numbers as they are."""
     return parse_duration(value) if isinstance(value, str) else value
 
 
 #: Bytes: a number, or the CLI's sizes (``4g``, ``512m``) in a manifest or a library call.
-Bytes = Annotated[int, BeforeValidator(_size), Field(gt=0), WithJsonSchema(SIZE_JSON_SCHEMA, mode="validation")]
+Bytes = Annotated[int, BeforeValidator(size_value), Field(gt=0), WithJsonSchema(SIZE_JSON_SCHEMA, mode="validation")]
 #: Seconds: a number, or the CLI's durations (``90m``, ``8s``).
 Seconds = Annotated[
-    float, BeforeValidator(_duration), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
+    float, BeforeValidator(duration_value), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
 ]
 
 #: The flat ``--model-*`` options (and manifest keys) and the :class:`ModelUpstream` field each one sets.
@@ -71,6 +73,8 @@ MODEL_OPTIONS = {
     "model_timeout": "timeout",
 }
 _MODEL_REQUIRED = ("model_base_url", "model", "model_api_key_env")
+#: ``--no-model-bodies`` (a manifest's ``no_model_bodies``), which is ``--model-body-limit 0``.
+NO_MODEL_BODIES_HELP = "Keep no bodies in model-traffic.jsonl (the same as a body limit of 0)."
 
 
 class ModelUpstream(BaseModel):
@@ -80,18 +84,19 @@ class ModelUpstream(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     base_url: str
-    """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1`` (``--model-base-url``)."""
+    """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1``; a host-side gateway forwards
+    the agent's calls to it."""
     model: str
-    """Model name given to the agent as ``MODEL_NAME`` (``--model``)."""
+    """Model name given to the agent (as ``MODEL_NAME``)."""
     api_key_env: str
     """Name of the host variable holding the real key; the key itself is never taken from a flag."""
     network: ModelNetwork = "unix"
-    """How the sandbox reaches the gateway (``--model-network``)."""
-    body_limit: Annotated[int, BeforeValidator(_size), Field(ge=0)] = 64 * 1024
-    """Bytes of each request and response body kept in ``model-traffic.jsonl``; 0 keeps none
-    (``--no-model-bodies``)."""
+    """How the sandbox reaches the gateway: ``unix`` (no network, a mounted socket), ``internal`` (a Docker
+    network of its own) or ``pass-through`` (straight to the upstream, with the real key)."""
+    body_limit: Annotated[int, BeforeValidator(size_value), Field(ge=0)] = 64 * 1024
+    """Bytes of each request and response body kept in ``model-traffic.jsonl``; 0 keeps none."""
     timeout: Seconds = 300.0
-    """Seconds the gateway waits for the upstream before answering 504 (``--model-timeout``)."""
+    """How long the gateway waits for the upstream before answering 504."""
 
     @field_validator("base_url")
     @classmethod
@@ -104,7 +109,8 @@ class ModelUpstream(BaseModel):
     @classmethod
     def _key_env(cls, value: str) -> str:
         if not _ENV_NAME.match(value):
-            raise ValueError(f"{value!r} is not a variable name (pass the name of the variable holding the key)")
+            # not echoed: a value that is no variable name may well be the key itself
+            raise ValueError("not a variable name (pass the name of the variable that holds the key, not the key)")
         return value
 
     @property

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 
 from .._version import PVISOR_VERSION
-from ..backend.base import Backend
+from ..backend.base import AnyBackend
 from ..errors import PrerequisiteError, PvisorHostError
 from ..models.housekeeping import Check, HealthReport
 from .hostpvisor import pvisor_binary
@@ -21,7 +21,7 @@ from .hostpvisor import pvisor_binary
 _REGISTRY = "registry-1.docker.io"
 
 
-def diagnose(open_backend: Callable[[], Backend]) -> HealthReport:
+def diagnose(open_backend: Callable[[], AnyBackend]) -> HealthReport:
     """Run every check (the engine's only when it answers)."""
     host = _host_pvisor()
     try:

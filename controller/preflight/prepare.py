@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..backend.base import Backend
+from ..backend.base import AnyBackend
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
 from ..models.replay import PreparedReplay, Runtime
 from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, release_out_dir, runtime_checks
@@ -21,14 +21,14 @@ def image_request(checked: CheckedInputs) -> ImageRequest:
     return ImageRequest(image=spec.image, profile=checked.profile, inject=spec.inject)
 
 
-def prepare_image(backend: Backend, request: ImageRequest, build: BuildOptions) -> ResolvedImage:
+def prepare_image(backend: AnyBackend, request: ImageRequest, build: BuildOptions) -> ResolvedImage:
     """Plan and make ready the image of ``request`` (a batch does this once per distinct image)."""
     return backend.ensure_image(backend.plan_image(request), build)
 
 
 def prepare(
     checked: CheckedInputs,
-    backend: Backend,
+    backend: AnyBackend,
     *,
     build: BuildOptions | None = None,
     image: ResolvedImage | None = None,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import UsageError
-from ..fanout.report import PHASES, RESULTS_FILE, ItemResult, percentile
+from ..models.batch import PHASES, RESULTS_FILE, ItemResult, percentile
 from ..models.record import ReplayRecord, load_record
 from .budget import PAGE_BUDGET, base_size, fit
 from .model import (

@@ -8,8 +8,8 @@ from importlib import resources
 from pathlib import Path
 
 from .._version import __version__
-from ..fanout.report import ItemResult
 from ..files.atomic import write_atomic
+from ..models.batch import ItemResult
 from .gather import gather
 from .model import ReportData
 

@@ -18,20 +18,12 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from cluster import Cluster, Registry, remove_engines
-from conftest import run_cli
+from cluster import KEY, Cluster, batch, one, records, remove_engines, slow_manifest, summary
+from conftest import default_signals, run_cli
 from modelserver import StubServer
-from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+from trajgen import claude_files_session, write_jsonl
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
-
-KEY = "sk-test-cluster-key-5e1f0b"
-
-
-def one(command: str, result: str = "", n: int = 0, version: str | None = None) -> list[dict]:
-    extra = {"version": version} if version else {}
-    calls = [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])]
-    return claude_session(f"Task {n}.", calls, **extra)
 
 
 def mixed_manifest(root: Path, model_url: str) -> Path:
@@ -61,21 +53,6 @@ def mixed_manifest(root: Path, model_url: str) -> Path:
     return manifest
 
 
-def batch(manifest: Path, out: Path, *args: str, env: dict[str, str] | None = None):
-    return run_cli(
-        "batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--quiet", *args,
-        env={"PVH_TEST_MODEL_KEY": KEY, **(env or {})},
-    )  # fmt: skip
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
-
-
-def records(out: Path) -> dict[str, dict]:
-    return {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/record.json")}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def node_engines(docker_client):
     """The nodes' engine volumes live as long as this module: an image is shipped to a node slot only once."""
@@ -83,12 +60,20 @@ def node_engines(docker_client):
     remove_engines(docker_client)
 
 
-@pytest.fixture
-def cluster(docker_client, claude_image):
+@pytest.fixture(scope="module")
+def shared_cluster(docker_client, claude_image, node_engines):
+    """One cluster for the whole module: a test that takes a node down brings it back before it ends."""
     with Cluster(docker_client, nodes=2, slots=2) as running:
         yield running
-        for name in running.nodes:
-            assert running.node_containers(name) == [], f"{name} kept containers of ours"
+
+
+@pytest.fixture
+def cluster(shared_cluster):
+    """The module's cluster, with both nodes up; after the test, no sandbox of ours is left on a node."""
+    shared_cluster.wait_for_nodes(2)
+    yield shared_cluster
+    for name in shared_cluster.nodes:
+        assert shared_cluster.node_containers(name) == [], f"{name} kept containers of ours"
 
 
 def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_path, claude_image):
@@ -137,17 +122,6 @@ def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_pat
     assert len(heads) == 1 and heads[0]["engine"] is None  # the head has no engine: nothing ran there
 
 
-def slow_manifest(root: Path, count: int, seconds: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for n in range(count):
-        write_jsonl(root / f"s{n}.jsonl", one(f"sleep {seconds}; echo {n}", f"{n}\n", n))
-        lines.append({"id": f"s{n}", "trajectory": f"s{n}.jsonl", "after_step": 1})
-    manifest = root / "manifest.jsonl"
-    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return manifest
-
-
 @contextlib.contextmanager
 def running_batch(manifest: Path, out: Path, cluster: Cluster, grace: int = 3) -> Iterator[subprocess.Popen[str]]:
     """A cluster batch in the background; one still running when the test ends is interrupted like a user would."""
@@ -155,7 +129,7 @@ def running_batch(manifest: Path, out: Path, cluster: Cluster, grace: int = 3) -
     with subprocess.Popen(
         [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(manifest), "--agent", "claude-code",
          "--mode", "replay-only", "--out", str(out), "--quiet", "--cluster", cluster.address],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals,
     ) as process:  # fmt: skip
         try:
             yield process
@@ -310,35 +284,3 @@ def test_the_python_api_runs_a_batch_on_the_cluster(cluster, tmp_path):
     assert {r["host"]["node"] for r in ran.values()} <= set(cluster.nodes)
     assert {r["host"]["cluster"] for r in ran.values()} == {cluster.address}
     assert (out / "junit.xml").is_file() and (out / "report.html").is_file()
-
-
-def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, tmp_path, claude_image):
-    image_id = docker_client.images.get(claude_image).id
-    repository, _, tag = claude_image.rpartition(":")
-    with (
-        Registry(docker_client) as registry,
-        Cluster(docker_client, nodes=2, slots=1, fresh=True, registry=registry.for_nodes) as cluster,
-    ):
-        manifest = slow_manifest(tmp_path / "data", 4, 0)
-        result = batch(manifest, tmp_path / "out", "--cluster", cluster.address, "--registry", registry.name,
-                       env=cluster.env)  # fmt: skip
-        assert result.code == 0, result.stderr
-        assert summary(tmp_path / "out")["counts"] == {"ok": 4}
-        pushed = registry.digests(repository)
-        assert len(pushed) == 1  # pushed once, under its content-hash tag
-        assert docker_client.images.get(image_id).tags == [claude_image]  # the driver's engine keeps its own name
-        for name in cluster.nodes:  # each node pulled exactly that digest (a load sets none) and has the tag
-            done = docker_client.containers.get(name).exec_run(
-                ["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}} {{json .RepoTags}}", image_id]
-            )
-            assert done.exit_code == 0, done.output
-            found_id, digests, tags = done.output.decode().split()
-            assert found_id == image_id
-            assert json.loads(digests) == [f"{registry.name}/{repository}@{pushed[0]}"]
-            assert json.loads(tags) == [claude_image]
-            assert cluster.node_containers(name) == []
-        assert {r["host"]["node"] for r in records(tmp_path / "out").values()} == set(cluster.nodes)
-        again = batch(manifest, tmp_path / "out", "--cluster", cluster.address, "--registry", registry.name,
-                      env=cluster.env)  # fmt: skip
-        assert again.code == 0, again.stderr
-        assert (summary(tmp_path / "out")["skipped"], summary(tmp_path / "out")["ran"]) == (4, 0)  # resumed

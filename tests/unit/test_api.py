@@ -1,14 +1,12 @@
 """The public API without an engine: what it exports, that it validates as the CLI does before the engine is
-asked, that it prints nothing, and that the examples type-check under ``mypy --strict``."""
+asked, and that it prints nothing. (``make lint`` type-checks the examples under ``mypy --strict``.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -64,34 +62,16 @@ def test_a_bad_batch_item_is_refused_by_its_position_and_nothing_starts(tmp_path
     assert not (tmp_path / "out").exists()  # nothing happens until it is iterated
 
 
-def test_the_examples_type_check_under_mypy_strict(tmp_path):
-    (tmp_path / "pvisor_host").symlink_to(ROOT / "controller")  # the source directory under its import name
-    examples = sorted(str(p) for p in (ROOT / "examples").glob("*.py"))
-    assert len(examples) == 3
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *examples],
-        capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(tmp_path)}, cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert Path(examples[0]).name == "api_async.py"
+# That the generated pages are current is `make docs`'s check (the generators' --check); here, what they hold.
 
 
-def assert_current(generator: str) -> None:
-    """The pages ``scripts/<generator>`` writes are committed as it would write them now."""
-    script = ROOT / "scripts" / generator
-    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-
-
-def test_the_api_reference_is_generated_from_the_docstrings_and_current():
-    assert_current("gen-api-docs.py")
+def test_the_api_reference_names_every_public_function_and_model():
     page = (ROOT / "docs" / "api.md").read_text()
     for name in ("replay", "batch", "abatch", "build", "gc", "Batch", "ReplaySpec", "ReplayRecord", "UsageError"):
         assert f"### `{name}" in page, name
 
 
-def test_the_schemas_of_record_summary_and_compare_are_generated_from_the_models_and_current():
-    assert_current("gen-schemas.py")
+def test_the_schemas_of_record_and_summary_describe_their_fields():
     schema = json.loads((ROOT / "docs" / "schemas" / "record.schema.json").read_text())
     statuses = ["ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted"]
     assert schema["properties"]["status"]["enum"] == statuses
@@ -100,8 +80,7 @@ def test_the_schemas_of_record_summary_and_compare_are_generated_from_the_models
     assert set(summary["required"]) >= {"items", "ran", "counts", "categories", "timings", "failed"}
 
 
-def test_the_cli_reference_is_generated_from_the_typer_app_and_current():
-    assert_current("gen-cli-docs.py")
+def test_the_cli_reference_has_every_command_exit_code_and_label():
     page = (ROOT / "docs" / "reference.md").read_text()
     for command in ("build", "replay", "batch", "compare", "gc", "agents", "images", "images prune", "doctor"):
         assert f"## `pvisor-host {command}`" in page, command
@@ -130,18 +109,6 @@ def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
     assert quiet.stdout == quiet.stderr == ""  # off until someone turns them on
 
 
-def test_the_documentation_site_builds_without_a_warning(tmp_path):
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "reference" / "index.html").is_file()
-
-
 def test_the_api_checks_cluster_options_as_the_cli_does_before_anything_connects(tmp_path, monkeypatch):
     good = write_jsonl(tmp_path / "t.jsonl", claude_files_session())
     items = [{"trajectory": good, "after_step": 1}]
@@ -154,7 +121,9 @@ def test_the_api_checks_cluster_options_as_the_cli_does_before_anything_connects
     )
     with pytest.raises(UsageError) as caught:
         pvisor_host.batch(items, out=out, defaults=defaults, registry="127.0.0.1:5000")
-    assert caught.value.one_line() == "registry is where cluster nodes pull images from; it needs cluster="
+    assert caught.value.one_line() == (
+        "a registry is where cluster nodes pull images from; it needs a cluster (--cluster)"
+    )
     with pytest.raises(UsageError, match="registry"):
         pvisor_host.batch(items, out=out, defaults=defaults, cluster="10.0.0.5:6379", registry="http://reg:5000")
     # Ray missing is found when the batch runs, before the engine is asked (the engine here does not exist).

@@ -13,9 +13,10 @@ import pytest
 
 from pvisor_host.errors import ExitCode, UsageError
 from pvisor_host.fanout.manifest import BatchInput
-from pvisor_host.fanout.report import ItemResult, allowed_failures, exit_code, junit, markdown, percentile, summarize
 from pvisor_host.fanout.resume import content_key
+from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markdown, summarize
 from pvisor_host.files.digest import tree_sha256
+from pvisor_host.models.batch import ItemResult, percentile
 from pvisor_host.models.image import ImageRef
 from pvisor_host.models.spec import ReplaySpec
 

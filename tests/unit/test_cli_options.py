@@ -1,37 +1,125 @@
-"""The CLI is a thin layer over the models: every replay option is a field of the spec (or builds the image),
-so no flag can be silently dropped on its way down, and ``batch`` offers the same ones as item defaults."""
+"""The CLI is a thin layer over the models: every replay option is a field of the spec (or of the build
+options), described there once — name, help, the default it shows — so no flag can be silently dropped on its
+way down, and ``batch`` offers the same ones as item defaults."""
 
 from __future__ import annotations
 
-import inspect
+from pathlib import Path
+from typing import Annotated, Any
 
-from pvisor_host.cli import app as cli
-from pvisor_host.models.spec import MODEL_OPTIONS, ReplaySpec
+import pytest
+import typer.main
+from pydantic import TypeAdapter
 
-#: Options of ``replay`` that are not about the replay itself but about the image it may build, or the output.
-NOT_SPEC = {"base", "ca_bundle", "json_output"}
+from pvisor_host.cli.app import app
+from pvisor_host.models.image import BuildOptions
+from pvisor_host.models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec
+
+COMMAND = typer.main.get_command(app)
+#: Options of ``replay`` that are not about the replay itself but about its output.
+REPLAY_OWN = {"json_output"}
 #: Options of ``batch`` that are about the batch (or its input), not defaults for its items.
-BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out", "workers", "deadline", "rerun_failed",
-             "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet", "json_output", "base",
-             "ca_bundle"}  # fmt: skip
-SPEC_FIELDS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
+BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out_dir", "workers", "deadline",
+             "rerun_failed", "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet",
+             "json_output"}  # fmt: skip
+SPEC_OPTIONS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
+BUILD_OPTIONS = {"base", "ca_bundle"}
+PER_ITEM = {"trajectory", "after_step", "out", "run_id", "session_id"}
 
 
-def parameters(command: object) -> set[str]:
-    return set(inspect.signature(command).parameters)  # type: ignore[arg-type]
+def params(command: str) -> dict[str, Any]:
+    return {p.name: p for p in COMMAND.commands[command].params if p.name != "help"}  # type: ignore[attr-defined]
 
 
-def test_every_replay_option_is_a_spec_field_and_every_field_an_option():
-    options = parameters(cli.replay) - NOT_SPEC
-    assert options == SPEC_FIELDS
+def field_of(name: str) -> Any:
+    if name in MODEL_OPTIONS:
+        return ModelUpstream.model_fields[MODEL_OPTIONS[name]]
+    return (ReplaySpec.model_fields | BuildOptions.model_fields).get(name)
+
+
+def test_every_replay_option_is_a_model_field_and_every_field_an_option():
+    assert set(params("replay")) - REPLAY_OWN == SPEC_OPTIONS | BUILD_OPTIONS
 
 
 def test_batch_offers_every_replay_option_but_those_each_item_sets_itself():
-    per_item = {"trajectory", "after_step", "out", "run_id", "session_id"}
-    assert parameters(cli.batch) - BATCH_OWN == SPEC_FIELDS - per_item
+    assert set(params("batch")) - BATCH_OWN == (SPEC_OPTIONS - PER_ITEM) | BUILD_OPTIONS
 
 
-def test_replay_passes_every_option_to_the_spec_by_name():
-    source = inspect.getsource(cli.replay)
-    for name in parameters(cli.replay) - NOT_SPEC:
-        assert f"{name}={name}," in source, name
+@pytest.mark.parametrize("name", sorted((SPEC_OPTIONS | BUILD_OPTIONS) - {"no_model_bodies"}))
+def test_each_option_says_what_its_field_says(name):
+    option = params("replay")[name]
+    description = " ".join((field_of(name).description or "").replace("``", "").split())
+    assert option.help and option.help == description
+
+
+SHOWN = ["timeout", "memory", "tmp_size", "collect_limit", "retry_backoff", "cpus", "pids", "mode", "network",
+         "attempts", "model_network", "model_body_limit", "model_timeout"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHOWN)
+def test_the_default_replay_shows_is_the_models_own(name):
+    shown = params("replay")[name].default
+    field = field_of(name)
+    assert shown is not None
+    kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    assert TypeAdapter(kind).validate_python(shown) == field.default
+
+
+def test_batch_shows_no_default_of_its_own_for_the_items():
+    assert all(params("batch")[name].default in (None, ()) for name in SPEC_OPTIONS - PER_ITEM)
+
+
+def test_every_option_given_on_the_command_line_reaches_the_spec_by_name(tmp_path, monkeypatch):
+    """``replay`` with every option set: the spec it validates holds each value (none dropped, none renamed)."""
+    import pvisor_host.preflight.checks as checks
+
+    seen: list[ReplaySpec] = []
+
+    def stop(spec: ReplaySpec, **_: Any) -> None:
+        seen.append(spec)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(checks, "check_inputs", stop)
+    monkeypatch.setenv("PVH_KEY", "k")
+    trajectory = tmp_path / "t.jsonl"
+    args = [
+        "replay", "--trajectory", str(trajectory), "--after-step", "3", "--agent", "claude-code", "--image", "img:1",
+        "--inject", "--mode", "replay-only", "--max-steps", "9", "--boundary-user-prompt", "go on",
+        "--disable-thinking", "--allow-stale-observations", "--session-id", "s", "--run-id", "r1",
+        "--workspace-path", "/work", "--image-workspace", "--no-workspace", "--out", str(tmp_path / "o"),
+        "--timeout", "90s", "--memory", "2g", "--cpus", "1.5", "--pids", "300", "--tmp-size", "64m",
+        "--collect-limit", "1g", "--network", "bridge", "--env", "A", "--env", "B", "--user", "1000:1000",
+        "--cap-add", "NET_ADMIN", "--writable-rootfs", "--allow-privilege-escalation", "--runtime", "runsc",
+        "--model-base-url", "http://127.0.0.1:9/v1", "--model", "m", "--model-api-key-env", "PVH_KEY",
+        "--model-network", "internal", "--model-body-limit", "8k", "--model-timeout", "1m", "--attempts", "5",
+        "--retry-backoff", "2s", "--base", "debian:bookworm-slim", "--ca-bundle", str(tmp_path / "ca.pem"),
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        COMMAND.main(args, standalone_mode=False)
+    [spec] = seen
+    assert spec.model_dump(exclude={"upstream"}) == {
+        "trajectory": trajectory, "agent": "claude-code", "image": "img:1", "inject": True, "after_step": 3,
+        "mode": "replay-only", "max_steps": 9, "boundary_user_prompt": "go on", "disable_thinking": True,
+        "allow_stale_observations": True, "session_id": "s", "run_id": "r1", "workspace_dir": None,
+        "workspace_path": "/work", "image_workspace": True, "no_workspace": True, "out": tmp_path / "o",
+        "timeout": 90.0, "memory": 2 * 1024**3, "cpus": 1.5, "pids": 300, "tmp_size": 64 * 1024**2,
+        "collect_limit": 1024**3, "network": "bridge", "env": ["A", "B"], "user": "1000:1000",
+        "cap_add": ["NET_ADMIN"], "writable_rootfs": True, "allow_privilege_escalation": True, "runtime": "runsc",
+        "attempts": 5, "retry_backoff": 2.0,
+    }  # fmt: skip
+    assert spec.upstream == ModelUpstream(
+        base_url="http://127.0.0.1:9/v1", model="m", api_key_env="PVH_KEY", network="internal",
+        body_limit=8 * 1024, timeout=60.0,
+    )  # fmt: skip
+
+
+def test_no_model_bodies_is_a_body_limit_of_zero(tmp_path, monkeypatch):
+    import pvisor_host.preflight.checks as checks
+
+    seen: list[ReplaySpec] = []
+    monkeypatch.setattr(checks, "check_inputs", lambda spec, **_: (seen.append(spec), exit(0)))
+    model = ["--model-base-url", "http://127.0.0.1:9/v1", "--model", "m", "--model-api-key-env", "PVH_KEY"]
+    with pytest.raises(SystemExit):
+        COMMAND.main(["replay", "--trajectory", str(Path("t")), "--after-step", "1", "--agent", "codex", *model,
+                      "--no-model-bodies"], standalone_mode=False)  # fmt: skip
+    assert seen[0].upstream is not None and seen[0].upstream.body_limit == 0

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import docker.errors
 import pytest
 
-from pvisor_host.cluster import node
+from pvisor_host.backend.cluster.node import tasks as node
+from pvisor_host.backend.docker.images import ImageStore
 from pvisor_host.errors import InfrastructureError
 from pvisor_host.files.archive import Budget, extract_tar, tar_stream
 
@@ -35,7 +36,13 @@ class FakeImages:
     def get(self, name: str) -> SimpleNamespace:
         if name not in self.present:
             raise docker.errors.ImageNotFound(name)
-        return SimpleNamespace(tag=lambda ref: self.present[name].append(ref), tags=self.present[name])
+
+        def tag(repository: str, tag: str | None = None) -> None:
+            if "@" in repository or not tag or "@" in tag:  # as the engine answers such a name
+                raise docker.errors.APIError(f"invalid reference format: {repository}:{tag}")
+            self.present[name].append(f"{repository}:{tag}")
+
+        return SimpleNamespace(tag=tag, tags=self.present[name])
 
     def load(self, handle: io.BufferedReader) -> None:
         data = handle.read()
@@ -54,7 +61,8 @@ class FakeImages:
 def images(monkeypatch, tmp_path) -> FakeImages:
     fake = FakeImages()
     monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
-    monkeypatch.setattr(node, "backend_for", lambda session: SimpleNamespace(client=SimpleNamespace(images=fake)))
+    store = ImageStore(SimpleNamespace(images=fake))  # the Docker backend's image API over a fake engine
+    monkeypatch.setattr(node, "backend_for", lambda session: SimpleNamespace(images=store))
     return fake
 
 
@@ -87,6 +95,25 @@ def test_a_pull_is_by_digest_and_the_node_tags_the_image_as_the_driver_knows_it(
     assert node.ensure_image("s", {"id": IMAGE_ID, "ref": REF, "pull": pull}, fetch_chunk=pytest.fail)
     assert images.pulled == [("127.0.0.1:5000/pvisor-host/codex", f"sha256:{'ef' * 32}")]
     assert images.present[IMAGE_ID] == [REF]
+
+
+def test_an_image_known_by_its_digest_is_pulled_by_it_and_not_tagged(images):
+    ref = f"127.0.0.1:5001/task/t1@sha256:{'ab' * 32}"
+    pull = f"127.0.0.1:5000/task/t1@sha256:{'ef' * 32}"
+    assert node.ensure_image("s", {"id": IMAGE_ID, "ref": ref, "pull": pull}, fetch_chunk=pytest.fail)
+    assert images.pulled == [("127.0.0.1:5000/task/t1", f"sha256:{'ef' * 32}")]
+    assert images.present[IMAGE_ID] == []  # a digest is not a name one can give an image
+
+
+def test_a_pull_that_fails_is_one_line_naming_the_node(images):
+    def refuse(repository: str, tag: str) -> None:
+        raise docker.errors.APIError("manifest unknown")
+
+    images.pull = refuse  # type: ignore[method-assign]
+    pull = f"127.0.0.1:5000/pvisor-host/codex@sha256:{'ef' * 32}"
+    with pytest.raises(InfrastructureError) as caught:
+        node.ensure_image("s", {"id": IMAGE_ID, "ref": REF, "pull": pull}, fetch_chunk=pytest.fail)
+    assert caught.value.one_line() == (f"{node.node_name()}: Docker engine failed to pull {pull}: manifest unknown")
 
 
 def test_an_image_that_arrives_as_another_id_is_refused(images):

@@ -3,17 +3,20 @@ command line), the `ray start` a node becomes, a registry's name, and the ledger
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
+import types
 
 import pytest
 
-from pvisor_host.cluster import connect
-from pvisor_host.cluster.join import join_command
-from pvisor_host.cluster.ledger import Ledger
-from pvisor_host.cluster.ship import _target, check_registry, rechunk
+from pvisor_host.backend.cluster import connect
+from pvisor_host.backend.cluster.connect import check_registry
+from pvisor_host.backend.cluster.ledger import Ledger
+from pvisor_host.backend.cluster.node.join import join_command
+from pvisor_host.backend.cluster.ship import rechunk
+from pvisor_host.backend.docker.images import Reference, push_target
 from pvisor_host.errors import PrerequisiteError, UsageError
-from pvisor_host.models.image import ImageRef
 
 
 def test_without_ray_a_cluster_is_one_line_naming_the_extra(monkeypatch):
@@ -74,16 +77,42 @@ def test_a_registry_with_a_scheme_or_a_tag_is_refused(registry):
         check_registry(registry)
 
 
-def image_ref(ref: str) -> ImageRef:
-    return ImageRef(ref=ref, id="sha256:" + "ab" * 32, agent="codex", agent_version="0.149.0", pvisor_version="0.3.1",
-                    agent_entrypoint="codex", pvisor_path="/usr/local/bin/pvisor", verified_by="build")  # fmt: skip
+IMAGE_ID = "sha256:" + "ab" * 32
 
 
-def test_an_image_is_pushed_under_its_own_reference_or_its_id():
-    built = image_ref("pvisor-host/codex:0.149.0-pvisor0.3.1-0123456789ab")
-    assert _target("127.0.0.1:5000", built) == ("127.0.0.1:5000/pvisor-host/codex", "0.149.0-pvisor0.3.1-0123456789ab")
-    assert _target("reg:5000", image_ref("localhost:5001/task:v2")) == ("reg:5000/localhost:5001/task", "v2")
-    assert _target("reg:5000", image_ref("sha256:" + "ab" * 32)) == ("reg:5000/pvisor-host/image", "ab" * 16)
+@pytest.mark.parametrize(
+    ("ref", "target"),
+    [
+        (
+            "pvisor-host/codex:0.149.0-pvisor0.3.1-0123456789ab",
+            ("reg:5000/pvisor-host/codex", "0.149.0-pvisor0.3.1-0123456789ab"),
+        ),
+        ("localhost:5001/task:v2", ("reg:5000/task", "v2")),  # from another registry: its path, not its host
+        ("ghcr.io/org/task:v2", ("reg:5000/org/task", "v2")),
+        ("ubuntu:22.04", ("reg:5000/ubuntu", "22.04")),
+        (f"org/agent@sha256:{'cd' * 32}", ("reg:5000/org/agent", "ab" * 16)),  # a digest is not a tag
+        (f"localhost:5001/task@sha256:{'cd' * 32}", ("reg:5000/task", "ab" * 16)),
+        (IMAGE_ID, ("reg:5000/pvisor-host/image", "ab" * 16)),
+    ],
+)
+def test_an_image_is_pushed_under_its_own_path_with_its_tag_or_its_id(ref, target):
+    repository, tag = push_target("reg:5000", ref, IMAGE_ID)
+    assert (repository, tag) == target
+    pushed = Reference(f"{repository}:{tag}")  # a reference the engine accepts: registry, path, tag
+    assert (pushed.registry, pushed.tag, pushed.digest) == ("reg:5000", tag, None)
+
+
+def test_references_are_read_as_docker_reads_them():
+    by_digest = Reference(f"localhost:5001/org/task@sha256:{'cd' * 32}")
+    assert (by_digest.registry, by_digest.path, by_digest.tag, by_digest.digest) == (
+        "localhost:5001",
+        "org/task",
+        None,
+        f"sha256:{'cd' * 32}",
+    )
+    hub = Reference("ubuntu")
+    assert (hub.registry, hub.path, hub.tag, hub.digest, hub.is_id) == (None, "ubuntu", None, None, False)
+    assert Reference(IMAGE_ID).is_id
 
 
 def test_the_ledger_says_where_copies_started_and_which_should_stop():
@@ -118,3 +147,71 @@ def test_an_image_goes_into_the_object_store_in_whole_chunks():
     pieces = [b"a" * 3, b"b" * 5, b"", b"c" * 9, b"d"]
     assert list(rechunk(pieces, 4)) == [b"aaab", b"bbbb", b"cccc", b"cccc", b"cd"]
     assert list(rechunk([], 4)) == []
+
+
+class FakeRayModule(types.ModuleType):
+    """Just enough of the ``ray`` module for a driver to connect and leave."""
+
+    def __init__(self) -> None:
+        super().__init__("ray")
+        self.__spec__ = importlib.machinery.ModuleSpec("ray", None)
+        self.initialised = False
+        self.seen_token: str | None = None
+
+    def is_initialized(self) -> bool:
+        return self.initialised
+
+    def init(self, **_: object) -> None:
+        import os
+
+        self.seen_token = os.environ.get("RAY_AUTH_TOKEN")
+        self.initialised = True
+
+    def shutdown(self) -> None:
+        self.initialised = False
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    import sys
+
+    fake = FakeRayModule()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(connect, "local_raylet", lambda: True)
+    monkeypatch.setattr(connect, "_current", None)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "tok")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    return fake
+
+
+def test_a_connection_owns_its_ray_state_and_puts_the_environment_back(fake_ray):
+    import os
+
+    first = connect.connect("10.0.0.5:6379")
+    assert fake_ray.seen_token == "tok" and os.environ["RAY_AUTH_MODE"] == "token"
+    first.close()
+    assert not fake_ray.initialised and "RAY_AUTH_MODE" not in os.environ  # as it was before
+    assert os.environ["RAY_AUTH_TOKEN"] == "tok"
+    first.close()  # idempotent
+    connect.connect("10.0.0.5:6379").close()  # and the next one may connect
+
+
+def test_a_second_cluster_connection_in_one_process_is_refused_in_one_line(fake_ray):
+    first = connect.connect("10.0.0.5:6379")
+    try:
+        with pytest.raises(UsageError) as refused:
+            connect.connect("10.0.0.6:6379")
+        assert refused.value.one_line() == (
+            "this process is already running a cluster batch on 10.0.0.5:6379, and Ray allows one cluster "
+            "connection per process: run the next batch after it, or in another process"
+        )
+        assert fake_ray.initialised  # the first one is untouched
+    finally:
+        first.close()
+
+
+def test_ray_initialised_by_the_application_is_left_alone(fake_ray):
+    fake_ray.initialised = True  # the application called ray.init() itself
+    with pytest.raises(UsageError, match="Ray is already initialised in this process by something else"):
+        connect.connect("10.0.0.5:6379")
+    assert fake_ray.initialised  # not shut down by us

@@ -25,24 +25,25 @@ def trajectory(tmp_path) -> Path:
 
 
 def commands(tmp_path: Path, trajectory: Path) -> dict[str, tuple[list[str | Path], str]]:
-    """Each command, and the action its one line must name."""
+    """Each command, and how its one line starts (after ``pvisor-host: error: ``), up to the engine's words."""
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"id": "one", "trajectory": str(trajectory), "after_step": 1}) + "\n")
     inspect_base = f"inspect image {BASE}"
     replay = ["replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "1"]
     batch = ["batch", manifest, "--agent", "claude-code", "--mode", "replay-only"]
+    failed = "Docker engine failed to "
     return {
-        "build": (["build", "--agent", "claude-code"], inspect_base),
-        "replay": ([*replay, "--mode", "replay-only", "--out", tmp_path / "run"], "read the engine's runtimes"),
+        "build": (["build", "--agent", "claude-code"], failed + inspect_base),
+        "replay": ([*replay, "--mode", "replay-only", "--out", tmp_path / "run"],
+                   failed + "read the engine's runtimes"),
         "batch": ([*batch, "--out", tmp_path / "b"],
-                  f"first one: Docker engine failed to {inspect_base}"),
-        "batch --plan": ([*batch, "--plan", "--out", tmp_path / "p"],
-                         f"one: Docker engine failed to {inspect_base}"),
-        "gc": (["gc"], "list pvisor-host's containers, networks and volumes"),
-        "images": (["images"], "list images and volumes"),
-        "images prune": (["images", "prune", "--dry-run"], "list images and volumes"),
-        "doctor": (["doctor"], "read the engine's information"),
-        "agents": (["agents"], inspect_base),
+                  f"every failed item failed on the infrastructure; first one: {failed}{inspect_base}"),
+        "batch --plan": ([*batch, "--plan", "--out", tmp_path / "p"], f"one: {failed}{inspect_base}"),
+        "gc": (["gc"], failed + "list pvisor-host's containers, networks and volumes"),
+        "images": (["images"], failed + "list images and volumes"),
+        "images prune": (["images", "prune", "--dry-run"], failed + "list images and volumes"),
+        "doctor": (["doctor"], failed + "read the engine's information"),
+        "agents": (["agents"], failed + inspect_base),
     }  # fmt: skip
 
 
@@ -51,15 +52,15 @@ def commands(tmp_path: Path, trajectory: Path) -> dict[str, tuple[list[str | Pat
     "command", ["build", "replay", "batch", "batch --plan", "gc", "images", "images prune", "doctor", "agents"]
 )
 def test_an_engine_failure_is_exit_6_and_one_line_naming_the_action(tmp_path, trajectory, command, answer, words):
-    args, action = commands(tmp_path, trajectory)[command]
+    args, start = commands(tmp_path, trajectory)[command]
     with FakeEngine(answer) as engine:
         result = run_cli(*args, env=engine.env, cwd=tmp_path)
     assert result.code == ExitCode.INFRASTRUCTURE, result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
     errors = [line for line in result.error_lines if line.startswith("pvisor-host: error: ")]
     assert len(errors) == 1, result.stderr
-    assert f"Docker engine failed to {action}" in errors[0] or f"{action}" in errors[0], errors[0]
-    assert words in errors[0]
+    assert errors[0].startswith(f"pvisor-host: error: {start}: "), errors[0]
+    assert words in errors[0].removeprefix(f"pvisor-host: error: {start}: "), errors[0]
     assert len(engine.requests) > 2  # it got past the ping: the failure came from a real call
 
 

@@ -110,6 +110,54 @@ def test_upstream_failures_become_gateway_answers(tmp_path):
     assert statuses == [502, 404]
 
 
+def read_chunked(connection: UnixConnection) -> tuple[int, bytes]:
+    """An answer read strictly: a chunked body must end with its last chunk (else IncompleteRead)."""
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
+def test_a_stream_the_upstream_breaks_off_ends_cleanly_and_is_journaled(stub, tmp_path):
+    """Once the answer's headers went out, a failing upstream must not make the gateway write a second status
+    line into the stream: the agent gets the bytes that came, then a proper end."""
+    stub.model.fail_next("cut")
+    journal = tmp_path / "j.jsonl"
+    with gateway_for(stub) as gateway:
+        access = gateway.access("run-5", journal)
+        connection = UnixConnection(gateway.address)
+        body = json.dumps({"model": "stub-model", "stream": True, "messages": []})
+        headers = {"Authorization": f"Bearer {access.api_key}", "Content-Type": "application/json"}
+        connection.request("POST", "/v1/chat/completions", body, headers)
+        status, answer = read_chunked(connection)
+        assert status == 200
+        assert answer == b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]}\n\n'
+        connection.request("POST", "/v1/chat/completions", body, headers)  # the connection is still good
+        again, _ = read_chunked(connection)
+        assert again == 200
+    first, second = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert first["status"] == 200 and first["stream"] is True and first["response_bytes"] == len(answer)
+    assert first["error"].startswith(f"the upstream broke off the stream after {len(answer)} bytes: ")
+    assert "error" not in second
+
+
+def test_a_chunked_request_body_is_forwarded_whole_and_the_connection_stays_in_step(stub, tmp_path):
+    """A request sent with Transfer-Encoding: chunked: the upstream gets its body, and none of its bytes are
+    read as a next request on the kept-alive connection."""
+    with gateway_for(stub) as gateway:
+        access = gateway.access("run-6", tmp_path / "j.jsonl")
+        connection = UnixConnection(gateway.address)
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "chunked " * 200}], "tools": []}
+        data = json.dumps(body).encode()
+        pieces = iter([data[:100], data[100:1000], data[1000:]])
+        headers = {"Authorization": f"Bearer {access.api_key}", "Content-Type": "application/json"}
+        connection.request("POST", "/v1/chat/completions", pieces, headers, encode_chunked=True)
+        status, _ = read_chunked(connection)
+        connection.request("GET", "/v1/models", headers=headers)
+        listed, models = read_chunked(connection)
+    assert (status, listed) == (200, 200) and json.loads(models)["data"][0]["id"] == "stub-model"
+    chat, listing = stub.model.requests
+    assert chat["body"] == body and listing["method"] == "GET"
+
+
 def test_upstream_errors_pass_through_with_their_status(stub, tmp_path):
     stub.model.fail_next(429)
     with gateway_for(stub, body_limit=0) as gateway:

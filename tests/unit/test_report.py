@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pvisor_host.fanout.report import ItemResult
+from pvisor_host.models.batch import ItemResult
 from pvisor_host.report import render_page
 from pvisor_host.report.gather import gather
 from pvisor_host.report.observations import compact_diff, read_observations

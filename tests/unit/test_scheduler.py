@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +16,8 @@ import pytest
 
 from pvisor_host.errors import ExitCode
 from pvisor_host.fanout.manifest import BatchInput, BatchItem
-from pvisor_host.fanout.report import exit_code
 from pvisor_host.fanout.scheduler import BatchOptions, BatchOutcome, run_batch
+from pvisor_host.fanout.summary import exit_code
 
 from fakebackend import FakeBackend, trajectories
 
@@ -67,7 +68,7 @@ def test_no_more_sandboxes_run_at_once_than_workers_and_the_manifest_is_read_as_
     assert all(record(tmp_path / "out", f"t{n:02d}")["batch"]["item_id"] == f"t{n:02d}" for n in range(24))
 
 
-def test_ctrl_c_with_sandboxes_running_stops_them_all_and_keeps_every_record(tmp_path):
+def test_ctrl_c_with_sandboxes_running_stops_them_all_and_keeps_every_record(tmp_path, ctrl_c_raises):
     batch = items(tmp_path, [f"t{n}" for n in range(10)])
     backend = FakeBackend(seconds=30)
 
@@ -101,6 +102,29 @@ def test_the_deadline_cuts_running_items_and_starts_no_more(tmp_path):
     assert exit_code(outcome.summary, 0) == ExitCode.TIMEOUT
     assert sum(len(v) for v in backend.attempts.values()) == 2
     assert record(tmp_path / "out", "t0")["limits"]["timeout"] <= 1.0  # the item's timeout was cut to what was left
+    assert sorted(p.parent.name for p in (tmp_path / "out").glob("*/record.json")) == ["t0", "t1"]
+    skipped = ET.parse(tmp_path / "out" / "junit.xml").getroot().findall("testsuite/testcase/skipped")
+    assert len(skipped) == 4
+
+
+def test_one_batch_at_a_time_per_directory_and_the_api_says_so(tmp_path):
+    """Through the Python API, on a lent backend: a second batch into the same directory starts nothing."""
+    import fcntl
+
+    import pvisor_host
+    from pvisor_host.errors import UsageError
+
+    [path] = trajectories(tmp_path / "data", ["t0"])
+    out = tmp_path / "out"
+    out.mkdir()
+    backend = FakeBackend()
+    run = pvisor_host.batch([{"trajectory": path, "after_step": 1, **DEFAULTS}], out=out, backend=backend)
+    with (out / ".pvisor-host-batch.lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UsageError) as refused:
+            list(run)
+    assert refused.value.one_line() == f"--out {out}: another batch is running in this directory"
+    assert backend.attempts == {} and not (out / "t0-after1").exists()
 
 
 def test_each_item_retries_what_is_worth_retrying_and_nothing_else(tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 
 from pvisor_host.errors import UsageError
-from pvisor_host.models.units import format_duration, format_size, parse_duration, parse_size
+from pvisor_host.units import format_duration, format_size, parse_duration, parse_size, short_duration, short_size
 
 
 @pytest.mark.parametrize(
@@ -53,3 +53,16 @@ def test_formatting():
     assert format_duration(0.25) == "250ms"
     assert format_duration(12.34) == "12.3s"
     assert format_duration(245) == "4m05s"
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [(4 * 1024**3, "4g"), (64 * 1024, "64k"), (1536 * 1024**2, "1536m"), (1500, "1500"), (2**40, "1t")],
+)
+def test_a_size_is_shown_as_the_shortest_string_that_reads_back(size, text):
+    assert short_size(size) == text and parse_size(text) == size
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(7200, "2h"), (300, "5m"), (5400, "1h30m"), (5, "5s"), (0.25, "0.25s")])
+def test_a_duration_is_shown_as_the_shortest_string_that_reads_back(seconds, text):
+    assert short_duration(seconds) == text and parse_duration(text) == seconds

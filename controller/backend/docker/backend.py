@@ -35,6 +35,7 @@ from . import labels as L
 from . import runtimes
 from .build.inject import Injector
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
+from .images import ImageStore
 from .sandbox.container import Leftovers
 
 #: Seconds ``close`` waits for an engine that went away to answer again, to remove what it could not.
@@ -50,7 +51,8 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ...models.record import ReplayRecord
     from ...models.replay import PreparedReplay, SandboxPlan
     from ...models.spec import ModelUpstream
-    from ..base import ModelGateway
+    from ..base import Backend
+    from .gateway import Gateway
 
 
 class DockerBackend:
@@ -62,6 +64,8 @@ class DockerBackend:
         self._injector = Injector(client, ownership)
         self._runtimes: tuple[str, dict[str, Runtime]] | None = None
         self._leftovers = Leftovers()
+        self.images = ImageStore(client)
+        """The engine's images as other parts need them (the cluster ships images through it)."""
 
     @classmethod
     def connect(
@@ -78,6 +82,20 @@ class DockerBackend:
     def ownership(self) -> Ownership:
         """The owner labels of everything this backend creates."""
         return self._ownership
+
+    def capacity(self) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.capacity`: one engine has no fixed number of slots."""
+        return None
+
+    def engine_version(self) -> str:
+        """The engine's version (``docker version``)."""
+        with engine_errors("read the engine's version"):
+            return str(self.client.version().get("Version", "?"))
+
+    def running_sandboxes(self) -> int:
+        """Replay sandboxes of pvisor-host running on this engine now, whoever started them."""
+        with engine_errors("list the running sandboxes"):
+            return len(self.client.containers.list(filters={"label": f"{L.ROLE}=replay"}, sparse=True))
 
     # -- images ---------------------------------------------------------------------------------------------
 
@@ -122,7 +140,7 @@ class DockerBackend:
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
         return launch.describe(prepared, cspec)
 
-    def open_gateway(self, upstream: ModelUpstream, *, user: str, api_key: str | None = None) -> ModelGateway:
+    def open_gateway(self, upstream: ModelUpstream, *, user: str, api_key: str | None = None) -> Gateway:
         """See :meth:`pvisor_host.backend.base.Backend.open_gateway`; ``api_key`` is the real key when it did not
         come from this process's environment (a cluster node gets it from the driver)."""
         from .gateway import Gateway
@@ -137,15 +155,12 @@ class DockerBackend:
         prepared: PreparedReplay,
         attempt: Attempt,
         *,
-        gateway: ModelGateway | None = None,
+        gateway: Gateway | None = None,
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
         """See :meth:`pvisor_host.backend.base.Backend.run_attempt`."""
-        from .gateway import Gateway
         from .sandbox import run
 
-        if gateway is not None and not isinstance(gateway, Gateway):
-            raise TypeError(f"a Docker sandbox cannot use {type(gateway).__name__} as its model gateway")
         self._remove_leftovers()
         return run.run_attempt(
             self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel, leftovers=self._leftovers
@@ -247,3 +262,9 @@ def _kill_quietly(container: Container) -> None:
         container.kill()
     except ENGINE_ERRORS as exc:  # already gone, or the engine is away: its worker removes it
         logger.debug("could not kill {}: {}", container.short_id, describe(exc))
+
+
+if TYPE_CHECKING:  # mypy checks that the Docker backend fits the seam, with its own gateway
+
+    def _fits(backend: DockerBackend) -> Backend[Gateway]:
+        return backend

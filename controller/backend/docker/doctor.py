@@ -15,7 +15,7 @@ import docker
 from ..._version import PVISOR_VERSION
 from ...models.housekeeping import Check
 from ...models.profiles import all_profiles
-from ...models.units import format_size
+from ...units import format_size
 from .build.base import default_base, find_image, resolve_base_offline
 from .build.recipe import expected_tag
 from .engine import engine_address, engine_errors

@@ -1,15 +1,7 @@
-"""The host-side model gateway: the sandbox's only way to its model, and the only holder of the real key.
+"""The model gateway on this engine: where the proxy listens, and how a sandbox reaches it.
 
-A live continuation lets the agent call its model, and replayed tool calls of some agents see every
-environment variable. So the sandbox never gets the real key: it gets the gateway as ``OPENAI_BASE_URL``
-and a random per-run token as ``OPENAI_API_KEY``. The gateway accepts only registered tokens, swaps in the
-real key, forwards to the upstream (streaming passed through as it arrives), and journals every exchange
-per run (``model-traffic.jsonl``: time, path, status, latency, sizes, token usage, the session header; no
-authorization; bodies up to a cap). An upstream error is answered with the same status and a message that
-names it in words pvisor classifies (``status 429 (rate limit...)``, ``internal server error``), so the run
-ends in pvisor's retryable ``model_*`` categories.
-
-Where the gateway listens depends on ``--model-network``:
+The proxy itself (tokens, forwarding with the real key, streams, the journal) is engine-neutral:
+:class:`~pvisor_host.gateway.ModelProxy`. This module puts it where ``--model-network`` says:
 
 * ``unix`` (default): a unix socket in a short-lived host directory, bind-mounted read-only into a sandbox
   that has no network at all; a static relay started in the sandbox before pvisor listens on
@@ -18,32 +10,29 @@ Where the gateway listens depends on ``--model-network``:
   where a unix socket cannot be shared). Note: on such a network the sandbox can also reach other services
   listening on the host's addresses.
 * ``pass-through``: no gateway; the sandbox gets the upstream and the real key (with a warning).
+
+The sandbox gets the gateway as ``OPENAI_BASE_URL`` and its run's token as ``OPENAI_API_KEY``
+(:class:`ModelAccess`), never the real key (but with ``pass-through``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
 import secrets
 import shutil
-import socketserver
 import tempfile
-import threading
-import time
-from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import docker
-import requests
 from docker.errors import NotFound
 from pydantic import BaseModel
 
 from ..._log import logger
 from ...errors import InfrastructureError
+from ...gateway import ModelProxy
 from ...models.ownership import Ownership
 from ...models.spec import ModelUpstream
 from . import labels as L
@@ -53,12 +42,6 @@ from .engine import engine_errors
 RELAY_PORT = 18080
 SOCKET_MOUNT = "/pvisor-host/gateway"
 _SOCKET_NAME = "gw.sock"
-_ROUTES = ("chat/completions", "responses", "models")
-_HOP_BY_HOP = {
-    "host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "content-length", "authorization", "accept-encoding",
-}  # fmt: skip
-_USAGE_TAIL = 256 * 1024
 
 
 class ModelAccess(BaseModel):
@@ -76,14 +59,10 @@ class ModelAccess(BaseModel):
     token: str | None = None
 
 
-class _Run(BaseModel):
-    run_id: str
-    journal: Path
-
-
 class Gateway:
-    """The gateway for one ``replay`` (all its attempts) or one ``batch``: :meth:`start` it, :meth:`close` it
-    (or use it as a context manager)."""
+    """The model gateway of one ``replay`` (all its attempts) or one ``batch`` on this engine: the proxy
+    (:class:`~pvisor_host.gateway.ModelProxy`), listening where ``--model-network`` says. :meth:`start` it,
+    :meth:`close` it (or use it as a context manager)."""
 
     def __init__(
         self,
@@ -99,10 +78,7 @@ class Gateway:
         self._client = client
         self._ownership = ownership
         self._uid = sandbox_uid
-        self._runs: dict[str, _Run] = {}
-        self._lock = threading.Lock()
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._proxy: ModelProxy | None = None
         self._socket_dir: Path | None = None
         self._network: Any = None
         self.address: str | None = None
@@ -112,10 +88,17 @@ class Gateway:
 
     def start(self) -> Gateway:
         """Listen where ``--model-network`` says (nothing to start for ``pass-through``); return ``self``."""
-        if self.config.network == "unix":
-            self._start_unix()
-        elif self.config.network == "internal":
-            self._start_internal()
+        if not self.config.gateway:
+            return self
+        try:
+            self._proxy = ModelProxy(self.config, self._api_key).start()
+            if self.config.network == "unix":
+                self._start_unix(self._proxy)
+            else:
+                self._start_internal(self._proxy)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __enter__(self) -> Gateway:
@@ -126,10 +109,9 @@ class Gateway:
 
     def close(self) -> None:
         """Stop listening and remove the socket directory and the internal network (every path)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
@@ -138,45 +120,33 @@ class Gateway:
                 self._network.remove()
             self._network = None
 
-    def _serve(self, server: Any) -> None:
-        server.gateway = self
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="pvisor-host-gateway", daemon=True)
-        self._thread.start()
-
-    def _start_unix(self) -> None:
+    def _start_unix(self, proxy: ModelProxy) -> None:
         # A short path: AF_UNIX paths are limited to 108 bytes.
         self._socket_dir = Path(tempfile.mkdtemp(prefix="pvh-gw-", dir="/tmp"))
         self._socket_dir.chmod(0o755)
         path = self._socket_dir / _SOCKET_NAME
-        self._serve(_UnixServer(str(path), _Handler))
+        proxy.listen_unix(str(path))
         if self._uid is not None and os.geteuid() == 0:
             os.chown(path, self._uid, self._uid)
         path.chmod(0o600)
         self.address = str(path)
         logger.debug("model gateway listening on {}", path)
 
-    def _start_internal(self) -> None:
+    def _start_internal(self, proxy: ModelProxy) -> None:
         if self._client is None or self._ownership is None:
             raise ValueError("the internal model network needs an engine client and an ownership")
         name = f"pvisor-host-gw-{self._ownership.session}-{secrets.token_hex(3)}"
+        with engine_errors("create the internal model network"):
+            self._network = self._client.networks.create(
+                name, driver="bridge", internal=True, labels=L.resource_labels(self._ownership, "model-network")
+            )
+            self._network.reload()
         try:
-            with engine_errors("create the internal model network"):
-                self._network = self._client.networks.create(
-                    name, driver="bridge", internal=True, labels=L.resource_labels(self._ownership, "model-network")
-                )
-                self._network.reload()
             gateway_ip = network_gateway(self._network.attrs)
         except ValueError as exc:
-            self.close()
             raise InfrastructureError(f"the internal model network has no usable gateway address: {exc}") from exc
-        except BaseException:
-            self.close()
-            raise
-        server = ThreadingHTTPServer((gateway_ip, 0), _Handler)
-        server.daemon_threads = True
-        self._serve(server)
-        self.address = f"{gateway_ip}:{server.server_address[1]}"
+        port = proxy.listen_tcp(gateway_ip)
+        self.address = f"{gateway_ip}:{port}"
         logger.debug("model gateway listening on {} (network {})", self.address, name)
 
     # -- runs ---------------------------------------------------------------------------------------------
@@ -184,16 +154,14 @@ class Gateway:
     def access(self, run_id: str, journal: Path) -> ModelAccess:
         """Register a run (a fresh token, its journal) and say how its sandbox reaches the model."""
         model = self.config.model
-        if self.config.network == "pass-through":
+        if self._proxy is None:  # pass-through
             logger.warning(
                 "--model-network pass-through: the real key from {} enters the sandbox, "
                 "where replayed tool calls can read it",
                 self.config.api_key_env,
             )
             return ModelAccess(base_url=self.config.base_url, api_key=self._api_key, model=model, network="bridge")
-        token = f"pvhtok-{secrets.token_urlsafe(24)}"
-        with self._lock:
-            self._runs[token] = _Run(run_id=run_id, journal=journal)
+        token = self._proxy.grant(run_id, journal)
         if self.config.network == "unix":
             return ModelAccess(
                 base_url=f"http://127.0.0.1:{RELAY_PORT}/v1",
@@ -211,29 +179,8 @@ class Gateway:
 
     def release(self, token: str | None) -> None:
         """Forget a run's token: nothing can use it any more."""
-        if token:
-            with self._lock:
-                self._runs.pop(token, None)
-
-    def run_for(self, authorization: str | None) -> _Run | None:
-        if not authorization or not authorization.startswith("Bearer "):
-            return None
-        with self._lock:
-            return self._runs.get(authorization.removeprefix("Bearer ").strip())
-
-    def journal(self, run: _Run, entry: dict[str, Any]) -> None:
-        with self._lock, run.journal.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(entry, ensure_ascii=False) + "\n")
-
-    # -- forwarding ---------------------------------------------------------------------------------------
-
-    def upstream_url(self, suffix: str) -> str:
-        return self.config.base_url.rstrip("/") + "/" + suffix
-
-    def upstream_headers(self, incoming: Any) -> dict[str, str]:
-        headers = {k: v for k, v in incoming.items() if k.lower() not in _HOP_BY_HOP}
-        headers["Authorization"] = f"Bearer {self._api_key}"
-        return headers
+        if self._proxy is not None:
+            self._proxy.revoke(token)
 
 
 def network_gateway(attrs: dict[str, Any]) -> str:
@@ -259,180 +206,3 @@ def network_gateway(attrs: dict[str, Any]) -> str:
             if network.version == 4:
                 return str(next(network.hosts()))
     raise ValueError(f"network {attrs.get('Name', '?')} has no IPv4 subnet: {configs}")
-
-
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-    def get_request(self) -> tuple[Any, Any]:
-        connection, _ = super().get_request()
-        return connection, ("sandbox", 0)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """One sandbox request: check the token, forward with the real key, stream back, journal."""
-
-    server: Any
-    # Every answer says where it ends (a length, or chunks), so no client waits for the connection to close:
-    # under gVisor a Rust agent side sometimes missed the close that ended a close-delimited answer, and hung.
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        return
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._forward("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._forward("POST")
-
-    def _error(self, status: int, message: str) -> bytes:
-        body = json.dumps({"error": {"message": f"pvisor-host gateway: {message}", "type": "gateway_error"}}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        return body
-
-    def _forward(self, method: str) -> None:
-        gateway: Gateway = self.server.gateway
-        started = time.monotonic()
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        run = gateway.run_for(self.headers.get("Authorization"))
-        if run is None:
-            logger.warning("model gateway refused a request without a valid token ({} {})", method, self.path)
-            self._error(401, "invalid or missing token")
-            return
-        suffix = self.path.split("?", 1)[0].removeprefix("/v1/").lstrip("/")
-        entry: dict[str, Any] = {
-            "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
-            "run_id": run.run_id,
-            "method": method,
-            "path": self.path,
-            "session_id": self.headers.get("X-LiteLLM-Session-ID"),
-            "request_bytes": len(body),
-        }
-        limit = gateway.config.body_limit
-        if limit:
-            entry["request_body"] = body[:limit].decode("utf-8", errors="replace")
-            entry["request_body_truncated"] = len(body) > limit
-        if not suffix.startswith(_ROUTES):
-            sent = self._error(404, f"no model route {self.path}")
-            gateway.journal(run, entry | {"status": 404, "response_bytes": len(sent), "latency_ms": 0})
-            return
-        try:
-            status, response_bytes, head, tail, stream = self._relay(gateway, method, suffix, body)
-        except requests.exceptions.Timeout:
-            message = f"upstream connection timed out after {gateway.config.timeout:.0f}s"
-            sent = self._error(504, message)
-            status, response_bytes, head, tail, stream = 504, len(sent), sent, sent, False
-        except requests.exceptions.RequestException as exc:
-            sent = self._error(502, f"upstream connection error: {_reason(exc)}")
-            status, response_bytes, head, tail, stream = 502, len(sent), sent, sent, False
-        entry |= {
-            "status": status,
-            "stream": stream,
-            "response_bytes": response_bytes,
-            "latency_ms": round((time.monotonic() - started) * 1000, 1),
-            "usage": _usage(tail),
-        }
-        if limit:
-            entry["response_body"] = head.decode("utf-8", errors="replace")
-            entry["response_body_truncated"] = response_bytes > len(head)
-        gateway.journal(run, entry)
-
-    def _relay(self, gateway: Gateway, method: str, suffix: str, body: bytes) -> tuple[int, int, bytes, bytes, bool]:
-        """Forward to the upstream and pass its answer through as it arrives.
-
-        Returns status, bytes sent, the start of the body (for the journal) and its end (for token usage,
-        which streams report last) and whether it was a stream.
-        """
-        upstream = requests.request(
-            method,
-            gateway.upstream_url(suffix),
-            data=body or None,
-            headers=gateway.upstream_headers(self.headers),
-            stream=True,
-            timeout=(10, gateway.config.timeout),
-        )
-        with upstream:
-            stream = "text/event-stream" in upstream.headers.get("Content-Type", "")
-            if upstream.status_code >= 400 and not stream:
-                original = upstream.content[: max(gateway.config.body_limit, 4096)]
-                answer = self._error(upstream.status_code, _upstream_failure(upstream.status_code, original))
-                return upstream.status_code, len(answer), original[: gateway.config.body_limit], original, False
-            self.send_response(upstream.status_code)
-            for key in ("Content-Type", "Cache-Control", "x-request-id", "retry-after"):
-                if key in upstream.headers:
-                    self.send_header(key, upstream.headers[key])
-            limit = gateway.config.body_limit
-            if not stream:  # one JSON answer: its length first
-                content = upstream.content
-                self.send_header("Content-Length", str(len(content)))
-                self.end_headers()
-                self.wfile.write(content)
-                return upstream.status_code, len(content), content[:limit], content[-_USAGE_TAIL:], False
-            self.send_header("Transfer-Encoding", "chunked")  # a stream passes through as it arrives
-            self.end_headers()
-            sent = 0
-            head = bytearray()
-            tail = bytearray()
-            for chunk in upstream.iter_content(chunk_size=None):
-                if not chunk:
-                    continue
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-                sent += len(chunk)
-                if len(head) < limit:
-                    head += chunk[: limit - len(head)]
-                tail = (tail + chunk)[-_USAGE_TAIL:]
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        return upstream.status_code, sent, bytes(head), bytes(tail), stream
-
-
-_STATUS_WORDS = {
-    429: "rate limit: too many requests",
-    500: "internal server error",
-    502: "bad gateway",
-    503: "service unavailable",
-    504: "gateway timeout",
-}
-
-
-def _upstream_failure(status: int, body: bytes) -> str:
-    """An error message for the agent that names the status in words pvisor classifies (rate limit, 5xx)."""
-    try:
-        detail = json.loads(body).get("error", {}).get("message", "")
-    except (ValueError, AttributeError):
-        detail = body.decode("utf-8", errors="replace")
-    words = _STATUS_WORDS.get(status, "error")
-    return f"upstream returned status {status} ({words}): {str(detail)[:300]}".rstrip(": ")
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc)
-    for marker in ("Connection refused", "Name or service not known", "No route to host", "Connection reset"):
-        if marker in text:
-            return marker.lower()
-    return text.split("\n")[0][:200]
-
-
-def _usage(data: bytes) -> dict[str, Any] | None:
-    """Token usage from a JSON body or the last SSE events that report it."""
-    text = data.decode("utf-8", errors="replace")
-    candidates = [text]
-    candidates += [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
-    for candidate in reversed(candidates):
-        try:
-            value = json.loads(candidate)
-        except ValueError:
-            continue
-        if not isinstance(value, dict):
-            continue
-        usage = value.get("usage") or (value.get("response") or {}).get("usage")
-        if isinstance(usage, dict):
-            return usage
-    return None

@@ -21,9 +21,9 @@ from importlib import resources
 import docker
 from docker.errors import APIError, ImageNotFound, NotFound
 from docker.models.images import Image
-from ...._log import logger
 from pydantic import BaseModel, ConfigDict
 
+from ...._log import logger
 from ....errors import ImageBuildError, PrerequisiteError, UsageError
 from ....models.image import BaseImage
 from ..engine import ENGINE_ERRORS, describe, engine_errors, is_transient, retrying

@@ -26,9 +26,9 @@ import threading
 import docker
 from docker.errors import NotFound
 from docker.models.images import Image
-from ...._log import logger
 from pydantic import BaseModel
 
+from ...._log import logger
 from ...._version import PVISOR_VERSION
 from ....errors import ImageBuildError, InfrastructureError, UsageError
 from ....models.ownership import Ownership

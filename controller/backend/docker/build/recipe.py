@@ -19,16 +19,16 @@ from pathlib import Path
 
 import docker
 from docker.models.images import Image
-from ...._log import logger
 from pydantic import BaseModel
 
+from ...._log import logger
 from ...._version import PVISOR_VERSION
 from ....errors import ImageBuildError, UsageError
 from ....models.image import BaseImage, BuildOptions, BuiltImage
 from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile, NpmInstall, PipInstall, UnavailableInstall
 from .. import labels as L
-from ..engine import ENGINE_ERRORS, describe, engine_errors
+from ..engine import ENGINE_ERRORS, describe
 from .base import find_image, resolve_base, resolve_base_offline
 from .probe import ProbeResult, probe_agent_image, version_problem
 

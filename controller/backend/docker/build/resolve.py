@@ -12,8 +12,8 @@ from typing import Literal
 
 import docker
 from docker.models.images import Image
-from ...._log import logger
 
+from ...._log import logger
 from ...._version import PVISOR_VERSION
 from ....errors import UsageError
 from ....models.image import (

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from ...._log import logger
 from ....files.archive import Budget, ExtractReport, harvest_tree
-from ....models.units import format_size
+from ....units import format_size
 from . import container as sandbox
 
 

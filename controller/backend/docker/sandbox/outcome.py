@@ -30,7 +30,7 @@ from ....models.record import (
 )
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import ReplayResult
-from ....models.units import format_duration, format_size
+from ....units import format_duration, format_size
 from . import container as sandbox
 from .collect import Collected
 from .launch import limits

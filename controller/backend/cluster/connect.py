@@ -7,14 +7,17 @@ file ``PVISOR_HOST_CLUSTER_TOKEN_FILE`` names), never from a command line, and i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import PrerequisiteError, UsageError
+from ...errors import PrerequisiteError, UsageError
 
 #: The Ray namespace of everything pvisor-host starts in a cluster.
 NAMESPACE = "pvisor-host"
@@ -22,6 +25,7 @@ NAMESPACE = "pvisor-host"
 ENGINE_RESOURCE = "docker_engine"
 TOKEN_FILE_ENV = "PVISOR_HOST_CLUSTER_TOKEN_FILE"
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.-]+:\d{1,5}$")
+_REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(:\d{1,5})?(/[a-z0-9._/-]+)?$")
 
 
 def require_ray() -> None:
@@ -47,6 +51,18 @@ def check_address(address: str) -> str:
     return address
 
 
+def check_registry(registry: str) -> str:
+    """``HOST[:PORT][/PATH]`` of a registry the nodes pull from (no scheme, no tag).
+
+    Raises:
+        UsageError: anything else.
+    """
+    registry = registry.strip().rstrip("/")
+    if not _REGISTRY.match(registry):
+        raise UsageError(f"--registry {registry!r} is not HOST[:PORT][/PATH] (e.g. registry.internal:5000)")
+    return registry
+
+
 def auth_environment() -> dict[str, str]:
     """The environment that turns Ray's token authentication on, from ``RAY_AUTH_TOKEN`` or the token file.
 
@@ -68,15 +84,51 @@ def auth_environment() -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def connect(address: str) -> ModuleType:
-    """Join the cluster at ``address`` as a driver (token auth on); ``ray`` is returned, initialised.
+class RayConnection:
+    """This process's connection to a cluster, owned by whoever opened it (:func:`connect`) and ended by its
+    :meth:`close`, never by anyone else's.
+
+    Ray keeps one connection per process, and reads its token settings from the process environment. So
+    while a connection is open the environment carries them, :meth:`close` puts the environment back as it
+    was, and a second connection in the same process is refused in one line until the first is closed.
+    """
+
+    def __init__(self, ray: ModuleType, address: str, saved: dict[str, str | None]) -> None:
+        self.ray = ray
+        self.address = address
+        self._saved = saved
+        self._closed = False
+
+    def close(self) -> None:
+        """Leave the cluster and restore the environment (idempotent)."""
+        global _current
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with contextlib.suppress(Exception):
+                self.ray.shutdown()
+        finally:
+            _restore(self._saved)
+            with _lock:
+                _current = None
+
+
+_lock = threading.Lock()
+_current: RayConnection | None = None
+
+
+def connect(address: str) -> RayConnection:
+    """Join the cluster at ``address`` as a driver (token auth on).
 
     Raises:
         PrerequisiteError: Ray is not installed, or this machine runs no node of a cluster.
-        UsageError: a bad address, or no token.
+        UsageError: a bad address, no token, or this process is connected to a cluster already (a cluster
+            batch running, or Ray initialised by the application itself).
         InfrastructureError: the head does not answer, or refuses the token.
     """
-    from ..errors import InfrastructureError
+    global _current
+    from ...errors import InfrastructureError
 
     require_ray()
     environment = auth_environment()
@@ -86,20 +138,46 @@ def connect(address: str) -> ModuleType:
             f"this machine is not a node of the cluster at {address}, and Ray runs a driver only on one",
             hint="run the batch on the head, or on a Docker host that ran `pvisor-host node join`",
         )
-    os.environ.update(environment)  # before Ray is imported: it reads them then
-    import ray
+    with _lock:
+        if _current is not None:
+            raise UsageError(
+                f"this process is already running a cluster batch on {_current.address}, and Ray allows one "
+                "cluster connection per process: run the next batch after it, or in another process"
+            )
+        already = sys.modules.get("ray")
+        if already is not None and already.is_initialized():
+            raise UsageError(
+                "Ray is already initialised in this process by something else; pvisor-host needs a cluster "
+                "connection of its own: run the batch in a process that has not called ray.init()"
+            )
+        saved = {name: os.environ.get(name) for name in environment}
+        os.environ.update(environment)  # Ray reads them when imported and when it connects
+        try:
+            import ray
 
-    try:
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-            configure_logging=True,
-        )
-    except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ... with its own text
-        raise InfrastructureError(f"cannot join the cluster at {address}: {_first_line(exc)}") from None
-    return ray
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+                configure_logging=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ... with its own text
+            _restore(saved)
+            raise InfrastructureError(f"cannot join the cluster at {address}: {_first_line(exc)}") from None
+        except BaseException:
+            _restore(saved)
+            raise
+        _current = RayConnection(ray, address, saved)
+        return _current
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _first_line(exc: BaseException) -> str:

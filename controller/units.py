@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import UsageError
+from .errors import UsageError
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -91,3 +91,23 @@ def format_duration(seconds: float) -> str:
         return f"{seconds:.1f}s"
     minutes, rest = divmod(int(round(seconds)), 60)
     return f"{minutes}m{rest:02d}s"
+
+
+def short_size(size: int) -> str:
+    """Bytes as the shortest string :func:`parse_size` reads back exactly (``4g``, ``64k``, ``1500``)."""
+    for unit, power in (("t", 4), ("g", 3), ("m", 2), ("k", 1)):
+        if size % 1024**power == 0:
+            return f"{size // 1024**power}{unit}"
+    return str(size)
+
+
+def short_duration(seconds: float) -> str:
+    """Seconds as the shortest string :func:`parse_duration` reads back exactly (``2h``, ``5m``, ``1h30m``)."""
+    if seconds != int(seconds):
+        return f"{seconds:g}s"
+    left, parts = int(seconds), []
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        count, left = divmod(left, length)
+        if count:
+            parts.append(f"{count}{unit}")
+    return "".join(parts) or "0s"

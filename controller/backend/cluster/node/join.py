@@ -15,10 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from .._log import logger
-from ..errors import PrerequisiteError
-from .connect import ENGINE_RESOURCE, auth_environment, check_address, require_ray
-from .node import scratch_root
+from ...._log import logger
+from ....errors import PrerequisiteError
+from ..connect import ENGINE_RESOURCE, auth_environment, check_address, require_ray
+from .tasks import scratch_root
 
 #: The machine checks a node must pass (``doctor``'s image and registry checks do not apply: images arrive
 #: from the driver).
@@ -57,7 +57,7 @@ def join(address: str, *, slots: int | None = None) -> None:
     environment = {**os.environ, **auth_environment()}
     slots = slots or default_slots()
     command = join_command(address, slots, ray_binary=_ray_binary())
-    from ..backend import open_backend
+    from ... import open_backend
 
     backend = open_backend()
     try:

@@ -1,5 +1,5 @@
-"""Batch results for people and machines: ``summary.json``, ``results.jsonl``, ``junit.xml``, a GitHub step
-summary, a table."""
+"""A batch's results for people and machines: ``summary.json``, ``results.jsonl``, ``junit.xml``, a GitHub
+step summary, and the batch's exit code. The models they are made of live in :mod:`pvisor_host.models.batch`."""
 
 from __future__ import annotations
 
@@ -7,81 +7,19 @@ import math
 import os
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from ..errors import ExitCode, UsageError
 from ..files.atomic import write_atomic
+from ..models.batch import PHASES, RESULTS_FILE, BatchSummary, ItemResult, percentile
 
-SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
-#: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
-FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
 #: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
 JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
 JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
-PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
-#: One :class:`ItemResult` per line, in manifest order: every item, including those that got no record.
-RESULTS_FILE = "results.jsonl"
-
-
-class ItemResult(BaseModel):
-    """How one batch item ended (this run, or in an earlier run it was skipped for)."""
-
-    id: str
-    line: int
-    agent: str | None = None
-    status: str
-    """A record status (``ok``, ``replay_failed``, ``timeout``, ``oom``, ``infra_error``, ``interrupted``),
-    ``rejected`` (refused before a sandbox started) or ``not_run`` (the deadline passed first)."""
-    category: str | None = None
-    message: str | None = None
-    timings: dict[str, float] = {}
-    attempts: int = 0
-    skipped: bool = False
-    """Finished in an earlier run with the same content key, so not run again."""
-    path: str | None = None
-
-    @property
-    def ran(self) -> bool:
-        """Ran to a final status in this run."""
-        return not self.skipped and self.status in FINAL_STATUSES
-
-
-class BatchSummary(BaseModel):
-    """``summary.json``."""
-
-    schema_version: str = SUMMARY_SCHEMA
-    started_at: datetime
-    finished_at: datetime
-    items: int
-    """Items in the manifest (an interrupted batch has results for fewer)."""
-    ran: int
-    """Items that ran to a final status in this run (not skipped, refused, interrupted or left unstarted)."""
-    skipped: int
-    interrupted: bool = False
-    deadline_reached: bool = False
-    counts: dict[str, int]
-    """Items per status."""
-    categories: dict[str, int]
-    """Items per failure category (pvisor's for ``replay_failed``; the status otherwise)."""
-    timings: dict[str, dict[str, float]]
-    """Per phase: p50, p90, p99 and max seconds over the items that have a record."""
-    replays_per_minute: float
-    failed: list[str]
-    """Ids of the items that did not end ``ok``."""
-    stopped: str | None = None
-    """Why the batch stopped starting items before the end (the run directory's filesystem is full)."""
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+#: A further report written when a batch ends, from its directory and results (``report.html``, say).
+BatchReport = Callable[[Path, list[ItemResult]], object]
 
 
 def summarize(
@@ -178,15 +116,16 @@ def markdown(summary: BatchSummary, out: Path) -> str:
     return "\n".join(lines)
 
 
-def write_reports(out: Path, results: list[ItemResult], summary: BatchSummary) -> None:
-    """``summary.json``, ``results.jsonl``, ``junit.xml`` and ``report.html`` (atomically), and the GitHub step
-    summary when it is asked for."""
+def write_reports(
+    out: Path, results: list[ItemResult], summary: BatchSummary, *, more: Sequence[BatchReport] = ()
+) -> None:
+    """``summary.json``, ``results.jsonl`` and ``junit.xml`` (atomically), then each of ``more`` (the layers above
+    pass ``report.html``'s writer), and the GitHub step summary when it is asked for."""
     write_atomic(out / "summary.json", summary.model_dump_json(indent=2).encode() + b"\n")
     write_atomic(out / RESULTS_FILE, b"".join(r.model_dump_json().encode() + b"\n" for r in results))
     write_atomic(out / "junit.xml", junit(results, summary))
-    from ..report import write_report  # the page reads every record: only a batch that ends needs it
-
-    write_report(out, results)
+    for report in more:
+        report(out, results)
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary:
         with open(step_summary, "a", encoding="utf-8") as handle:

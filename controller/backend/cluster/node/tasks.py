@@ -34,12 +34,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._version import __version__
-from ..errors import Interrupted, PvisorHostError
-from ..models.replay import Attempt, PreparedReplay
+from ...._version import __version__
+from ....errors import InfrastructureError, Interrupted, PvisorHostError
+from ....models.replay import Attempt, PreparedReplay
+from ...docker.images import Reference
 
 if TYPE_CHECKING:
-    from ..backend.docker import DockerBackend
+    from ...docker import DockerBackend
+    from ...docker.images import ImageStore
 
 #: Bytes per chunk of a run directory or an image on its way between the driver and a node.
 CHUNK = 8 * 1024 * 1024
@@ -73,8 +75,8 @@ def backend_for(session: str) -> DockerBackend:
     with _backends_lock:
         backend = _backends.get(session)
         if backend is None:
-            from ..backend.docker import DockerBackend
-            from ..models.ownership import Ownership
+            from ....models.ownership import Ownership
+            from ...docker import DockerBackend
 
             backend = DockerBackend.connect(Ownership.current(session=session), pool_size=8)
             if not _backends:
@@ -96,27 +98,12 @@ def node_info() -> dict[str, Any]:
 
 def node_status(session: str) -> dict[str, Any]:
     """This node for ``cluster status``: engine version, pvisor-host images, sandboxes of ours running now."""
-    client = backend_for(session).client
+    backend = backend_for(session)
     try:
-        engine = str(client.version().get("Version", "?"))
-        images = sorted(
-            tag for image in client.images.list(filters={"label": "pvisor-host.agent"}) for tag in image.tags
-        )
-        running = len(client.containers.list(filters={"label": "pvisor-host.role=replay"}, sparse=True))
-    except Exception as exc:  # noqa: BLE001 - reported, not raised: status shows every node it can
-        return {**node_info(), "engine": f"error: {exc}", "images": [], "running": 0}
+        engine, images, running = backend.engine_version(), backend.images.ours(), backend.running_sandboxes()
+    except PvisorHostError as exc:  # reported, not raised: status shows every node it can
+        return {**node_info(), "engine": f"error: {exc.message}", "images": [], "running": 0}
     return {**node_info(), "engine": engine, "images": images, "running": running}
-
-
-def has_image(session: str, image_id: str) -> bool:
-    """Whether this node's engine has the image with this id (``docker load`` and a pull by digest keep ids)."""
-    import docker.errors
-
-    try:
-        backend_for(session).client.images.get(image_id)
-    except docker.errors.ImageNotFound:
-        return False
-    return True
 
 
 # -- images ---------------------------------------------------------------------------------------------------
@@ -134,10 +121,9 @@ def ensure_image(session: str, image: dict[str, Any], fetch_chunk: Callable[[Any
     Raises:
         InfrastructureError: the load or pull failed, or gave another image.
     """
-    from ..errors import InfrastructureError
-
+    images = backend_for(session).images
     image_id = image["id"]
-    if has_image(session, image_id):
+    if images.has(image_id):
         return True
     if not image.get("pull") and not image.get("chunks"):
         return False
@@ -145,32 +131,33 @@ def ensure_image(session: str, image: dict[str, Any], fetch_chunk: Callable[[Any
     root.mkdir(parents=True, exist_ok=True)
     with (root / f"image-{image_id.removeprefix('sha256:')[:32]}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one copy loads it; the others find it present
-        if has_image(session, image_id):
+        if images.has(image_id):
             return True
-        client = backend_for(session).client
-        if image.get("pull"):
-            repository, _, digest = image["pull"].partition("@")
-            try:
-                client.images.pull(repository, tag=digest)  # by digest: exactly the image the driver pushed
-            except Exception as exc:  # noqa: BLE001 - a message for the driver, not a traceback from here
-                raise InfrastructureError(f"{node_name()}: docker pull {image['pull']} failed: {exc}") from None
-        else:
-            upload = root / f"upload-{uuid.uuid4().hex}"
-            try:
-                with upload.open("wb") as handle:
-                    for ref in image["chunks"]:
-                        handle.write(fetch_chunk(ref))
-                with upload.open("rb") as handle:
-                    client.images.load(handle)
-            except Exception as exc:  # noqa: BLE001
-                raise InfrastructureError(f"{node_name()}: docker load of {image['ref']} failed: {exc}") from None
-            finally:
-                upload.unlink(missing_ok=True)
-        if not has_image(session, image_id):
+        try:
+            if image.get("pull"):
+                images.pull(image["pull"])  # by digest: exactly the image the driver pushed
+                if Reference(image["ref"]).tag is not None:  # as the driver knows it: `images`, status, prune
+                    images.tag(image_id, image["ref"])
+            else:
+                _load(images, root, image["chunks"], fetch_chunk)
+        except PvisorHostError as exc:  # a message for the driver, naming this node
+            raise InfrastructureError(f"{node_name()}: {exc.message}") from None
+        if not images.has(image_id):
             raise InfrastructureError(f"{node_name()}: {image['ref']} arrived as another image than {image_id[:19]}")
-        if image.get("pull") and ":" in image["ref"] and not image["ref"].startswith("sha256:"):
-            client.images.get(image_id).tag(image["ref"])  # as the driver knows it: `images`, status, prune
     return True
+
+
+def _load(images: ImageStore, root: Path, chunks: list[Any], fetch_chunk: Callable[[Any], bytes]) -> None:
+    """``docker load`` the chunks of a ``docker save``, written to a file here first (one chunk in memory)."""
+    upload = root / f"upload-{uuid.uuid4().hex}"
+    try:
+        with upload.open("wb") as handle:
+            for ref in chunks:
+                handle.write(fetch_chunk(ref))
+        with upload.open("rb") as handle:
+            images.load(handle)
+    finally:
+        upload.unlink(missing_ok=True)
 
 
 # -- copies ---------------------------------------------------------------------------------------------------

@@ -1,67 +1,37 @@
-"""The cluster backend: the backend seam's second implementation, over a Ray cluster of Docker hosts.
+"""One attempt on the cluster, from the driver's side: the copies of it that run as Ray tasks, and the
+watchdog that decides when a copy is lost.
 
-The driver (this process, on a machine of the cluster) keeps a local
-:class:`~pvisor_host.backend.docker.DockerBackend` for what happens before a sandbox: images are planned,
-built and verified here, as for a local run, and the housekeeping commands stay local.
-:meth:`ClusterBackend.run_attempt` runs the attempt as a **Ray task** instead (:func:`.node.run_copy`):
+:class:`AttemptRun` submits a copy (:func:`.node.tasks.run_copy`) and follows it until the first copy finishes
+with a record. Ray runs a copy again on another node when its node dies (``max_retries``); when a node hangs
+or is cut off, Ray marks it dead but leaves its tasks blocked, so :class:`Watch` (one thread per batch)
+reads node liveness and the ledger of where each copy started, and after ``grace`` seconds the attempt
+gives that copy up and submits another. Two copies may then run at once, each in its own disposable
+sandbox; the first to finish is the record, and the record lists every other start in ``superseded``.
 
-* Ray schedules it by resources on a node that advertises a free ``docker_engine`` slot (``node join
-  --slots``), never on a node without an engine;
-* the task makes the image present (:mod:`.ship`: by digest from a registry, or chunks through the cluster,
-  once per node), runs the same single-host pipeline as a local run against the node's own engine, and
-  leaves the run directory on the node; a pinned streaming task (:func:`.node.fetch_run`) brings it back in
-  chunks, through the same safe extractor and byte cap as a local collection;
-* when a node dies, Ray runs the task again elsewhere (``max_retries``). When a node hangs or is cut off,
-  Ray marks it dead but leaves its tasks blocked: the driver's watchdog (:class:`Watch`) sees that in the
-  batch's :class:`~.ledger.Ledger` and, after ``grace`` seconds, submits another copy of the attempt. Two
-  copies may then run at once, each in its own disposable sandbox; the first to finish is the attempt's
-  record, and the record lists every other start in ``superseded``.
+It needs from its backend only what :class:`Cluster` names, so it is tested without a cluster against a
+fake of Ray's task API (``tests/fakeray.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import os
 import shutil
-import tarfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .._log import logger
-from .._version import __version__
-from ..errors import (
-    ImageBuildError,
-    InfrastructureError,
-    Interrupted,
-    PrerequisiteError,
-    PvisorHostError,
-    UsageError,
-)
-from ..files.archive import Budget, extract_tar, tar_stream
-from ..models.record import ReplayRecord, SupersededAttempt, load_record, save_record
-from . import node as on_node
-from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
-from .ledger import Ledger
-from .ship import Shipper
+from ..._log import logger
+from ...errors import ImageBuildError, InfrastructureError, Interrupted, PrerequisiteError, PvisorHostError, UsageError
+from ...files.archive import Budget, extract_tar, tar_stream
+from ...models.record import ReplayRecord, SupersededAttempt, load_record, save_record
 
 if TYPE_CHECKING:
-    from ..backend.docker import DockerBackend
-    from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-    from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
-    from ..models.ownership import Ownership
-    from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
-    from ..models.spec import ModelUpstream
+    from ...models.replay import Attempt, PreparedReplay
 
-#: A node Ray has marked dead for this long while a copy runs (or may be queued) there is given up on, and
-#: the attempt runs again elsewhere (seconds; the ``PVISOR_HOST_CLUSTER_GRACE`` variable sets another).
-DEFAULT_GRACE = 20.0
-GRACE_ENV = "PVISOR_HOST_CLUSTER_GRACE"
 #: Node losses one attempt survives (Ray's retries and the watchdog's together) before it fails.
 MAX_NODE_LOSSES = 3
 #: How often the watchdog reads the ledger and the nodes' liveness (seconds).
@@ -75,16 +45,39 @@ _ERRORS: dict[str, type[PvisorHostError]] = {
 }
 
 
-class ClusterGateway:
-    """A continuation's model, for sandboxes on nodes: each copy's node starts its own gateway with the key,
-    which travels to it only over the cluster's authenticated channel."""
+class Cluster(Protocol):
+    """What an attempt needs from the cluster backend that follows it."""
 
-    def __init__(self, upstream: ModelUpstream) -> None:
-        self.upstream = upstream
-        self.key = os.environ[upstream.api_key_env]
+    ray: Any
+    """Ray (the module, or a fake of its task API): ``wait``, ``get``, ``cancel``, ``nodes``, ``exceptions``."""
+    ledger: Any
+    """The batch's :class:`~.ledger.Ledger` actor."""
+    watch: Watch
+    grace: float
+    address: str
 
-    def close(self) -> None:
-        """Nothing runs here; each node's gateway closes with its copy."""
+    @property
+    def session(self) -> str: ...
+
+    def submit_copy(
+        self, copy_id: str, request: dict[str, Any], trajectory: bytes, workspace: Any, key: str | None
+    ) -> Any:
+        """Start :func:`.node.tasks.run_copy` as a Ray task; its object ref."""
+
+    def fetch_from(self, node_id: str, token: str) -> Any:
+        """Start :func:`.node.tasks.fetch_run` pinned to ``node_id``; its streaming generator."""
+
+    def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
+        """What a node gets to make the attempt's image present (see :class:`~.ship.Shipper`)."""
+
+    def workspace_ref(self, path: Path) -> Any:
+        """The workspace directory in the object store (once per directory)."""
+
+    def cancelled(self, cancel: threading.Event | None) -> bool:
+        """Whether the batch, or this attempt, was asked to stop."""
+
+    def cancel(self) -> None:
+        """Stop every copy of the batch on every node."""
 
 
 class Watch:
@@ -142,7 +135,7 @@ class Watch:
         self._closed.set()
 
 
-class _Copy:
+class Copy:
     """One copy of an attempt: a Ray task, and what the driver decided about it."""
 
     def __init__(self, ref: Any, copy_id: str) -> None:
@@ -157,188 +150,13 @@ class _Copy:
         return self.ref is not None and not self.given_up
 
 
-class ClusterBackend:
-    """Sandboxes on the Docker hosts of a Ray cluster (see the module docstring)."""
-
-    def __init__(
-        self, address: str, local: DockerBackend, *, grace: float | None = None, registry: str | None = None
-    ) -> None:
-        self.address = address
-        self.local = local
-        self.grace = grace if grace is not None else float(os.environ.get(GRACE_ENV) or DEFAULT_GRACE)
-        self.ray = connect(address)
-        self._cancelled = threading.Event()
-        self._inputs: dict[Path, Any] = {}
-        self._inputs_lock = threading.Lock()
-        try:
-            self._remotes()
-            self._check_nodes()
-            here = self.ray.get_runtime_context().get_node_id()  # the ledger lives as long as this driver
-            self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
-            self.watch = Watch(self.ray, self.ledger)
-            self.shipper = Shipper(local.client, self.ray, registry)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.ray.shutdown()
-            raise
-
-    @property
-    def ownership(self) -> Ownership:
-        """The owner labels of everything this backend creates (the driver's session)."""
-        return self.local.ownership
-
-    @property
-    def session(self) -> str:
-        return self.local.ownership.session
-
-    def _remotes(self) -> None:
-        ray = self.ray
-        self._run_copy = ray.remote(
-            num_cpus=0,
-            resources={ENGINE_RESOURCE: 1},  # Ray places a copy only where an engine slot is free
-            max_retries=MAX_NODE_LOSSES,  # ... and runs it again elsewhere when its node dies
-            retry_exceptions=False,
-            scheduling_strategy="SPREAD",
-        )(on_node.run_copy)
-        self._calls = {
-            "info": ray.remote(num_cpus=0, max_retries=0)(on_node.node_info),
-            # the run directory comes back as a stream, at most two chunks ahead of the driver
-            "fetch": ray.remote(num_cpus=0, max_retries=0, _generator_backpressure_num_objects=2)(on_node.fetch_run),
-        }
-
-    def on_node(self, name: str, node_id: str) -> Any:
-        """The node call ``name`` (``info``, ``fetch``), pinned to one node."""
-        return self._calls[name].options(scheduling_strategy=pinned_to(node_id))
-
-    @property
-    def slots(self) -> int:
-        """Replays the cluster runs at once now (the ``docker_engine`` slots of its alive nodes)."""
-        return int(sum(n["Resources"][ENGINE_RESOURCE] for n in engine_nodes(self.ray)))
-
-    def _check_nodes(self) -> None:
-        engines = engine_nodes(self.ray)
-        if not engines:
-            raise PrerequisiteError(
-                f"no node of the cluster at {self.address} has a Docker engine",
-                hint=f"run `pvisor-host node join --address {self.address}` on each Docker host",
-            )
-        infos = self._get([self.on_node("info", n["NodeID"]).remote() for n in engines], timeout=120)
-        for info in infos:
-            if info["version"] != __version__:
-                raise PrerequisiteError(
-                    f"node {info['node']} runs pvisor-host {info['version']}; this is {__version__}",
-                    hint="install the same pvisor-host on every node",
-                )
-        logger.info("cluster {}: {} nodes, {} slots", self.address, len(engines), self.slots)
-
-    def _get(self, refs: Any, *, timeout: float | None = None) -> Any:
-        try:
-            return self.ray.get(refs, timeout=timeout)
-        except self.ray.exceptions.GetTimeoutError:
-            raise InfrastructureError(f"the cluster at {self.address} did not answer within {timeout:.0f}s") from None
-
-    # -- images (made here, on the driver's engine) -----------------------------------------------------------
-
-    def plan_image(self, request: ImageRequest) -> ImagePlan:
-        """See :meth:`pvisor_host.backend.base.Backend.plan_image` (``--inject`` is refused on a cluster)."""
-        if request.inject:
-            raise UsageError("--inject does not run on a cluster yet; run it without --cluster")
-        return self.local.plan_image(request)
-
-    def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
-        """See :meth:`pvisor_host.backend.base.Backend.ensure_image`: built here, shipped to nodes when used."""
-        return self.local.ensure_image(plan, build)
-
-    def preview_image(self, plan: ImagePlan) -> ImagePreview:
-        """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
-        return self.local.preview_image(plan)
-
-    def runtime(self, name: str | None) -> Runtime:
-        """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes)."""
-        return self.local.runtime(name)
-
-    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
-        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
-        return self.local.describe_sandbox(prepared)
-
-    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ClusterGateway:
-        """See :meth:`pvisor_host.backend.base.Backend.open_gateway`: each node runs its own gateway."""
-        if not upstream.gateway:
-            raise UsageError("--model-network pass-through does not run on a cluster (the key would enter a sandbox)")
-        return ClusterGateway(upstream)
-
-    # -- sandboxes, on nodes --------------------------------------------------------------------------------
-
-    def run_attempt(
-        self,
-        prepared: PreparedReplay,
-        attempt: Attempt,
-        *,
-        gateway: Any = None,
-        cancel: threading.Event | None = None,
-    ) -> ReplayRecord:
-        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: as Ray tasks (see the module docstring)."""
-        run = _AttemptRun(self, prepared, attempt, gateway.key if isinstance(gateway, ClusterGateway) else None)
-        return run.follow(cancel)
-
-    def cancel(self) -> None:
-        """Stop every copy of this batch on every node (their attempts end ``interrupted``)."""
-        self._cancelled.set()
-        with contextlib.suppress(Exception):
-            self.ledger.stop_all.remote()
-
-    def cancelled(self, cancel: threading.Event | None) -> bool:
-        return self._cancelled.is_set() or (cancel is not None and cancel.is_set())
-
-    def workspace_ref(self, path: Path) -> Any:
-        """The workspace directory as a tar in the object store, once per directory for the whole batch."""
-        with self._inputs_lock:
-            if path not in self._inputs:
-                self._inputs[path] = self.ray.put(_tar_directory(path))
-            return self._inputs[path]
-
-    # -- housekeeping (the driver's engine) ------------------------------------------------------------------
-
-    def sweep(self, *, dry_run: bool = False) -> GcReport:
-        """See :meth:`pvisor_host.backend.base.Backend.sweep` (this host; each node sweeps when it joins)."""
-        return self.local.sweep(dry_run=dry_run)
-
-    def catalog(self) -> list[CatalogEntry]:
-        """See :meth:`pvisor_host.backend.base.Backend.catalog`."""
-        return self.local.catalog()
-
-    def prune(
-        self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
-    ) -> PruneResult:
-        """See :meth:`pvisor_host.backend.base.Backend.prune`."""
-        return self.local.prune(keep_bytes=keep_bytes, older_than=older_than, dry_run=dry_run)
-
-    def agent_statuses(self) -> list[AgentStatus]:
-        """See :meth:`pvisor_host.backend.base.Backend.agent_statuses`."""
-        return self.local.agent_statuses()
-
-    def diagnose(self) -> list[Check]:
-        """See :meth:`pvisor_host.backend.base.Backend.diagnose`."""
-        return self.local.diagnose()
-
-    def close(self) -> None:
-        """Stop watching, let the object store drop what the batch put there, and leave the cluster."""
-        self.watch.close()
-        self.shipper.close()
-        with contextlib.suppress(Exception):
-            self.ray.kill(self.ledger)
-        with contextlib.suppress(Exception):
-            self.ray.shutdown()
-        self.local.close()
-
-
-class _AttemptRun:
+class AttemptRun:
     """One attempt on the cluster: its copies, followed until the first finishes (see the module docstring)."""
 
-    def __init__(self, backend: ClusterBackend, prepared: PreparedReplay, attempt: Attempt, key: str | None) -> None:
+    def __init__(self, backend: Cluster, prepared: PreparedReplay, attempt: Attempt, key: str | None) -> None:
         self.backend, self.prepared, self.attempt, self.key = backend, prepared, attempt, key
         self.ray = backend.ray
-        self.copies: list[_Copy] = []
+        self.copies: list[Copy] = []
         self.reasons: dict[str, str] = {}
         """Why each copy that did not make the record was left (by copy id)."""
         self.unshipped: set[str] = set()
@@ -349,23 +167,21 @@ class _AttemptRun:
         workspace = prepared.spec.workspace_dir
         self.workspace = backend.workspace_ref(workspace.absolute()) if workspace is not None else None
 
-    def submit(self) -> _Copy:
+    def submit(self) -> Copy:
         request = {
             "session": self.backend.session,
             "prepared": self.prepared.model_dump_json(),
             "attempt": self.attempt.number,
             "run_id": self.attempt.run_id,
-            "image": self.backend.shipper.manifest(self.prepared.image, chunks=self.chunks),
+            "image": self.backend.image_manifest(self.prepared, chunks=self.chunks),
         }
         copy_id = f"{self.attempt.run_id}/{uuid.uuid4().hex[:8]}"
-        ref = self.backend._run_copy.remote(
-            copy_id, request, self.backend.ledger, self.trajectory, self.workspace, self.key
-        )
-        copy = _Copy(ref, copy_id)
+        ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key)
+        copy = Copy(ref, copy_id)
         self.copies.append(copy)
         return copy
 
-    def live(self) -> list[_Copy]:
+    def live(self) -> list[Copy]:
         return [c for c in self.copies if c.ref is not None]
 
     def follow(self, cancel: threading.Event | None) -> ReplayRecord:
@@ -401,7 +217,7 @@ class _AttemptRun:
                 with contextlib.suppress(Exception):
                     backend.ledger.forget.remote(copy.id)
 
-    def _finished(self, copy: _Copy, *, interrupted_wanted: bool) -> ReplayRecord | None:
+    def _finished(self, copy: Copy, *, interrupted_wanted: bool) -> ReplayRecord | None:
         """A copy's task ended: its record (fetched), or None when it gave none (and what to do next is done)."""
         ray = self.ray
         ref, copy.ref = copy.ref, None
@@ -442,7 +258,7 @@ class _AttemptRun:
             raise InfrastructureError(f"the copy on {reply['node']} sent back no record")
         return self._as_local(load_record(path), reply["node"])
 
-    def _won(self, winner: _Copy, record: ReplayRecord) -> ReplayRecord:
+    def _won(self, winner: Copy, record: ReplayRecord) -> ReplayRecord:
         """``winner`` finished first: stop the others, list every other start, and write the record."""
         for copy in self.live():
             self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
@@ -455,7 +271,7 @@ class _AttemptRun:
             raise Interrupted("interrupted while the sandbox ran on a node; its record says so")
         return record
 
-    def _superseded(self, winner: _Copy) -> list[SupersededAttempt]:
+    def _superseded(self, winner: Copy) -> list[SupersededAttempt]:
         with contextlib.suppress(Exception):
             self.backend.watch.refresh()
         found = []
@@ -475,7 +291,7 @@ class _AttemptRun:
                 )
         return sorted(found, key=lambda s: s.started_at)
 
-    def _lose(self, copy: _Copy, reason: str) -> None:
+    def _lose(self, copy: Copy, reason: str) -> None:
         self.reasons[copy.id] = reason
         self.losses += 1
         logger.warning("{}: {}; running it on another node", self.attempt.run_id, reason)
@@ -511,7 +327,7 @@ class _AttemptRun:
     def _fetch(self, node_id: str, token: str) -> None:
         """Stream the copy's run directory from its node into ``attempt.run_dir`` (under the run's cap)."""
         ray, watch = self.ray, self.backend.watch
-        generator = self.backend.on_node("fetch", node_id).remote(self.backend.session, token)
+        generator = self.backend.fetch_from(node_id, token)
 
         def chunks() -> Any:
             while True:
@@ -563,10 +379,3 @@ def _lost_errors(ray: Any) -> tuple[type[BaseException], ...]:
     names = ("WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
              "ActorDiedError", "ObjectReconstructionFailedError", "ObjectFetchTimedOutError")  # fmt: skip
     return tuple(kind for name in names if (kind := getattr(ray.exceptions, name, None)) is not None)
-
-
-def _tar_directory(path: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as archive:
-        archive.add(path, arcname=".")
-    return buffer.getvalue()

@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..errors import InfrastructureError
-from . import node as on_node
-from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
+from ....errors import InfrastructureError
+from ..connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
+from . import tasks as on_node
 
 
 class NodeStatus(BaseModel):
@@ -44,11 +44,11 @@ def cluster_status(address: str) -> list[NodeStatus]:
         UsageError: a bad address, or no token.
         InfrastructureError: the head or a node does not answer.
     """
-    ray = connect(address)
+    connection = connect(address)
     try:
-        return statuses(ray, address)
+        return statuses(connection.ray, address)
     finally:
-        ray.shutdown()
+        connection.close()
 
 
 def statuses(ray: Any, address: str) -> list[NodeStatus]:

@@ -1,0 +1,266 @@
+"""The cluster backend: the backend seam's second implementation, over a Ray cluster of Docker hosts.
+
+The driver (this process, on a machine of the cluster) keeps a local
+:class:`~pvisor_host.backend.docker.DockerBackend` for what happens before a sandbox: images are planned,
+built and verified here, as for a local run, and the housekeeping commands stay local (those methods hand
+over to it). :meth:`ClusterBackend.run_attempt` runs the attempt on the cluster instead
+(:class:`~.copies.AttemptRun`):
+
+* Ray schedules each copy of the attempt (:func:`.node.tasks.run_copy`) by resources, on a node that
+  advertises a free ``docker_engine`` slot (``node join --slots``), never on a node without an engine;
+* the copy makes the image present (:mod:`.ship`: by digest from a registry, or chunks through the cluster,
+  once per node), runs the same single-host pipeline as a local run against the node's own engine, and
+  leaves the run directory on the node; a pinned streaming task (:func:`.node.tasks.fetch_run`) brings it
+  back in chunks, through the same safe extractor and byte cap as a local collection;
+* a lost or hung node's copy runs again elsewhere (:mod:`.copies`).
+
+The backend owns its Ray connection (:class:`~.connect.RayConnection`): :meth:`close` ends it, and nothing
+else in the process is shut down with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tarfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..._log import logger
+from ..._version import __version__
+from ...errors import InfrastructureError, PrerequisiteError, UsageError
+from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
+from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
+from .ledger import Ledger
+from .node import tasks as on_node
+from .ship import Shipper
+
+if TYPE_CHECKING:
+    from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
+    from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ...models.ownership import Ownership
+    from ...models.record import ReplayRecord
+    from ...models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
+    from ...models.spec import ModelUpstream
+    from ..base import Backend
+    from ..docker import DockerBackend
+
+#: A node Ray has marked dead for this long while a copy runs (or may be queued) there is given up on, and
+#: the attempt runs again elsewhere (seconds; the ``PVISOR_HOST_CLUSTER_GRACE`` variable sets another).
+DEFAULT_GRACE = 20.0
+GRACE_ENV = "PVISOR_HOST_CLUSTER_GRACE"
+
+
+class ClusterGateway:
+    """A continuation's model, for sandboxes on nodes: each copy's node starts its own gateway with the key,
+    which travels to it only over the cluster's authenticated channel."""
+
+    def __init__(self, upstream: ModelUpstream) -> None:
+        self.upstream = upstream
+        self.key = os.environ[upstream.api_key_env]
+
+    def close(self) -> None:
+        """Nothing runs here; each node's gateway closes with its copy."""
+
+
+class ClusterBackend:
+    """Sandboxes on the Docker hosts of a Ray cluster (see the module docstring)."""
+
+    def __init__(
+        self, address: str, local: DockerBackend, *, grace: float | None = None, registry: str | None = None
+    ) -> None:
+        self.address = address
+        self.local = local
+        self.grace = grace if grace is not None else float(os.environ.get(GRACE_ENV) or DEFAULT_GRACE)
+        self._connection = connect(address)
+        self.ray = self._connection.ray
+        self._cancelled = threading.Event()
+        self._inputs: dict[Path, Any] = {}
+        self._inputs_lock = threading.Lock()
+        try:
+            self._remotes()
+            self._check_nodes()
+            here = self.ray.get_runtime_context().get_node_id()  # the ledger lives as long as this driver
+            self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
+            self.watch = Watch(self.ray, self.ledger)
+            self.shipper = Shipper(local.images, self.ray, registry)
+        except BaseException:
+            self._connection.close()
+            raise
+
+    @property
+    def ownership(self) -> Ownership:
+        """The owner labels of everything this backend creates (the driver's session)."""
+        return self.local.ownership
+
+    @property
+    def session(self) -> str:
+        return self.local.ownership.session
+
+    def _remotes(self) -> None:
+        ray = self.ray
+        self._run_copy = ray.remote(
+            num_cpus=0,
+            resources={ENGINE_RESOURCE: 1},  # Ray places a copy only where an engine slot is free
+            max_retries=MAX_NODE_LOSSES,  # ... and runs it again elsewhere when its node dies
+            retry_exceptions=False,
+            scheduling_strategy="SPREAD",
+        )(on_node.run_copy)
+        self._calls = {
+            "info": ray.remote(num_cpus=0, max_retries=0)(on_node.node_info),
+            # the run directory comes back as a stream, at most two chunks ahead of the driver
+            "fetch": ray.remote(num_cpus=0, max_retries=0, _generator_backpressure_num_objects=2)(on_node.fetch_run),
+        }
+
+    def _on_node(self, name: str, node_id: str) -> Any:
+        """The node call ``name`` (``info``, ``fetch``), pinned to one node."""
+        return self._calls[name].options(scheduling_strategy=pinned_to(node_id))
+
+    def capacity(self) -> int:
+        """See :meth:`pvisor_host.backend.base.Backend.capacity`: the ``docker_engine`` slots of the alive nodes."""
+        return int(sum(n["Resources"][ENGINE_RESOURCE] for n in engine_nodes(self.ray)))
+
+    def _check_nodes(self) -> None:
+        engines = engine_nodes(self.ray)
+        if not engines:
+            raise PrerequisiteError(
+                f"no node of the cluster at {self.address} has a Docker engine",
+                hint=f"run `pvisor-host node join --address {self.address}` on each Docker host",
+            )
+        infos = self._get([self._on_node("info", n["NodeID"]).remote() for n in engines], timeout=120)
+        for info in infos:
+            if info["version"] != __version__:
+                raise PrerequisiteError(
+                    f"node {info['node']} runs pvisor-host {info['version']}; this is {__version__}",
+                    hint="install the same pvisor-host on every node",
+                )
+        logger.info("cluster {}: {} nodes, {} slots", self.address, len(engines), self.capacity())
+
+    def _get(self, refs: Any, *, timeout: float | None = None) -> Any:
+        try:
+            return self.ray.get(refs, timeout=timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            raise InfrastructureError(f"the cluster at {self.address} did not answer within {timeout:.0f}s") from None
+
+    # -- images (made here, on the driver's engine) -----------------------------------------------------------
+
+    def plan_image(self, request: ImageRequest) -> ImagePlan:
+        """See :meth:`pvisor_host.backend.base.Backend.plan_image` (``--inject`` is refused on a cluster)."""
+        if request.inject:
+            raise UsageError("--inject does not run on a cluster yet; run it without --cluster")
+        return self.local.plan_image(request)
+
+    def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
+        """See :meth:`pvisor_host.backend.base.Backend.ensure_image`: built here, shipped to nodes when used."""
+        return self.local.ensure_image(plan, build)
+
+    def preview_image(self, plan: ImagePlan) -> ImagePreview:
+        """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
+        return self.local.preview_image(plan)
+
+    def runtime(self, name: str | None) -> Runtime:
+        """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes)."""
+        return self.local.runtime(name)
+
+    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
+        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
+        return self.local.describe_sandbox(prepared)
+
+    # -- sandboxes, on nodes --------------------------------------------------------------------------------
+
+    def open_gateway(self, upstream: ModelUpstream, *, user: str) -> ClusterGateway:
+        """See :meth:`pvisor_host.backend.base.Backend.open_gateway`: each node runs its own gateway."""
+        if not upstream.gateway:
+            raise UsageError("--model-network pass-through does not run on a cluster (the key would enter a sandbox)")
+        return ClusterGateway(upstream)
+
+    def run_attempt(
+        self,
+        prepared: PreparedReplay,
+        attempt: Attempt,
+        *,
+        gateway: ClusterGateway | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ReplayRecord:
+        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: as Ray tasks (see :mod:`.copies`)."""
+        run = AttemptRun(self, prepared, attempt, gateway.key if gateway is not None else None)
+        return run.follow(cancel)
+
+    def cancel(self) -> None:
+        """Stop every copy of this batch on every node (their attempts end ``interrupted``)."""
+        self._cancelled.set()
+        with contextlib.suppress(Exception):
+            self.ledger.stop_all.remote()
+
+    def cancelled(self, cancel: threading.Event | None) -> bool:
+        """Whether the batch, or the attempt's own ``cancel``, was asked to stop."""
+        return self._cancelled.is_set() or (cancel is not None and cancel.is_set())
+
+    def submit_copy(
+        self, copy_id: str, request: dict[str, Any], trajectory: bytes, workspace: Any, key: str | None
+    ) -> Any:
+        """Start one copy of an attempt as a Ray task (see :class:`~.copies.Cluster`)."""
+        return self._run_copy.remote(copy_id, request, self.ledger, trajectory, workspace, key)
+
+    def fetch_from(self, node_id: str, token: str) -> Any:
+        """Stream a copy's run directory back from its node (see :class:`~.copies.Cluster`)."""
+        return self._on_node("fetch", node_id).remote(self.session, token)
+
+    def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
+        """What a node gets to make the image present (see :class:`~.copies.Cluster`)."""
+        return self.shipper.manifest(prepared.image, chunks=chunks)
+
+    def workspace_ref(self, path: Path) -> Any:
+        """The workspace directory as a tar in the object store, once per directory for the whole batch."""
+        with self._inputs_lock:
+            if path not in self._inputs:
+                self._inputs[path] = self.ray.put(_tar_directory(path))
+            return self._inputs[path]
+
+    # -- housekeeping (the driver's engine) ------------------------------------------------------------------
+
+    def sweep(self, *, dry_run: bool = False) -> GcReport:
+        """See :meth:`pvisor_host.backend.base.Backend.sweep` (this host; each node sweeps when it joins)."""
+        return self.local.sweep(dry_run=dry_run)
+
+    def catalog(self) -> list[CatalogEntry]:
+        """See :meth:`pvisor_host.backend.base.Backend.catalog`."""
+        return self.local.catalog()
+
+    def prune(
+        self, *, keep_bytes: int | None = None, older_than: float | None = None, dry_run: bool = False
+    ) -> PruneResult:
+        """See :meth:`pvisor_host.backend.base.Backend.prune`."""
+        return self.local.prune(keep_bytes=keep_bytes, older_than=older_than, dry_run=dry_run)
+
+    def agent_statuses(self) -> list[AgentStatus]:
+        """See :meth:`pvisor_host.backend.base.Backend.agent_statuses`."""
+        return self.local.agent_statuses()
+
+    def diagnose(self) -> list[Check]:
+        """See :meth:`pvisor_host.backend.base.Backend.diagnose`."""
+        return self.local.diagnose()
+
+    def close(self) -> None:
+        """Stop watching, let the object store drop what the batch put there, and leave the cluster."""
+        self.watch.close()
+        self.shipper.close()
+        with contextlib.suppress(Exception):
+            self.ray.kill(self.ledger)
+        self._connection.close()
+        self.local.close()
+
+
+def _tar_directory(path: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        archive.add(path, arcname=".")
+    return buffer.getvalue()
+
+
+if TYPE_CHECKING:  # mypy checks that the cluster backend fits the seam, with its own gateway
+
+    def _fits(backend: ClusterBackend) -> Backend[ClusterGateway]:
+        return backend

@@ -1,0 +1,71 @@
+"""``agents``, ``doctor`` and ``gc``: what this host has, needs, and has left behind."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from ...errors import ExitCode
+from ..shared import JsonFlag, open_engine, out
+
+
+def agents(json_output: JsonFlag = False) -> int:
+    """List the agents pvisor replays: pinned versions, install sources, images and continuation needs."""
+    from ...errors import PrerequisiteError
+    from ...models.housekeeping import AgentStatus
+    from ...models.profiles import all_profiles
+    from .. import render
+
+    try:
+        with open_engine(timeout=10) as backend:
+            statuses = backend.agent_statuses()
+        engine = True
+    except PrerequisiteError:  # still list the agents; image status is unknown
+        statuses = [AgentStatus.of(profile) for profile in all_profiles().values()]
+        engine = False
+    if json_output:
+        typer.echo(json.dumps([s.model_dump() for s in statuses], indent=2))
+    else:
+        render.agents_table(out, statuses, engine=engine)
+    return ExitCode.OK
+
+
+def doctor(json_output: JsonFlag = False) -> int:
+    """Check this host: engine, architecture, disk, registry, base and agent images, pvisor."""
+    from ...backend import open_backend
+    from ...preflight.doctor import diagnose
+    from .. import render
+
+    report = diagnose(lambda: open_backend(timeout=10))
+    if json_output:
+        typer.echo(json.dumps({"ok": report.ok, **report.model_dump()}, indent=2))
+    else:
+        render.doctor_report(out, report)
+    return ExitCode.OK if report.ok else ExitCode.PREREQUISITE
+
+
+def gc(
+    dry_run: Annotated[bool, typer.Option(help="Only list what would be removed.")] = False,
+    json_output: JsonFlag = False,
+) -> int:
+    """Remove containers, volumes and networks whose pvisor-host process is gone (after a kill -9, say).
+
+    Resources of a live pvisor-host, of another host, and anything without pvisor-host labels are never touched.
+    """
+    from .. import render
+
+    with open_engine() as backend:
+        report = backend.sweep(dry_run=dry_run)
+    if json_output:
+        typer.echo(report.model_dump_json(indent=2))
+    else:
+        render.gc_report(out, report, dry_run=dry_run)
+    return ExitCode.OK if not report.failed else ExitCode.INFRASTRUCTURE
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(agents)
+    app.command()(doctor)
+    app.command()(gc)

@@ -1,0 +1,57 @@
+"""``compare`` and ``report``: what finished batches say, side by side or on one page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ...errors import ExitCode
+from ..shared import out
+
+
+def compare(
+    old: Annotated[Path, typer.Argument(help="The earlier batch's --out directory.", show_default=False)],
+    new: Annotated[Path, typer.Argument(help="The later batch's --out directory.", show_default=False)],
+    junit: Annotated[
+        Path | None, typer.Option(help="Also write a JUnit file in which only the regressions fail.")
+    ] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+) -> int:
+    """What changed between two batch runs: regressions first, then other status changes, moved divergences,
+    items gone and new.
+
+    Items are matched by id and boundary (after_step). Exit 1 when an item that was ok is not any more.
+    """
+    from ...fanout.compare import compare_runs, write_junit
+    from .. import render
+
+    comparison = compare_runs(old.absolute(), new.absolute())
+    if junit is not None:
+        write_junit(comparison, junit.absolute())
+    if json_output:
+        typer.echo(comparison.model_dump_json(indent=2))
+    else:
+        render.comparison(out, comparison)
+    return ExitCode.REPLAY_FAILED if comparison.regressions else ExitCode.OK
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A batch's --out directory.", show_default=False)],
+) -> int:
+    """Write DIR/report.html: one self-contained page with the batch's totals, phase times, a filterable item
+    table, each item's observation diffs and the tool calls that diverge most often.
+
+    batch writes it at the end too; run this after copying a batch directory, or to rewrite it.
+    """
+    from ...report import write_report
+
+    path = write_report(run_dir.absolute())
+    typer.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    return ExitCode.OK
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(compare)
+    app.command()(report)

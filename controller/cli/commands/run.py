@@ -1,0 +1,252 @@
+"""``replay`` and ``batch``: one trajectory, or a whole dataset, replayed in hardened sandboxes.
+
+Their replay options come from the models (:mod:`..options`): ``replay`` shows each one's default, ``batch``
+takes the ones given as every item's defaults, which a manifest line's own fields override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ...errors import ExitCode, UsageError, exit_code_for_status
+from ..options import build_fields, replay_options, spec_fields, with_options
+from ..shared import open_engine, out, say
+
+if TYPE_CHECKING:
+    from ...backend.base import AnyBackend
+    from ...fanout.manifest import BatchInput, ManifestCheck
+    from ...fanout.plan import ItemPlan
+    from ...fanout.scheduler import BatchOptions
+
+
+@with_options(replay_options(), first=True)
+def replay(
+    json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
+    **options: Any,
+) -> int:
+    """Replay a trajectory up to --after-step in a fresh hardened container and collect the result."""
+    from ...attempts import run_replay
+    from ...models.image import BuildOptions
+    from ...models.spec import build_spec
+    from ...preflight.checks import check_inputs
+    from ...preflight.prepare import prepare
+    from .. import render
+
+    spec = build_spec(**spec_fields(options))
+    checked = check_inputs(spec)
+    with open_engine() as backend:
+        prepared = prepare(checked, backend, build=BuildOptions(**build_fields(options)))
+        record = run_replay(prepared, backend)
+    if json_output:
+        typer.echo(record.model_dump_json(indent=2))
+    else:
+        render.replay_summary(out, record, prepared.out_dir)
+    return exit_code_for_status(record.status)
+
+
+@with_options(replay_options(batch=True), show_defaults=False)
+def batch(
+    manifest_file: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="[MANIFEST]",
+            help="JSONL file, one replay per line (fields: replay's options, plus id); same as --manifest.",
+            show_default=False,
+        ),
+    ] = None,
+    manifest: Annotated[
+        Path | None, typer.Option(help="JSONL file, one replay per line (fields: replay's options, plus id).")
+    ] = None,
+    trajectories: Annotated[
+        str | None, typer.Option(help="Glob of trajectory files (shorthand for a manifest; needs --after-step).")
+    ] = None,
+    after_step: Annotated[
+        str | None, typer.Option(help="With --trajectories: a boundary N, or 'all' for every boundary of each.")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Batch directory; rerunning into it resumes.")] = Path(
+        "pvisor-batch"
+    ),
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Containers at a time (default: from CPUs and memory).")
+    ] = None,
+    deadline: Annotated[
+        str | None, typer.Option(help="Limit for the whole batch, e.g. 6h: nothing starts after it.")
+    ] = None,
+    rerun_failed: Annotated[bool, typer.Option(help="Also rerun items that finished with a failure.")] = False,
+    retry_oom: Annotated[bool, typer.Option(help="Retry attempts killed for memory.")] = False,
+    allow_failures: Annotated[str | None, typer.Option(help="Exit 0 with up to N (or P%) items not ok.")] = None,
+    plan: Annotated[
+        bool, typer.Option(help="Check every item on the host and show what would run; start no container.")
+    ] = False,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier batch's --out: compare against it at the end (compare.json, compare.xml in --out); "
+            "exit 1 when an item regressed."
+        ),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HEAD:PORT",
+            help="Run the items on the Docker hosts of the Ray cluster at HEAD:PORT (needs the ray extra and "
+            "RAY_AUTH_TOKEN); images are built here and shipped to the nodes.",
+        ),
+    ] = None,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST[:PORT]",
+            help="With --cluster: push each image here once and have the nodes pull it by digest (default: "
+            "$PVISOR_HOST_REGISTRY, else ship it through the cluster, docker save then docker load, once per node).",
+        ),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
+    **options: Any,
+) -> int:
+    """Replay many trajectories in parallel containers; rerunning the same command resumes.
+
+    Options after --json are defaults for every item; a manifest line's own fields override them.
+    """
+    from ...backend import check_cluster_options
+    from ...fanout.manifest import BatchInput
+    from ...fanout.scheduler import BatchOptions, default_workers
+    from ...fanout.summary import allowed_failures
+    from ...models.image import BuildOptions
+    from ...units import parse_duration
+
+    if manifest_file is not None and manifest is not None and manifest_file != manifest:
+        raise UsageError(f"two manifests given ({manifest_file} and --manifest {manifest}); pass one")
+    allowance = allowed_failures(allow_failures)
+    if baseline is not None:
+        _check_baseline(baseline, out_dir, plan=plan)
+    check_cluster_options(cluster, registry)
+    source = BatchInput.parse(
+        manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step,
+        defaults=spec_fields(options),
+    )  # fmt: skip
+    checked = source.check()
+    for problem in checked.problems:
+        say(f"pvisor-host: {source.name}:{problem.line}: {problem.message}")
+    if checked.problems:
+        raise UsageError(f"{len(checked.problems)} of the batch's lines are wrong (listed above); nothing ran")
+    batch_options = BatchOptions(
+        out=out_dir.absolute(),
+        workers=workers or default_workers(source.spec_default("memory")),
+        deadline=parse_duration(deadline, flag="--deadline") if deadline is not None else None,
+        rerun_failed=rerun_failed,
+        retry_oom=retry_oom,
+        build=BuildOptions(**build_fields(options)),
+    )
+    with open_engine(
+        pool_size=batch_options.workers + 8,
+        cluster=None if plan else cluster,
+        registry=None if plan else registry,
+    ) as backend:
+        capacity = backend.capacity()
+        if workers is None and capacity is not None:  # a cluster: as many at a time as it has engine slots
+            batch_options = batch_options.model_copy(update={"workers": capacity})
+        if plan:
+            return _plan(source, backend, batch_options, json_output=json_output)
+        code = _run(source, checked, backend, batch_options, quiet=quiet, json_output=json_output, allowed=allowance)
+    if baseline is not None and code != ExitCode.INTERRUPTED:
+        code = _compare_with(baseline.absolute(), batch_options.out, code, quiet=quiet or json_output)
+    return code
+
+
+def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool) -> None:
+    from ...fanout.compare import check_run_dir
+
+    if plan:
+        raise UsageError("--baseline compares finished runs; it does nothing with --plan")
+    if baseline.absolute() == batch_dir.absolute():
+        raise UsageError(f"--baseline {baseline} is the batch's own --out; pass the earlier batch's directory")
+    check_run_dir(baseline.absolute())
+
+
+def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) -> int:
+    """``batch --baseline``: compare, write the reports, show them; a regression makes an ok batch exit 1."""
+    from ...fanout.compare import compare_runs, write_reports
+    from .. import render
+
+    comparison = compare_runs(baseline, batch_dir)
+    write_reports(comparison, batch_dir)
+    regressed = len(comparison.regressions)
+    if quiet:
+        say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
+    else:
+        render.comparison(out, comparison)
+    return ExitCode.REPLAY_FAILED if regressed and code == ExitCode.OK else code
+
+
+def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, json_output: bool) -> int:
+    from ...fanout.plan import plan_batch
+    from .. import render
+
+    rejected: dict[int | None, ItemPlan] = {}  # the first refusal of each exit code; nothing else is kept
+
+    def tallied() -> Iterator[ItemPlan]:
+        for item in plan_batch(source.items(), backend, options):
+            if item.action == "reject":
+                rejected.setdefault(item.exit_code, item)
+            yield item
+
+    render.batch_plan(out, tallied(), json_output=json_output)
+    first = rejected.get(ExitCode.INFRASTRUCTURE)
+    if first is not None:
+        say(f"pvisor-host: error: {first.id}: {first.reason}")
+        return ExitCode.INFRASTRUCTURE
+    return ExitCode.USAGE if rejected else ExitCode.OK
+
+
+def _run(
+    source: BatchInput,
+    checked: ManifestCheck,
+    backend: AnyBackend,
+    options: BatchOptions,
+    *,
+    quiet: bool,
+    json_output: bool,
+    allowed: Callable[[int], int],
+) -> int:
+    from ...fanout.scheduler import run_batch
+    from ...fanout.summary import exit_code
+    from ...report import write_report
+    from ...signals import ignore_interrupts
+    from .. import render
+
+    total = checked.items
+    with render.BatchProgress(total, quiet=quiet or json_output) as progress:
+        outcome = run_batch(
+            source.items(),
+            backend,
+            options,
+            total=total,
+            images=checked.image_specs,
+            reports=(write_report,),
+            progress=progress,
+        )
+    ignore_interrupts()  # the batch has ended and its reports are written: nothing is left to stop
+    if json_output:
+        typer.echo(outcome.summary.model_dump_json(indent=2))
+    else:
+        render.batch_summary(out, outcome.summary, options.out, quiet=quiet)
+    if outcome.summary.interrupted:
+        say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
+    code = exit_code(outcome.summary, allowed(total))
+    if outcome.summary.stopped is not None and code == ExitCode.INFRASTRUCTURE:
+        say(f"pvisor-host: error: {outcome.summary.stopped}")
+    elif code == ExitCode.INFRASTRUCTURE:
+        first = next(r for r in outcome.results if r.status == "infra_error")
+        say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
+    return code
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(replay)
+    app.command()(batch)

@@ -1,0 +1,73 @@
+"""What a batch is made of and ends with, for every layer above the scheduler: each item's
+:class:`ItemResult` (``results.jsonl``) and the batch's :class:`BatchSummary` (``summary.json``)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+
+from pydantic import BaseModel
+
+SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
+#: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
+FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
+PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
+#: One :class:`ItemResult` per line, in manifest order: every item, including those that got no record.
+RESULTS_FILE = "results.jsonl"
+
+
+class ItemResult(BaseModel):
+    """How one batch item ended (this run, or in an earlier run it was skipped for)."""
+
+    id: str
+    line: int
+    agent: str | None = None
+    status: str
+    """A record status (``ok``, ``replay_failed``, ``timeout``, ``oom``, ``infra_error``, ``interrupted``),
+    ``rejected`` (refused before a sandbox started) or ``not_run`` (the deadline passed first)."""
+    category: str | None = None
+    message: str | None = None
+    timings: dict[str, float] = {}
+    attempts: int = 0
+    skipped: bool = False
+    """Finished in an earlier run with the same content key, so not run again."""
+    path: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        """Ran to a final status in this run."""
+        return not self.skipped and self.status in FINAL_STATUSES
+
+
+class BatchSummary(BaseModel):
+    """``summary.json``."""
+
+    schema_version: str = SUMMARY_SCHEMA
+    started_at: datetime
+    finished_at: datetime
+    items: int
+    """Items in the manifest (an interrupted batch has results for fewer)."""
+    ran: int
+    """Items that ran to a final status in this run (not skipped, refused, interrupted or left unstarted)."""
+    skipped: int
+    interrupted: bool = False
+    deadline_reached: bool = False
+    counts: dict[str, int]
+    """Items per status."""
+    categories: dict[str, int]
+    """Items per failure category (pvisor's for ``replay_failed``; the status otherwise)."""
+    timings: dict[str, dict[str, float]]
+    """Per phase: p50, p90, p99 and max seconds over the items that have a record."""
+    replays_per_minute: float
+    failed: list[str]
+    """Ids of the items that did not end ``ok``."""
+    stopped: str | None = None
+    """Why the batch stopped starting items before the end (the run directory's filesystem is full)."""
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]

@@ -1,0 +1,162 @@
+"""The cluster driver's copy/watchdog state machine without a cluster: against a fake of Ray's task API
+(``tests/fakeray.py``), a copy finishes, dies and is run again by Ray, is lost for good, hangs on a node Ray
+marked dead, waits at a dead node, asks for its image, fails, or is cancelled; each ends with exactly one
+record, naming every other start. The real cluster runs in ``tests/integration/test_cluster.py``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakeray import FakeCluster, FakeRay, Step
+
+from pvisor_host.backend.cluster import copies
+from pvisor_host.backend.cluster.copies import MAX_NODE_LOSSES, AttemptRun
+from pvisor_host.errors import InfrastructureError, Interrupted, UsageError
+from pvisor_host.models.record import ReplayRecord, save_record
+from pvisor_host.models.replay import Attempt, PreparedReplay
+from pvisor_host.models.spec import ReplaySpec
+from pvisor_host.preflight.checks import check_inputs
+from pvisor_host.preflight.prepare import prepare
+
+from fakebackend import FakeBackend, trajectories
+
+GRACE = 0.6
+
+
+@pytest.fixture(autouse=True)
+def quick_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies, "WATCH_PERIOD", 0.05)
+
+
+@pytest.fixture
+def prepared(tmp_path: Path) -> PreparedReplay:
+    [trajectory] = trajectories(tmp_path / "data", ["t1"])
+    spec = ReplaySpec(trajectory=trajectory, after_step=1, agent="claude-code", mode="replay-only")
+    checked = check_inputs(spec, host_pvisor=False, run_id="run-1", out_dir=tmp_path / "out")
+    return prepare(checked, FakeBackend())
+
+
+@pytest.fixture
+def template(prepared: PreparedReplay, tmp_path: Path) -> ReplayRecord:
+    """The record a node's pipeline writes (made by the scripted backend)."""
+    return FakeBackend().run_attempt(prepared, Attempt(run_id="run-1", run_dir=tmp_path / "template"))
+
+
+@pytest.fixture
+def run(prepared: PreparedReplay, template: ReplayRecord, tmp_path: Path) -> Iterator[object]:
+    """``run(script, nodes)``: follow one attempt on a fake cluster; returns (record or error, cluster, ray)."""
+    clusters: list[FakeCluster] = []
+
+    def make_run(directory: Path, status: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_record(template.model_copy(update={"status": status}), directory)
+
+    def follow(
+        script: list[Step], nodes: tuple[str, ...] = ("n1", "n2", "n3", "n4", "n5"), cancel_after: float | None = None
+    ) -> tuple[ReplayRecord | BaseException, FakeCluster, FakeRay]:
+        ray = FakeRay(list(nodes))
+        cluster = FakeCluster(ray, script, make_run, grace=GRACE).use_scratch(tmp_path / "nodes")
+        clusters.append(cluster)
+        cancel = threading.Event()
+        if cancel_after is not None:
+            threading.Timer(cancel_after, cancel.set).start()
+        attempt = Attempt(run_id="run-1", run_dir=tmp_path / "out" / "run-1")
+        try:
+            outcome: ReplayRecord | BaseException = AttemptRun(cluster, prepared, attempt, None).follow(cancel)
+        except (InfrastructureError, Interrupted, UsageError) as exc:
+            outcome = exc
+        return outcome, cluster, ray
+
+    yield follow
+    for cluster in clusters:
+        cluster.close()
+
+
+def reasons(record: ReplayRecord) -> list[tuple[str, str]]:
+    return [(s.node, s.reason) for s in record.superseded]
+
+
+def test_a_copy_that_finishes_is_the_record_and_nothing_else_ran(run, tmp_path):
+    record, cluster, ray = run([("n1", "ok")])
+    assert isinstance(record, ReplayRecord) and record.status == "ok"
+    assert (record.host["node"], record.host["cluster"]) == ("n1", "head:6379")
+    assert record.superseded == [] and len(cluster.submitted) == 1 and ray.cancelled == []
+    assert (tmp_path / "out" / "run-1" / "record.json").is_file()
+
+
+def test_a_node_that_dies_has_its_copy_run_again_by_ray_and_the_first_start_is_named(run):
+    record, cluster, _ = run([("n1", "retried:n2")])
+    assert record.host["node"] == "n2" and len(cluster.submitted) == 1  # Ray's retry, not ours
+    assert reasons(record) == [("n1", "node n1 was lost; Ray ran the copy again")]
+
+
+def test_when_rays_retries_run_out_the_driver_runs_another_copy(run):
+    record, cluster, _ = run([("n1", "lost"), ("n2", "ok")])
+    assert record.host["node"] == "n2" and [s["node"] for s in cluster.submitted] == ["n1", "n2"]
+    assert reasons(record) == [("n1", "its node was lost and Ray's retries ran out (NodeDiedError)")]
+
+
+def test_a_copy_on_a_hung_node_is_given_up_after_the_grace_and_replaced(run):
+    started = time.monotonic()
+    record, cluster, ray = run([("n1", "hang"), ("n2", "ok")])
+    assert record.host["node"] == "n2" and len(cluster.submitted) == 2
+    assert time.monotonic() - started >= GRACE  # not before Ray's verdict has stood for the grace
+    [(node, reason)] = reasons(record)
+    assert node == "n1" and reason.startswith("node n1 stopped answering (Ray marked it dead ")
+    assert len(ray.cancelled) == 1  # the hung copy is cancelled (Ray drops its result if the node returns)
+
+
+def test_a_copy_queued_while_a_node_died_is_replaced_and_not_counted_as_run(run):
+    record, cluster, ray = run([("n1", "queued-hang"), ("n2", "ok")])
+    assert record.host["node"] == "n2" and len(cluster.submitted) == 2
+    assert record.superseded == []  # it never started anywhere
+    assert [ref.name for ref in ray.cancelled] == ["copy0"]
+
+
+def test_a_node_without_the_image_is_sent_it_and_that_is_no_loss(run):
+    record, cluster, _ = run([("n1", "need_image"), ("n1", "ok")])
+    assert record.status == "ok" and cluster.manifests == [False, True]  # the second copy carries the chunks
+    assert record.superseded == []
+
+
+def test_a_refusal_on_a_node_is_the_same_error_here(run):
+    error, _, _ = run([("n1", "error:UsageError:n1: the workspace is too big")])
+    assert isinstance(error, UsageError) and error.one_line() == "n1: the workspace is too big"
+
+
+def test_a_failure_on_a_node_is_one_line_when_no_other_copy_runs(run):
+    error, _, _ = run([("n1", "error:InfrastructureError:n1: Docker engine failed to create the container: x")])
+    assert type(error) is InfrastructureError
+    assert error.one_line() == "n1: Docker engine failed to create the container: x"
+
+
+def test_nodes_lost_too_often_fail_the_attempt(run):
+    error, cluster, _ = run([(f"n{n}", "lost") for n in range(1, 6)])
+    assert isinstance(error, InfrastructureError)
+    assert error.one_line() == f"{MAX_NODE_LOSSES + 1} nodes were lost running run-1"
+    assert len(cluster.submitted) == MAX_NODE_LOSSES + 1
+
+
+def test_cancel_stops_the_running_copy_and_its_interrupted_record_is_kept(run, tmp_path):
+    error, cluster, _ = run([("n1", "wait")], cancel_after=0.3)
+    assert isinstance(error, Interrupted)
+    assert error.one_line() == "interrupted while the sandbox ran on a node; its record says so"
+    assert '"status": "interrupted"' in (tmp_path / "out" / "run-1" / "record.json").read_text()
+    assert cluster.ledger._instance.should_stop(cluster.submitted[0]["copy_id"]) == "cancelled"
+
+
+def test_a_copy_given_up_that_still_runs_is_told_it_was_superseded_when_another_finishes(run):
+    record, cluster, ray = run([("n1", "cut-off"), ("n2", "ok")])
+    assert record.host["node"] == "n2" and len(cluster.submitted) == 2
+    first = cluster.submitted[0]["copy_id"]
+    deadline = time.monotonic() + 5
+    while first not in cluster.stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cluster.stopped == {first: "superseded"}  # it removes its sandbox; nobody fetches its run
+    [(node, reason)] = reasons(record)
+    assert node == "n1" and reason.startswith("node n1 stopped answering")
+    assert len(ray.cancelled) == 1  # cancelled once by the watchdog, not again by the winner (it had started)
