@@ -33,7 +33,7 @@ from typing import Any
 from .attempts import run_replay
 from .backend import AnyBackend, check_cluster_options, open_backend
 from .errors import UsageError
-from .fanout.manifest import BatchItem, batch_items, image_specs
+from .fanout.manifest import BatchItem, batch_items, by_image, image_specs
 from .fanout.scheduler import BatchOptions, BatchRun, default_workers
 from .models.batch import BatchSummary, ItemResult
 from .models.housekeeping import GcReport
@@ -44,7 +44,7 @@ from .models.spec import ReplaySpec, build_spec
 from .preflight.checks import check_inputs
 from .preflight.prepare import prepare
 from .report import write_report
-from .units import parse_duration
+from .units import parse_duration, parse_size
 
 Entry = ReplaySpec | Mapping[str, Any]
 """A batch item: a spec, or a mapping of a manifest line's fields (``id`` included)."""
@@ -154,12 +154,14 @@ class Batch:
             capacity = backend.capacity()
             if self._fit_workers and capacity is not None:  # as many sandboxes at a time as the cluster has slots
                 self._options = self._options.model_copy(update={"workers": capacity})
+            items, task_images = by_image(self._items)
             run = BatchRun(
-                self._items,
+                items,
                 backend,
                 self._options,
-                total=len(self._items),
-                images=image_specs(self._items),
+                total=len(items),
+                images=image_specs(items),
+                task_images=task_images,
                 reports=(write_report,),
             )
             self._run = run
@@ -199,6 +201,9 @@ def batch(
     rerun_failed: bool = False,
     retry_oom: bool = False,
     build: BuildOptions | None = None,
+    pull_workers: int = 2,
+    image_budget: int | str | None = None,
+    keep_images: bool = False,
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
@@ -216,6 +221,10 @@ def batch(
         rerun_failed: also rerun items that finished with a failure.
         retry_oom: retry attempts killed for memory.
         build: how an agent image that must be built is built.
+        pull_workers: task images (``image``) pulled at once, ahead of their items (0: all of them first).
+        image_budget: bytes (or ``"200g"``) the task images the batch pulls may take at once; images whose items
+            are done are removed first (default: half the free space of the engine's storage).
+        keep_images: keep the task images the batch pulled when it ends (by default it removes them).
         docker_host: the engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine
             that makes the images.
         cluster: ``HEAD:PORT`` of a Ray cluster of Docker hosts to run the items on (the ``ray`` extra; the
@@ -239,6 +248,9 @@ def batch(
         rerun_failed=rerun_failed,
         retry_oom=retry_oom,
         build=build or BuildOptions(),
+        pull_workers=pull_workers,
+        image_budget=parse_size(image_budget, flag="image_budget") if isinstance(image_budget, str) else image_budget,
+        keep_images=keep_images,
     )
     opener = functools.partial(_pooled_engine, docker_host, cluster=cluster, registry=registry, lent=backend)
     return Batch(checked, options, backend=opener, fit_workers=workers is None)

@@ -6,13 +6,19 @@ with that code; nothing else in the package decides exit codes.
 
     PvisorHostError                      (exit 6, infrastructure)
     ├── UsageError(ValueError)           (exit 2) bad flags, bad input, bad trajectory, bad image
-    │   └── PreflightRejected             pvisor's own host-side pre-flight refused the request
+    │   ├── PreflightRejected             pvisor's own host-side pre-flight refused the request
+    │   └── ImageUnavailable              the registry has no such image, or refuses us
     ├── PrerequisiteError                 (exit 3) engine unreachable, a tool or image missing
     ├── InfrastructureError               (exit 6) engine or build failed in a way no input explains
     │   ├── ImageBuildError
+    │   ├── RegistryError                 a registry stayed unreachable or failing past the retries
     │   ├── ResultProtocolError           pvisor printed something that is not a v3 result
     │   └── DiskFull                      the filesystem of the run directory is full
     └── Interrupted                       (exit 130) Ctrl-C or SIGTERM, after cleanup
+
+A batch reports an error that refused an item under its ``category`` (by default the exit code's name:
+``usage``, ``infrastructure``, ...; ``image_not_found``, ``registry_unauthorized``, ``registry_error`` for
+the image errors).
 
 Outcomes of a replay that *ran* (ok, replay_failed, timeout, oom, infra_error) are not exceptions:
 they are the ``status`` of a :class:`~pvisor_host.models.record.ReplayRecord`, mapped to exit codes by
@@ -47,6 +53,11 @@ class PvisorHostError(Exception):
         self.message = message
         self.hint = hint
 
+    @property
+    def category(self) -> str:
+        """The failure category a batch records for an item this error refused."""
+        return self.exit_code.name.lower()
+
     def one_line(self) -> str:
         """The single line shown to users: what is wrong, then how to fix it."""
         text = self.message.strip().replace("\n", " ")
@@ -64,7 +75,25 @@ class PreflightRejected(UsageError):
 
     def __init__(self, category: str, message: str, *, hint: str | None = None) -> None:
         super().__init__(f"pvisor rejected the replay ({category}): {message}", hint=hint)
-        self.category = category
+        self.pvisor_category = category
+
+    @property
+    def category(self) -> str:
+        """pvisor's own failure category (``trajectory_error``, ``configuration_error``, ...)."""
+        return self.pvisor_category
+
+
+class ImageUnavailable(UsageError):
+    """The image cannot be had: the registry has no such image (``image_not_found``), or refuses the credentials
+    we have (``registry_unauthorized``)."""
+
+    def __init__(self, kind: str, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.kind = kind
+
+    @property
+    def category(self) -> str:
+        return self.kind
 
 
 class PrerequisiteError(PvisorHostError):
@@ -81,6 +110,14 @@ class InfrastructureError(PvisorHostError):
 
 class ImageBuildError(InfrastructureError):
     """An image build or its post-build verification failed."""
+
+
+class RegistryError(InfrastructureError):
+    """A registry stayed unreachable, rate-limited or failing past the pull's retries."""
+
+    @property
+    def category(self) -> str:
+        return "registry_error"
 
 
 class DiskFull(InfrastructureError):

@@ -15,15 +15,17 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pvisor_host.errors import Interrupted, UsageError
+from pvisor_host.errors import ImageUnavailable, Interrupted, UsageError
 from pvisor_host.models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
 from pvisor_host.models.image import (
     BuildOptions,
     BuildPlan,
+    ImageCost,
     ImagePlan,
     ImagePreview,
     ImageRef,
     ImageRequest,
+    PulledImage,
     ResolvedImage,
 )
 from pvisor_host.models.ownership import Ownership
@@ -49,15 +51,41 @@ class FakeGateway:
         self.closed = True
 
 
+class FakeRegistry:
+    """Task images a :class:`FakeBackend` can pull: ref → (bytes on the engine, seconds a pull takes), or a
+    failure (``"image_not_found"``, ``"registry_unauthorized"``) instead of a size."""
+
+    def __init__(self, images: dict[str, tuple[int, float] | str]) -> None:
+        self.images = images
+
+
 class FakeBackend:
-    """See the module docstring. ``unbuildable`` names images whose plan fails, as an unknown image would."""
+    """See the module docstring. ``unbuildable`` names images whose plan fails, as an unknown image would.
+
+    With a ``registry``, task images named by reference must be pulled before an item can plan them: the
+    fake keeps what its engine holds (``present``), every pull and removal in order, and the most bytes the
+    pulled images ever took at once (``peak``)."""
 
     def __init__(
-        self, script: dict[str, list[str]] | None = None, *, seconds: float = 0.0, unbuildable: set[str] = frozenset()
+        self,
+        script: dict[str, list[str]] | None = None,
+        *,
+        seconds: float = 0.0,
+        unbuildable: set[str] = frozenset(),
+        registry: FakeRegistry | None = None,
+        present: dict[str, int] | None = None,
     ) -> None:
         self.script = script or {}
         self.seconds = seconds
         self.unbuildable = unbuildable
+        self.registry = registry
+        self.present: dict[str, tuple[int, bool]] = {ref: (size, False) for ref, size in (present or {}).items()}
+        """What the engine holds: ref → (bytes, pulled by a batch)."""
+        self.pulls: list[str] = []
+        self.removals: list[str] = []
+        self.events: list[tuple[str, str]] = []
+        """("pull" | "run" | "remove", ref) in the order they happened."""
+        self.peak = 0
         self._ownership = Ownership.current()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -69,6 +97,7 @@ class FakeBackend:
         self.cancels = 0
         self.images_made = 0
         self.gateways: list[FakeGateway] = []
+        self.running_images: dict[str, int] = {}
 
     @property
     def ownership(self) -> Ownership:
@@ -77,6 +106,8 @@ class FakeBackend:
     def plan_image(self, request: ImageRequest) -> ImagePlan:
         if request.image in self.unbuildable:
             raise UsageError(f"image {request.image} does not exist here and cannot be pulled (fake)")
+        if self.registry is not None and request.image is not None and request.image not in self.present:
+            raise AssertionError(f"{request.image} was planned before it was pulled")
         assert request.profile is not None
         return BuildPlan(profile=request.profile)
 
@@ -89,6 +120,43 @@ class FakeBackend:
         return ImagePreview(image=image_ref(plan.profile.agent), exists=True)
 
     def capacity(self) -> int | None:
+        return None
+
+    def image_cost(self, ref: str) -> ImageCost:
+        if ref in self.present:
+            return ImageCost(ref=ref, present=True, id=f"sha256:{ref}", size=self.present[ref][0])
+        found = self.registry.images.get(ref) if self.registry else None
+        if not isinstance(found, tuple):
+            return ImageCost(ref=ref, present=False, error="not found (fake)")
+        return ImageCost(ref=ref, present=False, id=f"sha256:{ref}", layers={"sha256:l1": found[0] // 2})
+
+    def pull_image(self, ref: str, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
+        with self._lock:
+            if ref in self.present:
+                return PulledImage(ref=ref, id=f"sha256:{ref}", size=self.present[ref][0], pulled=False)
+        found = self.registry.images.get(ref, "image_not_found") if self.registry else "image_not_found"
+        if isinstance(found, str):
+            raise ImageUnavailable(found, f"image {ref}: {found.replace('_', ' ')} (fake)")
+        size, seconds = found
+        if cancel is not None and cancel.wait(seconds):
+            raise Interrupted(f"interrupted while pulling {ref}")
+        with self._lock:
+            self.pulls.append(ref)
+            self.events.append(("pull", ref))
+            self.present[ref] = (size, True)
+            self.peak = max(self.peak, sum(size for size, pulled in self.present.values() if pulled))
+        return PulledImage(ref=ref, id=f"sha256:{ref}", size=size, pulled=True, downloaded=size // 2, seconds=seconds)
+
+    def remove_image(self, image: PulledImage) -> bool:
+        with self._lock:
+            if image.ref in self.running_images:
+                raise AssertionError(f"{image.ref} was removed while a sandbox used it")
+            self.present.pop(image.ref, None)
+            self.removals.append(image.ref)
+            self.events.append(("remove", image.ref))
+        return True
+
+    def image_budget(self) -> int | None:
         return None
 
     def runtime(self, name: str | None) -> Runtime:
@@ -111,7 +179,12 @@ class FakeBackend:
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
         stem = prepared.spec.trajectory.stem
+        task_image = prepared.spec.image
         with self._lock:
+            if self.registry is not None and task_image is not None:
+                assert task_image in self.present, f"{task_image} ran without being present"
+                self.running_images[task_image] = self.running_images.get(task_image, 0) + 1
+                self.events.append(("run", task_image))
             done = self.attempts.setdefault(stem, [])
             plan = self.script.get(stem, ["ok"])
             outcome = plan[min(len(done), len(plan) - 1)]
@@ -128,6 +201,10 @@ class FakeBackend:
             with self._lock:
                 self.running -= 1
                 self.finished += 1
+                if task_image is not None and task_image in self.running_images:
+                    self.running_images[task_image] -= 1
+                    if not self.running_images[task_image]:
+                        del self.running_images[task_image]
         status = "interrupted" if stopped else _STATUS.get(outcome, outcome)
         failure = Failure(category=status, message=status) if status in ("interrupted", "timeout") else None
         record = ReplayRecord(

@@ -24,9 +24,19 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
     import threading
+    from collections.abc import Callable
 
     from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-    from ..models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ..models.image import (
+        BuildOptions,
+        ImageCost,
+        ImagePlan,
+        ImagePreview,
+        ImageRequest,
+        PulledImage,
+        PullProgress,
+        ResolvedImage,
+    )
     from ..models.ownership import Ownership
     from ..models.record import ReplayRecord
     from ..models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
@@ -78,6 +88,36 @@ class Backend(Protocol[GatewayT]):
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """What :meth:`ensure_image` would give, found without building, probing or filling anything."""
+
+    # -- images named by reference (a dataset's task images) ------------------------------------------------
+
+    def image_cost(self, ref: str) -> ImageCost:
+        """What having the image ``ref`` costs, found without pulling: present already, or the layers its
+        registry lists (with the registry's digest)."""
+
+    def pull_image(
+        self,
+        ref: str,
+        *,
+        progress: Callable[[PullProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PulledImage:
+        """Make the image ``ref`` present: nothing to do when it is, else pull it, reporting ``progress``,
+        retrying what a registry means as passing (a rate limit for as long as it asks).
+
+        Raises:
+            ImageUnavailable: no such image, or the registry refuses our credentials (``category`` says which).
+            RegistryError: the registry stayed unreachable or failing past the retries.
+            Interrupted: ``cancel`` was set.
+        """
+
+    def remove_image(self, image: PulledImage) -> bool:
+        """Remove an image pulled on a batch's behalf. False when the engine keeps it because something still
+        uses it (a container, another name); never an error."""
+
+    def image_budget(self) -> int | None:
+        """A batch's default budget for the images it pulls: half the free space of the engine's storage when
+        it can be read (None: it cannot)."""
 
     # -- sandboxes ------------------------------------------------------------------------------------------
 

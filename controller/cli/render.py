@@ -15,7 +15,7 @@ from rich.table import Table
 
 from ..models.batch import BatchSummary, ItemResult
 from ..models.housekeeping import AgentStatus, CatalogEntry, GcReport, HealthReport, PruneResult
-from ..models.image import BuiltImage
+from ..models.image import BuiltImage, PullProgress
 from ..models.record import ReplayRecord
 from ..units import format_duration, format_size
 
@@ -173,6 +173,8 @@ class BatchProgress:
         self.last_line = self.started
         self._bar: Progress | None = None
         self._task: TaskID | None = None
+        self._pulls: dict[str, TaskID] = {}
+        self._pulling: dict[str, PullProgress] = {}
 
     def __enter__(self) -> BatchProgress:
         if not self.quiet and self.console.is_terminal:
@@ -199,6 +201,23 @@ class BatchProgress:
         elif not self.quiet and time.monotonic() - self.last_line >= self.interval:
             self._line()
 
+    def pull(self, progress: PullProgress) -> None:
+        """A task image's pull went on: a bar per pull on a terminal, a line with the others in a log."""
+        if self.quiet:
+            return
+        self._pulling[progress.ref] = progress
+        if self._bar is None:
+            return
+        rate = f"{format_size(int(progress.rate))}/s"
+        task = self._pulls.get(progress.ref)
+        if task is None:
+            task = self._bar.add_task(progress.ref, total=progress.total, rate=rate)
+            self._pulls[progress.ref] = task
+        self._bar.update(task, completed=progress.done, total=progress.total, rate=rate)
+        if progress.total is not None and progress.done >= progress.total:
+            self._bar.remove_task(task)
+            del self._pulls[progress.ref]
+
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
@@ -218,6 +237,14 @@ class BatchProgress:
         left = self.total - self.done
         eta = f", eta {format_duration(left / rate * 60)}" if rate > 0 and left > 0 else ""
         line = f"batch: {self.done}/{self.total} done ({_counts(self.counts)}), {rate:.1f} replays/min{eta}"
+        pulls = [p for p in self._pulling.values() if p.total is None or p.done < p.total]
+        if pulls:
+            line += "; pulling " + ", ".join(
+                f"{p.ref} {format_size(p.done)}" + (f"/{format_size(p.total)}" if p.total else "")
+                + f" at {format_size(int(p.rate))}/s"
+                for p in pulls
+            )  # fmt: skip
+        self._pulling = {ref: p for ref, p in self._pulling.items() if p in pulls}
         try:
             self.console.print(line, highlight=False, soft_wrap=True)
         except OSError:
@@ -245,6 +272,15 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
     console.print(table)
     if summary.categories:
         console.print("failures: " + _counts(summary.categories), highlight=False, soft_wrap=True)
+    images = summary.images
+    if images is not None and (images.pulled or images.failed):
+        budget = f" of a {format_size(images.budget)} budget" if images.budget else ""
+        console.print(
+            f"task images: {images.pulled} pulled ({format_size(images.downloaded)}), {images.removed} removed, "
+            f"{images.failed} could not be had; peak {format_size(images.peak)}{budget}",
+            highlight=False,
+            soft_wrap=True,
+        )
     total = summary.timings.get("total", {})
     console.print(
         f"per item p50 {format_duration(total.get('p50', 0))}, p90 {format_duration(total.get('p90', 0))}; "

@@ -4,7 +4,8 @@ A line holds the fields of ``pvisor-host replay``'s options (underscored: ``afte
 ...) plus an optional ``id``; options given on the ``batch`` command line are defaults every line may
 override. Relative ``trajectory`` and ``workspace_dir`` paths are relative to the manifest's directory.
 ``--trajectories GLOB --after-step N|all`` is the shorthand: one item per trajectory (and per boundary with
-``all``). Items are produced lazily, so a 100,000-line manifest never sits in memory as 100,000 specs.
+``all``). Items are validated one at a time as they are run, so a 100,000-line manifest never sits in memory
+as 100,000 specs (only its raw lines do, while the items of one image are brought together).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class ManifestCheck(BaseModel):
     problems: list[ManifestProblem]
     image_specs: list[ReplaySpec]
     """One item's spec per distinct (image, agent, inject): what the batch's images are made from."""
+    image_counts: dict[str, int] = {}
+    """Items per image named with ``image`` (task images, in the order the batch runs them)."""
 
 
 def default_item_id(spec: ReplaySpec) -> str:
@@ -167,6 +170,21 @@ def batch_items(
     return items
 
 
+def by_image(items: list[BatchItem]) -> tuple[list[BatchItem], dict[str, int]]:
+    """The items with those of one ``image`` together (as :meth:`BatchInput.items` runs them), and how many
+    items each image has, in that order."""
+    first: dict[object, int] = {}
+    for position, item in enumerate(items):
+        first.setdefault(item.spec.image or ("item", position), position)
+    order = sorted(range(len(items)), key=lambda n: first[items[n].spec.image or ("item", n)])
+    counts: dict[str, int] = {}
+    for n in order:
+        image = items[n].spec.image
+        if image is not None:
+            counts[image] = counts.get(image, 0) + 1
+    return [items[n] for n in order], counts
+
+
 def image_specs(items: Iterable[BatchItem]) -> list[ReplaySpec]:
     """One item's spec per distinct (image, agent, inject): what a batch's images are made from."""
     distinct: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
@@ -228,6 +246,7 @@ class BatchInput(BaseModel):
         problems: list[ManifestProblem] = []
         seen: dict[str, int] = {}
         images: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
+        counts: dict[str, int] = {}
         count = 0
         for number, entry in self._entries():
             if isinstance(entry, str):
@@ -240,14 +259,21 @@ class BatchInput(BaseModel):
                 continue
             count += 1
             images.setdefault((spec.image, spec.agent, spec.inject), spec)
+            if spec.image is not None:
+                counts[spec.image] = counts.get(spec.image, 0) + 1
         if count == 0 and not problems:
             raise UsageError(f"{self.name} holds no items")
-        return ManifestCheck(items=count, problems=problems, image_specs=list(images.values()))
+        return ManifestCheck(items=count, problems=problems, image_specs=list(images.values()), image_counts=counts)
 
     def items(self) -> Iterator[BatchItem]:
-        """The items, one at a time (after :meth:`check` found no problem)."""
+        """The items, one at a time (after :meth:`check` found no problem), those of one image together.
+
+        Items that name the same ``image`` run one after another, images in the order they first appear, so
+        a task image is pulled once and can go once its items are done (``ids`` and lines stay the items'
+        own: results and reports are keyed and sorted by them). Only the entries' raw fields are held while
+        they are grouped, never every item's validated spec."""
         seen: dict[str, int] = {}
-        for number, entry in self._entries():
+        for number, entry in _grouped(self._entries(), self.defaults.get("image")):
             if isinstance(entry, str):
                 raise UsageError(f"{self.name}:{number}: {entry}")
             yield _item(number, entry, self.defaults, seen)
@@ -258,6 +284,17 @@ class BatchInput(BaseModel):
         assert self.trajectories is not None
         assert self.after_step is not None
         return _glob_entries(self.trajectories, self.after_step, self.defaults.get("agent"))
+
+
+def _grouped(entries: Iterable[Entry], default_image: str | None) -> Iterator[Entry]:
+    """``entries`` with those of one image together, images in order of first appearance (a line that
+    names no image, or is wrong, stays a group of its own where it stands)."""
+    groups: dict[object, list[Entry]] = {}
+    for number, entry in entries:
+        image = entry.get("image", default_image) if isinstance(entry, dict) else None
+        groups.setdefault(image if isinstance(image, str) else ("line", number), []).append((number, entry))
+    for group in groups.values():
+        yield from group
 
 
 def _check_defaults(defaults: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError
 from ..files.digest import tree_sha256
 from ..files.space import disk_full, full_disk_raises, is_full, tree_bytes
 from ..models.batch import BatchSummary, ItemResult
-from ..models.image import BuildOptions, ImageRequest, ResolvedImage
+from ..models.image import BuildOptions, ImageRequest, PullProgress, ResolvedImage
 from ..models.profiles import get_profile
 from ..models.record import DISK_FULL, BatchInfo
 from ..models.spec import ModelUpstream, ReplaySpec
@@ -40,6 +40,7 @@ from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
 from ..signals import deferred_interrupts
 from ..units import format_size
+from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
 from .resume import content_key, finished_result, item_result, item_run_id, set_aside
@@ -63,6 +64,13 @@ class BatchOptions(BaseModel):
     """Retry an attempt killed for memory (infrastructure errors and retryable results always are)."""
     build: BuildOptions = BuildOptions()
     """How agent images that must be built are built (``--base``, ``--ca-bundle``)."""
+    pull_workers: int = 2
+    """Task images pulled at once, ahead of their items (0: every image first, before any item)."""
+    image_budget: int | None = None
+    """Most bytes the task images this batch pulls may take at once (None: the backend's default, half the
+    free space of the engine's storage)."""
+    keep_images: bool = False
+    """Keep the task images this batch pulled when it ends (by default it removes them)."""
 
 
 class BatchOutcome(BaseModel):
@@ -96,9 +104,11 @@ def image_request(spec: ReplaySpec) -> ImageRequest:
 class _Batch:
     """What the workers of one batch share."""
 
-    def __init__(self, backend: AnyBackend, options: BatchOptions) -> None:
+    def __init__(self, backend: AnyBackend, options: BatchOptions, window: ImageWindow | None = None) -> None:
         self.backend = backend
         self.options = options
+        self.window = window
+        """The task images, pulled just in time (None: the batch names none)."""
         self.cancel = threading.Event()
         self.started = time.monotonic()
         self.full: DiskFull | None = None
@@ -118,6 +128,27 @@ class _Batch:
             return prepare_image(self.backend, image_request(spec), self.options.build)
 
         return self._images.get(image_key(spec), resolve)
+
+    def prepare_ahead(self, spec: ReplaySpec) -> None:
+        """What can be made ready before the first item, in the iterating thread (so that Ctrl-C stops a build
+        at once): an agent image, or for a task image the agent image its runtime is injected from. A task
+        image itself is pulled just in time (:class:`ImageWindow`)."""
+        if spec.image is None or self.window is None or spec.image not in self.window:
+            self.image(spec)
+        elif spec.inject and spec.agent is not None:
+            request = ImageRequest(profile=get_profile(spec.agent))
+            self._images.get(("agent", spec.agent), lambda: prepare_image(self.backend, request, self.options.build))
+
+    def skip_image(self, spec: ReplaySpec) -> None:
+        """An item ends without running: its task image is one item less in demand."""
+        if spec.image is not None and self.window is not None and spec.image in self.window:
+            self.window.skip(spec.image)
+
+    def task_image(self, spec: ReplaySpec) -> contextlib.AbstractContextManager[object]:
+        """Hold the item's task image while it runs (pulled first when it is not there yet)."""
+        if spec.image is None or self.window is None or spec.image not in self.window:
+            return contextlib.nullcontext()
+        return self.window.holding(spec.image, self.cancel)
 
     def gateway(self, upstream: ModelUpstream | None, user: str) -> ModelGateway | None:
         if upstream is None:
@@ -159,13 +190,22 @@ class BatchRun:
         *,
         total: int,
         images: Iterable[ReplaySpec] = (),
+        task_images: dict[str, int] | None = None,
         reports: Sequence[BatchReport] = (),
+        on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
         self._items = items
         self._images = images
         self._reports = reports
         self._total = total
-        self._batch = _Batch(backend, options)
+        window = None
+        if task_images:
+            budget = options.image_budget if options.image_budget is not None else backend.image_budget()
+            window = ImageWindow(
+                backend, task_images, budget=budget, workers=options.pull_workers, keep=options.keep_images,
+                progress=on_pull,
+            )  # fmt: skip
+        self._batch = _Batch(backend, options, window)
         self._stop = threading.Event()
         self._every_item_ended = False
         self._core: Iterator[ItemResult] | None = None
@@ -204,10 +244,13 @@ class BatchRun:
             except BaseException:
                 with deferred_interrupts():
                     self._batch.close()
+                    if self._batch.window is not None:
+                        self._batch.window.close()
                 raise
             # The batch has stopped: a Ctrl-C now has nothing left to stop and must not cost the reports.
             with deferred_interrupts(reraise=False):
                 self._batch.close()
+                pulls = self._batch.window.close() if self._batch.window is not None else None
                 self.results.sort(key=lambda r: r.line)
                 remaining = self._batch.remaining()
                 summary = summarize(
@@ -218,6 +261,7 @@ class BatchRun:
                     interrupted=interrupt is not None and not self._every_item_ended,
                     deadline=remaining is not None and remaining <= 0,
                 )
+                summary.images = pulls
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
                 try:
@@ -244,13 +288,17 @@ class BatchRun:
             try:
                 for spec in self._images:
                     with contextlib.suppress(PvisorHostError):  # kept, and reported by each item of that image
-                        batch.image(spec)
+                        batch.prepare_ahead(spec)
+                if batch.window is not None:
+                    batch.window.start()
                 for item in self._items:
                     if batch.full is not None:
+                        batch.skip_image(item.spec)
                         yield self._done(_not_started(item, f"not started: {batch.full.message}"))
                         continue
                     remaining = batch.remaining()
                     if remaining is not None and remaining <= 0:
+                        batch.skip_image(item.spec)
                         late = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run")
                         yield self._done(late)
                         continue
@@ -305,16 +353,22 @@ def run_batch(
     *,
     total: int,
     images: Iterable[ReplaySpec] = (),
+    task_images: dict[str, int] | None = None,
     reports: Sequence[BatchReport] = (),
     progress: Callable[[ItemResult], None] | None = None,
+    on_pull: Callable[[PullProgress], None] | None = None,
 ) -> BatchOutcome:
     """Run every item (see :class:`BatchRun`) to the end and return the outcome; ``progress`` is called with
-    each result as it comes. Ctrl-C or SIGTERM cancels the batch; the outcome then says ``interrupted``.
+    each result as it comes, ``on_pull`` as task images arrive. Ctrl-C or SIGTERM cancels the batch; the
+    outcome then says ``interrupted``.
 
     Raises:
         UsageError: another batch is running in ``options.out``.
     """
-    run = BatchRun(items, backend, options, total=total, images=images, reports=reports)
+    run = BatchRun(
+        items, backend, options, total=total, images=images, task_images=task_images, reports=reports,
+        on_pull=on_pull,
+    )  # fmt: skip
     try:
         for result in run:
             if progress is not None:
@@ -345,6 +399,11 @@ def _exclusive(out: Path) -> Iterator[None]:
 Pending = dict[futures.Future[ItemResult], BatchItem]
 
 
+def _late(batch: _Batch) -> bool:
+    remaining = batch.remaining()
+    return remaining is not None and remaining <= 0
+
+
 def _not_started(item: BatchItem, message: str) -> ItemResult:
     return ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run", message=message)
 
@@ -370,6 +429,8 @@ def _run_item(item: BatchItem, batch: _Batch) -> ItemResult:
 
 def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     base = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="rejected", path=item.id)
+    if batch.cancel.is_set() or batch.full is not None or _late(batch):
+        batch.skip_image(item.spec)  # it will not ask for its task image: the window may let it go
     if batch.cancel.is_set():
         return _interrupted(item, "not started")
     if batch.full is not None:
@@ -380,7 +441,7 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     spec = item.spec
     run_dir = batch.options.out / item.id
     try:
-        with full_disk_raises(run_dir):
+        with full_disk_raises(run_dir), batch.task_image(spec):
             trajectory = check_file(spec.trajectory)
             image = batch.image(spec)
             key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
@@ -409,8 +470,7 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
         return base.model_copy(update={"status": "infra_error", "category": DISK_FULL, "message": exc.one_line()})
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
-        category = exc.exit_code.name.lower()
-        return base.model_copy(update={"status": status, "category": category, "message": exc.one_line()})
+        return base.model_copy(update={"status": status, "category": exc.category, "message": exc.one_line()})
     except Exception as exc:  # one item's bug must not stop the batch
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
         return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})

@@ -39,6 +39,25 @@ class ItemResult(BaseModel):
         return not self.skipped and self.status in FINAL_STATUSES
 
 
+class ImageStats(BaseModel):
+    """The task images a batch pulled (those it named by reference and the engine did not have)."""
+
+    pulled: int = 0
+    """Images pulled."""
+    downloaded: int = 0
+    """Bytes downloaded."""
+    pull_seconds: float = 0.0
+    """Seconds spent pulling, all pulls added up (they overlap each other and the sandboxes)."""
+    removed: int = 0
+    """Images the batch removed again (to stay within its budget, or at its end)."""
+    failed: int = 0
+    """Images that could not be had (their items are refused)."""
+    peak: int = 0
+    """The most bytes the batch's pulled images took on the engine at once (unpacked, each image whole)."""
+    budget: int | None = None
+    """The ``--image-budget`` it kept to (None: none)."""
+
+
 class BatchSummary(BaseModel):
     """``summary.json``."""
 
@@ -63,6 +82,8 @@ class BatchSummary(BaseModel):
     """Ids of the items that did not end ``ok``."""
     stopped: str | None = None
     """Why the batch stopped starting items before the end (the run directory's filesystem is full)."""
+    images: ImageStats | None = None
+    """The task images it pulled, when it named any by reference."""
 
 
 def percentile(values: list[float], fraction: float) -> float:

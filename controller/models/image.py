@@ -37,6 +37,9 @@ class ImageRef(BaseModel):
     """``--inject``: the read-only runtime volume mounted at /pvisor-host/runtime."""
     agent_image: str | None = None
     """``--inject``: the verified agent image the runtime volume was filled from."""
+    digest: str | None = None
+    """The registry digest the image came from (``repo@sha256:...``), when it was asked for by a reference the
+    engine holds a digest for; None for images built here."""
 
     @property
     def runtime_root(self) -> str | None:
@@ -147,6 +150,59 @@ class ResolvedImage(BaseModel):
     built: BuiltImage | None = None
     """The agent image built or found on the way: the image itself for ``--agent`` alone, the runtime's source
     for ``--inject``; None for an image the user named."""
+
+
+class PullProgress(BaseModel):
+    """How far one pull has come (the engine reports its layers as they download)."""
+
+    ref: str
+    done: int
+    """Bytes downloaded so far (layers already present count as nothing)."""
+    total: int | None = None
+    """Bytes to download, once the engine knows every layer's size."""
+    seconds: float = 0.0
+    """Since the pull started."""
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second so far."""
+        return self.done / self.seconds if self.seconds > 0 else 0.0
+
+
+class PulledImage(BaseModel):
+    """An image present on the engine because a batch asked for it by reference."""
+
+    ref: str
+    id: str
+    digest: str | None = None
+    """The registry digest it came from (``repo@sha256:...``), when the engine knows one."""
+    size: int = 0
+    """Bytes on the engine (unpacked)."""
+    pulled: bool = False
+    """Pulled now; False: it was already there (then nobody may remove it on the batch's behalf)."""
+    downloaded: int = 0
+    seconds: float = 0.0
+
+
+class ImageCost(BaseModel):
+    """What an image named by reference will cost a batch, found without pulling it."""
+
+    ref: str
+    present: bool
+    id: str | None = None
+    size: int | None = None
+    """Bytes on the engine, when present."""
+    digest: str | None = None
+    """The registry's digest for the reference (or the one the engine holds it by)."""
+    layers: dict[str, int] = {}
+    """When absent: its layers (digest → compressed bytes), as the registry lists them."""
+    error: str | None = None
+    """When absent and the registry could not say: why."""
+
+    @property
+    def pull_bytes(self) -> int:
+        """Bytes a pull downloads (0 when present)."""
+        return 0 if self.present else sum(self.layers.values())
 
 
 class ImagePreview(BaseModel):

@@ -160,12 +160,29 @@ def test_shorthand_expands_every_boundary_with_the_host_pvisor(tmp_path, traject
     assert [item.id for item in source.items()] == ["broken-after1"] + [f"t-after{n}" for n in range(1, 6)]
 
 
-def test_a_manifest_is_read_as_a_stream(tmp_path, trajectory):
+def test_a_manifest_is_validated_one_item_at_a_time(tmp_path, trajectory, monkeypatch):
+    import pvisor_host.fanout.manifest as m
+
     lines = [{"trajectory": "t.jsonl", "after_step": 1 + n % 5, "id": f"i{n}"} for n in range(2000)]
     source = BatchInput.parse(manifest=manifest(tmp_path, *lines), defaults={"agent": "claude-code"})
+    validated = []
+    real = m._item
+    monkeypatch.setattr(m, "_item", lambda number, *rest: validated.append(number) or real(number, *rest))
     items = source.items()
-    assert next(items).id == "i0"  # produced before the rest of the file is parsed
+    assert next(items).id == "i0" and validated == [1]  # no spec is made before it is needed
     assert sum(1 for _ in items) == 1999
+
+
+def test_the_items_of_one_image_run_together_images_in_order_of_first_appearance(tmp_path, trajectory):
+    images = ["reg/a:1", "reg/b:1", "reg/a:1", None, "reg/b:1", "reg/c:1", "reg/a:1"]
+    lines = [
+        {"trajectory": "t.jsonl", "after_step": 1, "id": f"i{n}", **({"image": image, "inject": True} if image else {})}
+        for n, image in enumerate(images, start=1)
+    ]
+    source = BatchInput.parse(manifest=manifest(tmp_path, *lines), defaults={"agent": "claude-code"})
+    assert [item.id for item in source.items()] == ["i1", "i3", "i7", "i2", "i5", "i4", "i6"]
+    assert [item.line for item in source.items()] == [1, 3, 7, 2, 5, 4, 6]  # each keeps its own line
+    assert source.check().image_counts == {"reg/a:1": 3, "reg/b:1": 2, "reg/c:1": 1}
 
 
 def spec(**fields) -> ReplaySpec:

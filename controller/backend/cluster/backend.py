@@ -38,8 +38,19 @@ from .node import tasks as on_node
 from .ship import Shipper
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-    from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ...models.image import (
+        BuildOptions,
+        ImageCost,
+        ImagePlan,
+        ImagePreview,
+        ImageRequest,
+        PulledImage,
+        PullProgress,
+        ResolvedImage,
+    )
     from ...models.ownership import Ownership
     from ...models.record import ReplayRecord
     from ...models.replay import Attempt, PreparedReplay, Runtime, SandboxPlan
@@ -159,6 +170,28 @@ class ClusterBackend:
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
         return self.local.preview_image(plan)
+
+    def image_cost(self, ref: str) -> ImageCost:
+        """See :meth:`pvisor_host.backend.base.Backend.image_cost` (the driver's engine and registries)."""
+        return self.local.image_cost(ref)
+
+    def pull_image(
+        self,
+        ref: str,
+        *,
+        progress: Callable[[PullProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PulledImage:
+        """See :meth:`pvisor_host.backend.base.Backend.pull_image` (onto the driver's engine, which ships it)."""
+        return self.local.pull_image(ref, progress=progress, cancel=cancel)
+
+    def remove_image(self, image: PulledImage) -> bool:
+        """See :meth:`pvisor_host.backend.base.Backend.remove_image`."""
+        return self.local.remove_image(image)
+
+    def image_budget(self) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_budget`."""
+        return self.local.image_budget()
 
     def runtime(self, name: str | None) -> Runtime:
         """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes)."""

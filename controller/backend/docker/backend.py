@@ -29,30 +29,43 @@ from typing import TYPE_CHECKING
 from docker.errors import NotFound
 
 from ..._log import logger
+from ...errors import PvisorHostError
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
 from . import runtimes
 from .build.inject import Injector
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
-from .images import ImageStore
+from .images import ImageStore, Reference
 from .sandbox.container import Leftovers
 
 #: Seconds ``close`` waits for an engine that went away to answer again, to remove what it could not.
 LEFTOVER_PATIENCE = 60.0
 
 if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pvisor-host gc` loads no build)
+    from collections.abc import Callable
+
     import docker
     from docker.models.containers import Container
 
     from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
-    from ...models.image import BuildOptions, ImagePlan, ImagePreview, ImageRequest, ResolvedImage
+    from ...models.image import (
+        BuildOptions,
+        ImageCost,
+        ImagePlan,
+        ImagePreview,
+        ImageRequest,
+        PulledImage,
+        PullProgress,
+        ResolvedImage,
+    )
     from ...models.ownership import Ownership
     from ...models.record import ReplayRecord
     from ...models.replay import PreparedReplay, SandboxPlan
     from ...models.spec import ModelUpstream
     from ..base import Backend
     from .gateway import Gateway
+    from .pull import Puller
 
 
 class DockerBackend:
@@ -66,6 +79,8 @@ class DockerBackend:
         self._leftovers = Leftovers()
         self.images = ImageStore(client)
         """The engine's images as other parts need them (the cluster ships images through it)."""
+        self._pulls: Puller | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def connect(
@@ -119,6 +134,83 @@ class DockerBackend:
 
         with engine_errors("look the image up"):
             return resolve.preview(self.client, plan)
+
+    # -- images named by reference ----------------------------------------------------------------------------
+
+    @property
+    def _puller(self) -> Puller:
+        with self._lock:
+            if self._pulls is None:
+                from .pull import Puller
+
+                self._pulls = Puller(self.client)
+            return self._pulls
+
+    def image_cost(self, ref: str) -> ImageCost:
+        """See :meth:`pvisor_host.backend.base.Backend.image_cost`."""
+        from ...models.image import ImageCost
+        from .registry import ManifestError
+
+        found = self._puller.present(ref)
+        if found is not None:
+            return ImageCost(ref=ref, present=True, id=found.id, size=found.size, digest=found.digest)
+        try:
+            manifest = self._puller.registries.manifest(ref)
+        except ManifestError as exc:
+            return ImageCost(ref=ref, present=False, error=str(exc))
+        digest = f"{Reference(ref).repository}@{manifest.digest}" if manifest.digest else None
+        return ImageCost(ref=ref, present=False, id=manifest.config_digest, digest=digest, layers=manifest.layers)
+
+    def pull_image(
+        self,
+        ref: str,
+        *,
+        progress: Callable[[PullProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PulledImage:
+        """See :meth:`pvisor_host.backend.base.Backend.pull_image` (a pull is noted for ``gc`` and ``images``)."""
+        from .cleanup import pulled as ledger
+
+        image = self._puller.pull(ref, progress=progress, cancel=cancel)
+        if image.pulled:
+            ledger.note(image.id, ref, owner=self._ownership.owner, session=self._ownership.session)
+        return image
+
+    def remove_image(self, image: PulledImage) -> bool:
+        """See :meth:`pvisor_host.backend.base.Backend.remove_image`."""
+        from docker.errors import APIError, ImageNotFound
+
+        from .cleanup import pulled as ledger
+
+        try:
+            with engine_errors(f"remove image {image.ref}"):
+                try:
+                    self.client.images.remove(image.ref)
+                except ImageNotFound:
+                    pass  # gone already
+                except APIError as exc:
+                    if exc.status_code == 409:  # a container uses it, or it is needed under another name
+                        logger.info("{} stays: {}", image.ref, describe(exc))
+                        return False
+                    raise
+                gone = not self.images.has(image.id)
+        except PvisorHostError as exc:
+            logger.warning("could not remove {}: {}", image.ref, exc.message)
+            return False
+        if gone:
+            ledger.forget(image.id)
+        return gone
+
+    def image_budget(self) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_budget`: half of what the engine's data root has free,
+        when that directory is on this machine."""
+        with engine_errors("read the engine's information"):
+            root = self.client.info().get("DockerRootDir")
+        try:
+            stats = os.statvfs(root) if root else None
+        except OSError:
+            stats = None
+        return stats.f_bavail * stats.f_frsize // 2 if stats is not None else None
 
     # -- sandboxes ------------------------------------------------------------------------------------------
 

@@ -105,6 +105,25 @@ def batch(
             "$PVISOR_HOST_REGISTRY, else ship it through the cluster, docker save then docker load, once per node).",
         ),
     ] = None,
+    pull_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Task images (--image) pulled at once, ahead of their items, while sandboxes run (0: every image "
+            "first, before any item).",
+        ),
+    ] = 2,
+    image_budget: Annotated[
+        str | None,
+        typer.Option(
+            metavar="SIZE",
+            help="Most disk the task images this batch pulls may take at once, e.g. 200g; images whose items are "
+            "done are removed first (default: half the free space of the engine's storage).",
+        ),
+    ] = None,
+    keep_images: Annotated[
+        bool, typer.Option(help="Keep the task images the batch pulled when it ends (it removes them by default).")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
     **options: Any,
@@ -118,7 +137,7 @@ def batch(
     from ...fanout.scheduler import BatchOptions, default_workers
     from ...fanout.summary import allowed_failures
     from ...models.image import BuildOptions
-    from ...units import parse_duration
+    from ...units import parse_duration, parse_size
 
     if manifest_file is not None and manifest is not None and manifest_file != manifest:
         raise UsageError(f"two manifests given ({manifest_file} and --manifest {manifest}); pass one")
@@ -142,6 +161,9 @@ def batch(
         rerun_failed=rerun_failed,
         retry_oom=retry_oom,
         build=BuildOptions(**build_fields(options)),
+        pull_workers=pull_workers,
+        image_budget=parse_size(image_budget, flag="--image-budget") if image_budget is not None else None,
+        keep_images=keep_images,
     )
     with open_engine(
         pool_size=batch_options.workers + 8,
@@ -228,8 +250,10 @@ def _run(
             options,
             total=total,
             images=checked.image_specs,
+            task_images=checked.image_counts,
             reports=(write_report,),
             progress=progress,
+            on_pull=progress.pull,
         )
     ignore_interrupts()  # the batch has ended and its reports are written: nothing is left to stop
     if json_output:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from ....files.atomic import write_atomic
 
@@ -32,19 +33,25 @@ def _path() -> Path:
 
 
 @contextlib.contextmanager
-def _locked() -> Iterator[dict[str, str]]:
-    path = _path()
+def locked_state(name: str) -> Iterator[dict[str, Any]]:
+    """The JSON object in the state file ``name``, under an exclusive lock; written back (atomically) when the
+    block changed it."""
+    path = state_dir() / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    with (path.parent / ".last-used.lock").open("a") as lock:
+    with (path.parent / f".{path.stem}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
         except ValueError:
             data = {}
-        before = dict(data)
+        before = json.dumps(data, sort_keys=True)
         yield data
-        if data != before:
+        if json.dumps(data, sort_keys=True) != before:
             write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+def _locked() -> contextlib.AbstractContextManager[dict[str, Any]]:
+    return locked_state("last-used.json")
 
 
 def record_use(*keys: str | None) -> None:

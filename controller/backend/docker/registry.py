@@ -1,0 +1,201 @@
+"""A registry, asked directly: what an image will cost to pull, and how long a rate-limited registry wants
+us to wait.
+
+The engine pulls; it does not say what a pull will cost before it starts, nor pass on a registry's
+``Retry-After``. So for ``--plan`` (bytes to pull) and for a 429 (how long to wait) pvisor-host reads the
+registry's manifests itself, with the same credentials the docker CLI uses (``~/.docker/config.json`` and its
+credential helpers, through docker-py's ``docker.auth``), over ``requests`` (which docker-py already brings).
+Registries on a loopback address are spoken to over plain HTTP, as the engine does; all others over HTTPS.
+Nothing here ever logs a credential or a token.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import threading
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import requests
+from docker import auth
+
+from ..._log import logger
+from .images import Reference
+
+#: The manifest kinds asked for: an image's own, and the multi-platform lists that point at them.
+MANIFEST_TYPES = ", ".join((
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.oci.image.index.v1+json",
+))  # fmt: skip
+_INDEXES = ("manifest.list", "image.index")
+_HUB = "registry-1.docker.io"
+_CHALLENGE = re.compile(r'(\w+)="([^"]*)"')
+TIMEOUT = 20.0
+
+
+class ManifestInfo:
+    """What a registry says of an image: its digest, and its layers with their (compressed) sizes."""
+
+    def __init__(self, digest: str | None, layers: dict[str, int], config: int, config_digest: str | None) -> None:
+        self.digest = digest
+        self.layers = layers
+        """Layer digest → bytes, as pulled (compressed)."""
+        self.config = config
+        self.config_digest = config_digest
+        """The digest of the image's configuration, which is the id the engine gives the image."""
+
+    @property
+    def bytes(self) -> int:
+        """Everything a pull downloads when no layer is present yet."""
+        return sum(self.layers.values()) + self.config
+
+
+class ManifestError(Exception):
+    """The registry could not be asked (unreachable, refused, or an answer that is not a manifest)."""
+
+
+class Registries:
+    """The registries of one backend: their credentials and tokens (thread-safe, one session)."""
+
+    def __init__(self) -> None:
+        self._session = requests.Session()
+        self._session.headers["User-Agent"] = "pvisor-host"
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+        self._config: Any = None
+
+    def manifest(self, reference: str, *, platform: tuple[str, str] = ("linux", "amd64")) -> ManifestInfo:
+        """The manifest of ``reference`` (for a multi-platform image, that of ``platform``).
+
+        Raises:
+            ManifestError: the registry cannot be reached, refuses, or has no such image.
+        """
+        ref = Reference(reference)
+        answer = self._get(ref, ref.digest or ref.tag or "latest")
+        digest = answer.headers.get("Docker-Content-Digest") or ref.digest
+        body = answer.json()
+        if any(kind in str(body.get("mediaType", "")) for kind in _INDEXES) or "manifests" in body:
+            chosen = next(
+                (m for m in body.get("manifests", []) if (m.get("platform", {}).get("os"),
+                                                          m.get("platform", {}).get("architecture")) == platform),
+                None,
+            )  # fmt: skip
+            if chosen is None:
+                raise ManifestError(f"{reference} has no {'/'.join(platform)} image")
+            body = self._get(ref, chosen["digest"]).json()
+        layers = {layer["digest"]: int(layer.get("size", 0)) for layer in body.get("layers", [])}
+        config = body.get("config", {})
+        return ManifestInfo(digest, layers, int(config.get("size", 0)), config.get("digest"))
+
+    def retry_after(self, reference: str) -> float | None:
+        """Seconds the registry asks to wait now (its ``Retry-After`` on a 429), or None when it asks none."""
+        ref = Reference(reference)
+        try:
+            answer = self._request("HEAD", ref, ref.digest or ref.tag or "latest")
+        except ManifestError:
+            return None
+        if answer.status_code != 429:
+            return None
+        return parse_retry_after(answer.headers.get("Retry-After"))
+
+    # -- HTTP ---------------------------------------------------------------------------------------------
+
+    def _get(self, ref: Reference, what: str) -> requests.Response:
+        answer = self._request("GET", ref, what)
+        if answer.status_code == 404:
+            raise ManifestError(f"{ref.text}: not found in the registry")
+        if answer.status_code in (401, 403):
+            raise ManifestError(f"{ref.text}: the registry refused (HTTP {answer.status_code}: unauthorized)")
+        if answer.status_code != 200:
+            raise ManifestError(f"{ref.text}: the registry answered HTTP {answer.status_code}")
+        return answer
+
+    def _request(self, method: str, ref: Reference, what: str) -> requests.Response:
+        host = ref.registry or _HUB
+        url = f"{_scheme(host)}://{host}/v2/{_path(ref)}/manifests/{what}"
+        headers = {"Accept": MANIFEST_TYPES}
+        scope = f"repository:{_path(ref)}:pull"
+        try:
+            token = self._tokens.get((host, scope))
+            if token:
+                headers["Authorization"] = token
+            answer = self._session.request(method, url, headers=headers, timeout=TIMEOUT)
+            if answer.status_code == 401 and "WWW-Authenticate" in answer.headers:
+                token = self._authorize(host, answer.headers["WWW-Authenticate"], scope)
+                if token:
+                    headers["Authorization"] = token
+                    answer = self._session.request(method, url, headers=headers, timeout=TIMEOUT)
+        except requests.RequestException as exc:
+            raise ManifestError(f"{host}: cannot reach the registry ({type(exc).__name__})") from None
+        return answer
+
+    def _authorize(self, host: str, challenge: str, scope: str) -> str | None:
+        """The ``Authorization`` header a challenge asks for: Basic with the configured credentials, or a
+        Bearer token fetched from the realm it names (with those credentials, if any)."""
+        credentials = self._credentials(host)
+        if challenge.lower().startswith("basic"):
+            if credentials is None:
+                return None
+            request = requests.Request("GET", "http://x", auth=credentials).prepare()
+            header = request.headers.get("Authorization")
+            return header if isinstance(header, str) else None
+        fields = dict(_CHALLENGE.findall(challenge))
+        realm = fields.get("realm")
+        if realm is None:
+            return None
+        params = {"service": fields.get("service", host), "scope": fields.get("scope", scope)}
+        answer = self._session.get(realm, params=params, auth=credentials, timeout=TIMEOUT)
+        if answer.status_code != 200:
+            logger.debug("{}: the token service answered HTTP {}", host, answer.status_code)
+            return None
+        token = answer.json().get("token") or answer.json().get("access_token")
+        header = f"Bearer {token}" if token else None
+        if header:
+            with self._lock:
+                self._tokens[(host, scope)] = header
+        return header
+
+    def _credentials(self, host: str) -> tuple[str, str] | None:
+        """The username and password the docker CLI would use for ``host`` (none: anonymous)."""
+        with self._lock:
+            if self._config is None:
+                self._config = auth.load_config()
+            found = self._config.resolve_authconfig("docker.io" if host == _HUB else host) or {}
+        username = found.get("username") or found.get("Username")
+        password = found.get("password") or found.get("Password")
+        return (username, password) if username and password else None
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` as seconds: a number of seconds, or an HTTP date."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def _scheme(host: str) -> str:
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host
+    if name == "localhost":
+        return "http"
+    try:
+        return "http" if ipaddress.ip_address(name.strip("[]")).is_loopback else "https"
+    except ValueError:
+        return "https"
+
+
+def _path(ref: Reference) -> str:
+    """The repository path as the registry knows it (Docker Hub's single names live under ``library/``)."""
+    if ref.registry is None and "/" not in ref.path:
+        return f"library/{ref.path}"
+    return ref.path
