@@ -11,17 +11,32 @@ when that backend is opened, so commands that need no engine never load one.
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
 
+from ..errors import UsageError
 from .base import AnyBackend, Backend, ModelGateway
 
 if TYPE_CHECKING:
     from ..models.ownership import Ownership
 
-__all__ = ["AnyBackend", "Backend", "ModelGateway", "check_cluster_options", "open_backend"]
+__all__ = ["AnyBackend", "Backend", "ModelGateway", "check_cluster_options", "check_registry", "open_backend"]
 
 #: Where a cluster's nodes pull images from when ``--registry`` is not given.
 REGISTRY_ENV = "PVISOR_HOST_REGISTRY"
+_REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(:\d{1,5})?(/[a-z0-9._/-]+)?$")
+
+
+def check_registry(registry: str, *, flag: str = "--registry") -> str:
+    """``HOST[:PORT][/PATH]`` of a registry (no scheme, no tag).
+
+    Raises:
+        UsageError: anything else.
+    """
+    registry = registry.strip().rstrip("/")
+    if not _REGISTRY.match(registry):
+        raise UsageError(f"{flag} {registry!r} is not HOST[:PORT][/PATH] (e.g. registry.internal:5000)")
+    return registry
 
 
 def check_cluster_options(cluster: str | None, registry: str | None) -> str | None:
@@ -32,13 +47,11 @@ def check_cluster_options(cluster: str | None, registry: str | None) -> str | No
     Raises:
         UsageError: one of them is malformed, or a registry is given without a cluster.
     """
-    from ..errors import UsageError
-
     if cluster is None:
         if registry:
             raise UsageError("a registry is where cluster nodes pull images from; it needs a cluster (--cluster)")
         return None
-    from .cluster.connect import check_address, check_registry
+    from .cluster.connect import check_address
 
     check_address(cluster)
     registry = registry or os.environ.get(REGISTRY_ENV)

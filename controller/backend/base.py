@@ -115,6 +115,14 @@ class Backend(Protocol[GatewayT]):
         """Remove an image pulled on a batch's behalf. False when the engine keeps it because something still
         uses it (a container, another name); never an error."""
 
+    def push_image(self, ref: str, registry: str) -> str:
+        """Push the image ``ref`` (built here) to ``registry`` (``HOST[:PORT][/PATH]``) under its own name and
+        tag, and return the digest reference it can be pulled by (``registry/name@sha256:...``).
+
+        Raises:
+            InfrastructureError: the push failed, or the registry gave no digest.
+        """
+
     def image_budget(self) -> int | None:
         """A batch's default budget for the images it pulls: half the free space of the engine's storage when
         it can be read (None: it cannot)."""

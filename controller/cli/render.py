@@ -24,10 +24,13 @@ if TYPE_CHECKING:
 
     from ..backend.cluster.node.status import NodeStatus
     from ..fanout.compare import Comparison
-    from ..fanout.plan import ItemPlan
+    from ..fanout.plan import ImagesPlanned, ItemPlan
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
-_CHANGE_STYLE = {"regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "fixed": "green"}
+_CHANGE_STYLE = {
+    "regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "image_changed": "yellow",
+    "fixed": "green",
+}  # fmt: skip
 
 
 def _relative(path: Path) -> str:
@@ -45,6 +48,8 @@ def built_image(console: Console, built: BuiltImage) -> None:
         f"  agent {built.agent} {built.agent_version}, pvisor {built.pvisor_version}, {format_size(built.size)}"
     )
     console.print(f"  base {built.base.ref} ({built.base.source})")
+    if built.pushed:
+        console.print(f"  pushed as {built.pushed}", highlight=False)
 
 
 def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> None:
@@ -290,8 +295,10 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
     )
 
 
-def batch_plan(console: Console, plans: Iterable[ItemPlan], *, json_output: bool) -> None:
-    """``batch --plan``: per item what would run, then the counts.
+def batch_plan(
+    console: Console, plans: Iterable[ItemPlan], *, json_output: bool, images: ImagesPlanned | None = None
+) -> None:
+    """``batch --plan``: per item what would run, then the counts (and the task images, when there are any).
 
     Each item is written as soon as it is planned and then dropped, so memory stays flat however long the
     manifest; ``--json`` writes one JSON array, an item per line, without rich's highlighting.
@@ -334,6 +341,20 @@ def batch_plan(console: Console, plans: Iterable[ItemPlan], *, json_output: bool
     console.print(
         f"{actions.total()} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
     )
+    if images is not None and images.costs:
+        table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+        for column in ("task image", "here", "to pull", "digest"):
+            table.add_column(column, justify="right" if column == "to pull" else "left", overflow="fold")
+        for cost in images.costs.values():
+            here = "yes" if cost.present else ("[red]no[/red]" if cost.error else "no")
+            pull = "-" if cost.present else (cost.error or format_size(cost.pull_bytes))
+            table.add_row(cost.ref, here, pull, cost.digest or cost.id or "-")
+        console.print(table)
+        console.print(
+            f"{len(images.costs)} task images: {images.present} here, {len(images.to_pull)} to pull "
+            f"({format_size(images.pull_bytes)} to download, each layer once)",
+            highlight=False,
+        )
 
 
 def comparison(console: Console, result: Comparison) -> None:

@@ -8,7 +8,12 @@ one and new at the new one. For each pair it reports, regressions first:
 * ``status_changed`` — neither is ``ok``, and the status or the failure category differs;
 * ``divergence_moved`` — same status, but the first replayed tool call whose fresh observation differs
   from the recorded one is another call (or there is one now and was none, or the other way round);
+* ``image_changed`` — nothing of the above, but it ran in other bytes: its image's registry digest (or, for
+  an image without one, its id) differs;
 * ``new`` and ``gone``.
+
+Any change also says whether the image changed (``image_changed``), so a regression that came with a new
+task image shows it.
 
 The divergence comes from pvisor's ``observation-comparison.json`` (``sandbox-playback/comparison-v1``).
 """
@@ -28,9 +33,11 @@ from ..models.record import ReplayRecord, load_record
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
-ChangeKind = Literal["regression", "fixed", "status_changed", "divergence_moved", "new", "gone"]
+ChangeKind = Literal["regression", "fixed", "status_changed", "divergence_moved", "image_changed", "new", "gone"]
 #: The order changes are listed in: what a CI guard must look at first.
-KIND_ORDER: tuple[ChangeKind, ...] = ("regression", "status_changed", "divergence_moved", "gone", "new", "fixed")
+KIND_ORDER: tuple[ChangeKind, ...] = (
+    "regression", "status_changed", "divergence_moved", "image_changed", "gone", "new", "fixed",
+)  # fmt: skip
 
 
 class CallRef(BaseModel):
@@ -55,6 +62,8 @@ class ItemState(BaseModel):
     diverged_calls: int = 0
     """Of those, the calls whose fresh observation differs from the recorded one."""
     first_divergence: CallRef | None = None
+    image: str | None = None
+    """The bytes it ran in: the image's registry digest (``repo@sha256:...``), else its id."""
     path: str
     """The item's directory, relative to its run directory."""
 
@@ -67,11 +76,16 @@ class ItemChange(BaseModel):
     kind: ChangeKind
     old: ItemState | None = None
     new: ItemState | None = None
+    image_changed: bool = False
+    """It ran in another image than before (another digest, or id)."""
 
     @property
     def describe(self) -> str:
         """One line for people: what it was and what it is."""
-        return f"{_state_line(self.old)} → {_state_line(self.new)}"
+        line = f"{_state_line(self.old)} → {_state_line(self.new)}"
+        if self.image_changed and self.old is not None and self.new is not None:
+            line += f"; image {_short(self.old.image)} → {_short(self.new.image)}"
+        return line
 
 
 class Comparison(BaseModel):
@@ -106,9 +120,12 @@ def compare_runs(old: Path, new: Path) -> Comparison:
             changes.append(ItemChange(id=key[0], after_step=key[1], kind=kind, old=was, new=now))
             continue
         matched += 1
-        change = _change(was, now)
+        image_changed = was.image != now.image
+        change = _change(was, now) or ("image_changed" if image_changed else None)
         if change is not None:
-            changes.append(ItemChange(id=key[0], after_step=key[1], kind=change, old=was, new=now))
+            changes.append(
+                ItemChange(id=key[0], after_step=key[1], kind=change, old=was, new=now, image_changed=image_changed)
+            )
     changes.sort(key=lambda c: (KIND_ORDER.index(c.kind), c.id, c.after_step))
     return Comparison(
         old=str(old),
@@ -175,6 +192,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
             if first is not None
             else None
         ),
+        image=record.image.digest or record.image.id,
         path=str(item_dir.relative_to(run_dir)),
     )
 
@@ -182,6 +200,14 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
 def _comparison(record: ReplayRecord, item_dir: Path) -> list[dict[str, object]]:
     calls = record.artifact_json(item_dir, COMPARISON_ROLE)
     return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
+def _short(image: str | None) -> str:
+    """``repo@sha256:0123456789ab``: enough of a digest or id to tell two apart."""
+    if image is None:
+        return "?"
+    name, _, digest = image.rpartition("@")
+    return f"{name}@{digest[:19]}" if name else image[:19]
 
 
 def _state_line(state: ItemState | None) -> str:

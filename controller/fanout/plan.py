@@ -4,6 +4,11 @@ Each item gets the same pre-flight ``replay`` does (including pvisor's own ``--p
 host), then the image it would use (the backend's preview), the mounts, limits and command of its sandbox
 (the backend's description), its content key and whether a rerun would skip it. Images still to be built
 are named by the tag ``build`` would give them; their content keys are known only once they exist.
+
+A task image (``image``) the engine does not have is not pulled: its registry's manifest says what a pull
+would download, and :class:`ImagesPlanned` adds up every distinct image, present or not, and the bytes
+still to pull (each layer counted once across the batch's images). Its labels and platform are checked once
+it is pulled, so such an item's sandbox is described without them.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from typing import Literal
 from pydantic import BaseModel
 
 from ..backend.base import AnyBackend
-from ..errors import PvisorHostError
+from ..errors import ExitCode, PvisorHostError
 from ..files.digest import tree_sha256
-from ..models.image import ImagePlan, ImagePreview
+from ..models.image import ImageCost, ImagePlan, ImagePreview
 from ..models.record import Limits
 from ..preflight.checks import agent_checks, check_inputs, runtime_checks
 from ..preflight.prepare import assemble
+from ..units import format_size
 from .manifest import BatchItem
 from .memo import Memo
 from .resume import content_key, finished_result, item_run_id
@@ -51,14 +57,51 @@ class ItemPlan(BaseModel):
     content_key: str | None = None
     exit_code: int | None = None
     """For ``reject``: the exit code the refusal maps to (2 for a bad item, 6 for an engine failure)."""
+    image_present: bool | None = None
+    """For a task image (``image``): whether the engine has it already."""
+    pull_bytes: int | None = None
+    """For a task image the engine does not have: what pulling it downloads (its registry's manifest)."""
 
 
-def plan_batch(items: Iterable[BatchItem], backend: AnyBackend, options: BatchOptions) -> Iterator[ItemPlan]:
-    """Plan every item, one at a time (see the module docstring)."""
+class ImagesPlanned:
+    """The distinct task images of a planned batch, as they are met (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.costs: dict[str, ImageCost] = {}
+
+    @property
+    def present(self) -> int:
+        return sum(cost.present for cost in self.costs.values())
+
+    @property
+    def to_pull(self) -> list[ImageCost]:
+        return [cost for cost in self.costs.values() if not cost.present]
+
+    @property
+    def pull_bytes(self) -> int:
+        """Bytes still to download: each layer once, whatever the number of images that share it."""
+        layers: dict[str, int] = {}
+        for cost in self.to_pull:
+            layers.update(cost.layers)
+        return sum(layers.values())
+
+
+def plan_batch(
+    items: Iterable[BatchItem], backend: AnyBackend, options: BatchOptions, images: ImagesPlanned | None = None
+) -> Iterator[ItemPlan]:
+    """Plan every item, one at a time (see the module docstring); ``images`` collects the task images."""
     previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
     workspaces: Memo[str] = Memo()
+    images = images if images is not None else ImagesPlanned()
     for item in items:
         try:
+            if item.spec.image is not None:
+                if item.spec.image not in images.costs:
+                    images.costs[item.spec.image] = backend.image_cost(item.spec.image)
+                cost = images.costs[item.spec.image]
+                if not cost.present:
+                    yield _plan_unpulled(item, cost, options)
+                    continue
             yield _plan_item(item, backend, options, previews, workspaces)
         except PvisorHostError as exc:
             yield ItemPlan(
@@ -69,6 +112,23 @@ def plan_batch(items: Iterable[BatchItem], backend: AnyBackend, options: BatchOp
                 agent=item.spec.agent,
                 exit_code=exc.exit_code,
             )
+
+
+def _plan_unpulled(item: BatchItem, cost: ImageCost, options: BatchOptions) -> ItemPlan:
+    """An item whose task image is still in its registry: what pulling it costs, and what it is."""
+    check_inputs(item.spec, run_id=item_run_id(item.id), out_dir=options.out / item.id)
+    if cost.error is not None:
+        return ItemPlan(
+            id=item.id, line=item.line, action="reject", reason=f"image {cost.ref}: {cost.error}",
+            agent=item.spec.agent, exit_code=ExitCode.USAGE, image=cost.ref, image_present=False,
+        )  # fmt: skip
+    note = f"to be pulled: {format_size(cost.pull_bytes)} from its registry"
+    note += f" ({cost.digest})" if cost.digest else ""
+    return ItemPlan(
+        id=item.id, line=item.line, action="run", agent=item.spec.agent, image=cost.ref, image_id=cost.id,
+        image_note=note + "; its labels and platform are checked once it is here", image_present=False,
+        pull_bytes=cost.pull_bytes,
+    )  # fmt: skip
 
 
 def _plan_item(
@@ -110,6 +170,8 @@ def _plan_item(
         command=sandbox.command,
         model_gateway=upstream.network if upstream is not None else None,
         content_key=key,
+        image_present=True if spec.image is not None else None,
+        pull_bytes=0 if spec.image is not None else None,
     )
     earlier = finished_result(run_dir, key, options.rerun_failed) if key is not None else None
     if earlier is not None:

@@ -46,7 +46,7 @@ from .memo import Memo
 from .resume import content_key, finished_result, item_result, item_run_id, set_aside
 from .summary import BatchReport, summarize, write_reports
 
-ImageKey = tuple[str | None, str | None, bool]
+ImageKey = tuple[str | None, str | None, bool, bool]
 
 
 class BatchOptions(BaseModel):
@@ -91,14 +91,14 @@ def default_workers(memory: int) -> int:
 
 
 def image_key(spec: ReplaySpec) -> ImageKey:
-    """Items with the same key share one image."""
-    return spec.image, spec.agent, spec.inject
+    """Items with the same key share one image (prepare-only needs no agent in it)."""
+    return spec.image, spec.agent, spec.inject, spec.image is None and spec.mode == "prepare-only"
 
 
 def image_request(spec: ReplaySpec) -> ImageRequest:
     """The image an item asks for (its agent's profile resolved)."""
     profile = get_profile(spec.agent) if spec.agent is not None else None
-    return ImageRequest(image=spec.image, profile=profile, inject=spec.inject)
+    return ImageRequest(image=spec.image, profile=profile, inject=spec.inject, pvisor_only=spec.mode == "prepare-only")
 
 
 class _Batch:

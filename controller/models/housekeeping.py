@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from .profiles import AgentProfile, UnavailableInstall
 
-ResourceKind = Literal["container", "network", "volume"]
+ResourceKind = Literal["container", "network", "volume", "image"]
+"""What ``gc`` removes; an ``image`` is a task image a batch pulled and could not remove itself."""
 
 
 class Resource(BaseModel):
@@ -51,6 +52,8 @@ class CatalogEntry(BaseModel):
     created: datetime
     last_used: datetime | None = None
     in_use: bool = False
+    pulled_by: str | None = None
+    """For an image a batch pulled (role ``pulled``): the owner of that batch (``host/pid/start-ticks``)."""
 
     @property
     def recency(self) -> datetime:

@@ -73,6 +73,8 @@ class BuiltImage(BaseModel):
     """True when the tag already existed and nothing was built."""
     seconds: float = 0.0
     size: int = 0
+    pushed: str | None = None
+    """``build --push``: the digest reference it can be pulled by (``registry/name@sha256:...``)."""
 
 
 class BuildOptions(BaseModel):
@@ -97,6 +99,8 @@ class ImageRequest(BaseModel):
     image: str | None = None
     profile: AgentProfile | None = None
     inject: bool = False
+    pvisor_only: bool = False
+    """Without ``image``: pvisor is all the sandbox needs (``--mode prepare-only`` starts no agent)."""
 
 
 class _Plan(BaseModel):
@@ -107,9 +111,11 @@ class _Plan(BaseModel):
 
 
 class BuildPlan(_Plan):
-    """Use the image ``pvisor-host build`` makes for the agent, building it when it is missing."""
+    """Use the image ``pvisor-host build`` makes for the agent, building it when it is missing; with
+    ``pvisor_only``, the image with pvisor and no agent runtime that ``--mode prepare-only`` needs (any agent's)."""
 
     action: Literal["build"] = "build"
+    pvisor_only: bool = False
 
 
 class _Existing(_Plan):
@@ -117,6 +123,8 @@ class _Existing(_Plan):
     """The image as the user named it."""
     id: str
     labels: dict[str, str] = {}
+    digest: str | None = None
+    """The registry digest the engine holds it by for that name (``repo@sha256:...``), when it has one."""
 
 
 class LabelledPlan(_Existing):

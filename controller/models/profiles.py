@@ -166,6 +166,9 @@ class AgentProfile(_Model):
     version_probe: VersionProbe
     sandbox_env: dict[str, str] = {}
     """Non-secret variables set in every sandbox of this agent (they show in ``docker inspect``)."""
+    replay_only_env: dict[str, str] = {}
+    """Non-secret variables set in its ``replay-only`` sandboxes: what its runner needs to start although no
+    model is called (mini-swe-agent's refuses to start without a model name)."""
     continuation: ContinuationNeeds
     trajectory: TrajectoryFormat
     artifacts: NativeArtifacts

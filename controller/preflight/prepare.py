@@ -18,7 +18,9 @@ from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, re
 def image_request(checked: CheckedInputs) -> ImageRequest:
     """The image part of a checked replay."""
     spec = checked.spec
-    return ImageRequest(image=spec.image, profile=checked.profile, inject=spec.inject)
+    return ImageRequest(
+        image=spec.image, profile=checked.profile, inject=spec.inject, pvisor_only=spec.mode == "prepare-only"
+    )
 
 
 def prepare_image(backend: AnyBackend, request: ImageRequest, build: BuildOptions) -> ResolvedImage:

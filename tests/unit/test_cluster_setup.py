@@ -10,8 +10,8 @@ import types
 
 import pytest
 
+from pvisor_host.backend import check_registry
 from pvisor_host.backend.cluster import connect
-from pvisor_host.backend.cluster.connect import check_registry
 from pvisor_host.backend.cluster.ledger import Ledger
 from pvisor_host.backend.cluster.node.join import join_command
 from pvisor_host.backend.cluster.ship import rechunk

@@ -17,11 +17,22 @@ TEMPLATE = json.loads((Path(__file__).parents[1] / "data" / "record-template.jso
 CALLS = [("toolu_01a", "Bash"), ("toolu_02a", "Read"), ("toolu_03a", "Bash")]
 
 
-def item(run: Path, item_id: str, *, status: str = "ok", category: str | None = None, step: int = 3, diverge=None):
-    """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ)."""
+def item(
+    run: Path,
+    item_id: str,
+    *,
+    status: str = "ok",
+    category: str | None = None,
+    step: int = 3,
+    diverge=None,
+    digest: str | None = None,
+):
+    """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ).
+    ``digest``: the registry digest of its image."""
     directory = run / item_id
     (directory / "output").mkdir(parents=True)
     record = json.loads(json.dumps(TEMPLATE))
+    record["image"]["digest"] = digest
     record["status"] = status
     record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
     record["inputs"]["after_step"] = step
@@ -59,6 +70,30 @@ def runs(tmp_path):
     (old / ".previous" / "same").mkdir(parents=True)
     (old / ".previous" / "same" / "record.json").write_text("{}")  # set aside: not an item of this run
     return old, new
+
+
+OLD_TASK = "127.0.0.1:5000/task/t1@sha256:" + "aa" * 32
+NEW_TASK = "127.0.0.1:5000/task/t1@sha256:" + "bb" * 32
+
+
+def test_an_item_whose_image_digest_changed_is_flagged_with_or_without_another_change(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    item(old, "same-task", digest=OLD_TASK)
+    item(new, "same-task", digest=OLD_TASK)
+    item(old, "new-task", digest=OLD_TASK)
+    item(new, "new-task", digest=NEW_TASK)
+    item(old, "new-task-fails", digest=OLD_TASK)
+    item(new, "new-task-fails", status="replay_failed", category="tool_error", digest=NEW_TASK)
+    result = compare_runs(old, new)
+    assert [(c.kind, c.id, c.image_changed) for c in result.changes] == [
+        ("regression", "new-task-fails", True),
+        ("image_changed", "new-task", True),
+    ]
+    assert result.changes[1].describe == (
+        "ok, every observation exact → ok, every observation exact; "
+        "image 127.0.0.1:5000/task/t1@sha256:aaaaaaaaaaaa → 127.0.0.1:5000/task/t1@sha256:bbbbbbbbbbbb"
+    )
+    assert (result.matched, result.unchanged) == (3, 1)
 
 
 def test_every_kind_of_change_regressions_first(runs):

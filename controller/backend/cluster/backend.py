@@ -189,6 +189,10 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.remove_image`."""
         return self.local.remove_image(image)
 
+    def push_image(self, ref: str, registry: str) -> str:
+        """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
+        return self.local.push_image(ref, registry)
+
     def image_budget(self) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.image_budget`."""
         return self.local.image_budget()

@@ -25,7 +25,6 @@ NAMESPACE = "pvisor-host"
 ENGINE_RESOURCE = "docker_engine"
 TOKEN_FILE_ENV = "PVISOR_HOST_CLUSTER_TOKEN_FILE"
 _ADDRESS = re.compile(r"^[A-Za-z0-9_.-]+:\d{1,5}$")
-_REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(:\d{1,5})?(/[a-z0-9._/-]+)?$")
 
 
 def require_ray() -> None:
@@ -49,18 +48,6 @@ def check_address(address: str) -> str:
     if not _ADDRESS.match(address):
         raise UsageError(f"--cluster {address!r} is not HOST:PORT (the Ray head's address, e.g. 10.0.0.5:6379)")
     return address
-
-
-def check_registry(registry: str) -> str:
-    """``HOST[:PORT][/PATH]`` of a registry the nodes pull from (no scheme, no tag).
-
-    Raises:
-        UsageError: anything else.
-    """
-    registry = registry.strip().rstrip("/")
-    if not _REGISTRY.match(registry):
-        raise UsageError(f"--registry {registry!r} is not HOST[:PORT][/PATH] (e.g. registry.internal:5000)")
-    return registry
 
 
 def auth_environment() -> dict[str, str]:

@@ -38,6 +38,7 @@ from .build.inject import Injector
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
 from .images import ImageStore, Reference
 from .sandbox.container import Leftovers
+from .sandbox.seed import Seeds
 
 #: Seconds ``close`` waits for an engine that went away to answer again, to remove what it could not.
 LEFTOVER_PATIENCE = 60.0
@@ -81,6 +82,7 @@ class DockerBackend:
         """The engine's images as other parts need them (the cluster ships images through it)."""
         self._pulls: Puller | None = None
         self._lock = threading.Lock()
+        self._seeds = Seeds()
 
     @classmethod
     def connect(
@@ -199,7 +201,16 @@ class DockerBackend:
             return False
         if gone:
             ledger.forget(image.id)
+            self._seeds.drop(image.id)
         return gone
+
+    def push_image(self, ref: str, registry: str) -> str:
+        """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
+        from .images import push_target
+
+        with engine_errors(f"inspect image {ref}"):
+            image_id = str(self.client.images.get(ref).id)
+        return self.images.push(image_id, *push_target(registry, ref, image_id))
 
     def image_budget(self) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.image_budget`: half of what the engine's data root has free,
@@ -255,7 +266,14 @@ class DockerBackend:
 
         self._remove_leftovers()
         return run.run_attempt(
-            self.client, self._ownership, prepared, attempt, gateway=gateway, cancel=cancel, leftovers=self._leftovers
+            self.client,
+            self._ownership,
+            prepared,
+            attempt,
+            gateway=gateway,
+            cancel=cancel,
+            leftovers=self._leftovers,
+            seeds=self._seeds,
         )
 
     def cancel(self, *, run_id: str | None = None) -> None:
@@ -313,6 +331,7 @@ class DockerBackend:
         """Remove the containers the engine could not remove earlier (waiting up to a minute for it to answer
         again), then close the connection."""
         self._remove_leftovers(patience=LEFTOVER_PATIENCE, final=True)
+        self._seeds.close()
         self.client.close()
 
     def _remove_leftovers(self, *, patience: float = 0.0, final: bool = False) -> None:

@@ -46,6 +46,14 @@ class Reference:
         return f"Reference({self.text!r})"
 
 
+def repo_digest(reference: str, digests: object) -> str | None:
+    """The digest the engine holds ``reference``'s repository by (``repo@sha256:...``, from an image's
+    ``RepoDigests``), if any."""
+    repository = Reference(reference).repository
+    found = [str(d) for d in digests] if isinstance(digests, list) else []
+    return next((d for d in found if d.startswith(f"{repository}@")), None)
+
+
 def push_target(registry: str, ref: str, image_id: str) -> tuple[str, str]:
     """The repository and tag an image known here as ``ref`` is pushed as to ``registry``: its own path under
     the registry (whatever registry it came from), with its tag. An image known by digest has no tag, so it

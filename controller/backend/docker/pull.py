@@ -29,7 +29,7 @@ from ..._log import logger
 from ...errors import ImageUnavailable, Interrupted, RegistryError
 from ...models.image import PulledImage, PullProgress
 from .engine import describe, engine_errors
-from .images import Reference
+from .images import Reference, repo_digest
 from .registry import Registries
 
 if TYPE_CHECKING:
@@ -231,10 +231,7 @@ def _progress(reference: str, layers: dict[str, tuple[int, int | None]], seconds
 
 
 def _pulled(reference: str, attrs: dict[str, object], *, pulled: bool) -> PulledImage:
-    repository = Reference(reference).repository
-    listed = attrs.get("RepoDigests")
-    digests = [str(d) for d in listed] if isinstance(listed, list) else []
-    digest = next((d for d in digests if d.startswith(f"{repository}@")), None)
+    digest = repo_digest(reference, attrs.get("RepoDigests"))
     size = attrs.get("Size")
     return PulledImage(
         ref=reference, id=str(attrs["Id"]), digest=digest, size=size if isinstance(size, int) else 0, pulled=pulled

@@ -18,18 +18,30 @@ _BUILD_RENAMED = {"force_bootstrap": "bootstrap"}
 @with_options(build_options(("base", "ca_bundle", "force_bootstrap"), rename=_BUILD_RENAMED), first=False)
 def build(
     agent: Annotated[str, typer.Option(help="Agent to build the sandbox image for (see `pvisor-host agents`).")],
+    push: Annotated[
+        str | None,
+        typer.Option(
+            metavar="REGISTRY",
+            help="Then push it to REGISTRY (HOST[:PORT][/PATH]) under its content-hash tag and print the digest "
+            "reference to pass as --image (the same verified bytes on every machine).",
+        ),
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the image as JSON.")] = False,
     **options: Any,
 ) -> int:
     """Build (or find) the verified sandbox image for an agent: pvisor plus the pinned agent CLI."""
+    from ...backend import check_registry
     from ...models.image import BuildOptions, BuildPlan
     from ...models.profiles import get_profile
     from .. import render
 
+    registry = check_registry(push, flag="--push") if push is not None else None
     plan = BuildPlan(profile=get_profile(agent))
     with open_engine() as backend:
         built = backend.ensure_image(plan, BuildOptions(**build_fields(options, _BUILD_RENAMED))).built
-    assert built is not None  # a build plan always reports the image it built or found
+        assert built is not None  # a build plan always reports the image it built or found
+        if registry is not None:
+            built = built.model_copy(update={"pushed": backend.push_image(built.tag, registry)})
     if json_output:
         typer.echo(built.model_dump_json(indent=2))
     else:

@@ -207,18 +207,19 @@ def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) ->
 
 
 def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, json_output: bool) -> int:
-    from ...fanout.plan import plan_batch
+    from ...fanout.plan import ImagesPlanned, plan_batch
     from .. import render
 
     rejected: dict[int | None, ItemPlan] = {}  # the first refusal of each exit code; nothing else is kept
+    images = ImagesPlanned()
 
     def tallied() -> Iterator[ItemPlan]:
-        for item in plan_batch(source.items(), backend, options):
+        for item in plan_batch(source.items(), backend, options, images):
             if item.action == "reject":
                 rejected.setdefault(item.exit_code, item)
             yield item
 
-    render.batch_plan(out, tallied(), json_output=json_output)
+    render.batch_plan(out, tallied(), json_output=json_output, images=images)
     first = rejected.get(ExitCode.INFRASTRUCTURE)
     if first is not None:
         say(f"pvisor-host: error: {first.id}: {first.reason}")

@@ -30,7 +30,7 @@ from ....models.profiles import AgentProfile, NpmInstall, PipInstall, Unavailabl
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe
 from .base import find_image, resolve_base, resolve_base_offline
-from .probe import ProbeResult, probe_agent_image, version_problem
+from .probe import ProbeResult, probe_agent_image, probe_image, version_problem
 
 #: Where the sandbox recipe installs pvisor.
 DEFAULT_PVISOR_PATH = "/opt/pvisor/bin/pvisor"
@@ -58,9 +58,10 @@ def _runtimes() -> dict[str, _Pin]:
 
 
 class Recipe(BaseModel):
-    """A fully rendered build: context files, build args and labels, and the hash of them all."""
+    """A fully rendered build: context files, build args and labels, and the hash of them all. Without a
+    profile, the prepare-only image: pvisor and no agent runtime."""
 
-    profile: AgentProfile
+    profile: AgentProfile | None
     base: BaseImage
     files: dict[str, bytes]
     build_args: dict[str, str]
@@ -81,20 +82,24 @@ class Recipe(BaseModel):
     @property
     def _facts(self) -> dict[str, str]:
         """The labels that describe the image's content (everything but the hash itself)."""
+        pvisor = {L.PVISOR_VERSION: PVISOR_VERSION, L.PVISOR_PATH: DEFAULT_PVISOR_PATH, L.BASE_IMAGE: self.base.ref}
+        if self.profile is None:
+            return {L.MANAGED: "true", L.ROLE: "prepare-image", **pvisor}
         return {
             L.MANAGED: "true",
             L.ROLE: "sandbox-image",
             L.AGENT: self.profile.agent,
             L.AGENT_VERSION: self.profile.version,
             L.AGENT_ENTRYPOINT: self.profile.entrypoint,
-            L.PVISOR_VERSION: PVISOR_VERSION,
-            L.PVISOR_PATH: DEFAULT_PVISOR_PATH,
-            L.BASE_IMAGE: self.base.ref,
+            **pvisor,
         }
 
     @property
     def tag(self) -> str:
-        """``pvisor-host/<agent>:<agent-version>-pvisor<version>-<hash12>``."""
+        """``pvisor-host/<agent>:<agent-version>-pvisor<version>-<hash12>``; ``pvisor-host/pvisor:<version>-<hash12>``
+        for the prepare-only image (its hash covers its base, so each Debian suite has its own)."""
+        if self.profile is None:
+            return f"pvisor-host/pvisor:{PVISOR_VERSION}-{self.digest[:12]}"
         return f"pvisor-host/{self.profile.agent}:{self.profile.version}-pvisor{PVISOR_VERSION}-{self.digest[:12]}"
 
     @property
@@ -112,11 +117,16 @@ def default_ca_bundle() -> Path | None:
     return None
 
 
-def render(profile: AgentProfile, base: BaseImage, ca_bundle: Path | None) -> Recipe:
-    """Render the sandbox recipe for ``profile`` on ``base``."""
+def render(profile: AgentProfile | None, base: BaseImage, ca_bundle: Path | None) -> Recipe:
+    """Render the sandbox recipe for ``profile`` on ``base`` (no profile: pvisor alone, for prepare-only)."""
     root = resources.files("pvisor_host.images").joinpath(_RECIPE_DIR)
     files = {name: root.joinpath(name).read_bytes() for name in _RECIPE_FILES}
     files["build-ca.pem"] = _read_ca(ca_bundle) if ca_bundle else b""
+    if profile is None:
+        files["agent-fragment.sh"] = b""
+        args = {"BASE_IMAGE": base.id, "PVISOR_VERSION": PVISOR_VERSION, "AGENT_INSTALL": "none",
+                "AGENT_PACKAGE": "", "AGENT_VERSION": ""}  # fmt: skip
+        return Recipe(profile=None, base=base, files=files, build_args=args)
     install = profile.install
     assert not isinstance(install, UnavailableInstall)
     files["agent-fragment.sh"] = root.joinpath("fragments", install.fragment).read_bytes() if install.fragment else b""
@@ -146,10 +156,13 @@ def _read_ca(path: Path) -> bytes:
     return data
 
 
-def expected_tag(client: docker.DockerClient, profile: AgentProfile) -> str | None:
-    """The tag ``build`` would produce for ``profile`` right now, without building (None: no base yet)."""
-    base = resolve_base_offline(client, suite=profile.suite)
-    return render(profile, base, default_ca_bundle()).tag if base is not None and profile.installable else None
+def expected_tag(client: docker.DockerClient, profile: AgentProfile | None, suite: str | None = None) -> str | None:
+    """The tag ``build`` would produce for ``profile`` (None: the prepare-only image on ``suite``) right now,
+    without building (None: no base yet, or an agent that cannot be installed)."""
+    if profile is not None and not profile.installable:
+        return None
+    base = resolve_base_offline(client, suite=profile.suite if profile is not None else suite or "bookworm")
+    return render(profile, base, default_ca_bundle()).tag if base is not None else None
 
 
 def build_agent_image(
@@ -182,12 +195,40 @@ def build_agent_image(
     return _built(recipe, image, cached=False, started=started)
 
 
+def build_pvisor_image(
+    client: docker.DockerClient, ownership: Ownership, suite: str, build: BuildOptions | None = None
+) -> BuiltImage:
+    """The prepare-only image for a ``suite`` base: pvisor verified, no agent runtime; built only when missing.
+
+    Raises:
+        ImageBuildError: the build failed, or the built image does not carry the pinned pvisor.
+    """
+    build = build or BuildOptions()
+    started = time.monotonic()
+    resolved = resolve_base(client, build.base, force_bootstrap=build.force_bootstrap, suite=suite)
+    ca_bundle = build.ca_bundle if build.ca_bundle is not None else default_ca_bundle()
+    recipe = render(None, resolved, ca_bundle)
+    existing = find_image(client, recipe.tag)
+    if existing is not None:
+        return _built(recipe, existing, cached=True, started=started)
+    logger.info("building {} (base {}, {})", recipe.tag, resolved.ref, resolved.source)
+    image = _docker_build(client, recipe)
+    found = probe_image(client, ownership, image.id, entrypoint="/nonexistent", command="-", version_args=[])
+    if found.pvisor_version != f"pvisor {PVISOR_VERSION}":
+        _remove_image(client, recipe.tag)
+        raise ImageBuildError(
+            f"the prepare-only image just built has {found.pvisor_version!r}, not pvisor {PVISOR_VERSION}"
+        )
+    logger.info("built and verified {} in {:.0f}s", recipe.tag, time.monotonic() - started)
+    return _built(recipe, image, cached=False, started=started)
+
+
 def _built(recipe: Recipe, image: Image, *, cached: bool, started: float) -> BuiltImage:
     return BuiltImage(
         tag=recipe.tag,
         id=image.id,
-        agent=recipe.profile.agent,
-        agent_version=recipe.profile.version,
+        agent=recipe.profile.agent if recipe.profile is not None else "",
+        agent_version=recipe.profile.version if recipe.profile is not None else "",
         pvisor_version=PVISOR_VERSION,
         recipe_hash=recipe.digest,
         base=recipe.base,

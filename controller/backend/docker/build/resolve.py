@@ -32,10 +32,11 @@ from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile, get_profile
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe
+from ..images import repo_digest
 from .base import find_image, pull
 from .inject import Injector, RuntimeVolume, check_task_image_metadata, inject_spec, runtime_volume_name
 from .probe import probe_agent_image, version_problem
-from .recipe import DEFAULT_PVISOR_PATH, build_agent_image, expected_tag
+from .recipe import DEFAULT_PVISOR_PATH, build_agent_image, build_pvisor_image, expected_tag
 
 Verification = Literal["build", "labels", "probe", "inject"]
 
@@ -52,16 +53,17 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
     if request.image is None:
         if profile is None:
             raise UsageError("pass --agent, --image, or both")
-        return BuildPlan(profile=profile)
+        return BuildPlan(profile=profile, pvisor_only=request.pvisor_only)
     image = request.image
     found = _local_or_pulled(client, image)
     labels = dict(found.labels or {})
+    digest = repo_digest(image, found.attrs.get("RepoDigests") or [])
     if request.inject:
         if profile is None:
             raise UsageError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
         inject_spec(profile)
         check_task_image_metadata(found, image)
-        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels)
+        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
     labelled_agent = labels.get(L.AGENT) or None
     if labelled_agent is None:
         if profile is None:
@@ -69,7 +71,7 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
                 f"image {image} was not built by pvisor-host (no {L.AGENT} label)",
                 hint="pass --agent to say which agent it holds",
             )
-        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels)
+        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
     if profile is not None and profile.agent != labelled_agent:
         raise UsageError(
             f"image {image} holds {labelled_agent} {labels.get(L.AGENT_VERSION, '?')}, not {profile.agent}",
@@ -77,7 +79,7 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
         )
     profile = profile or get_profile(labelled_agent)
     _check_labels(image, labels, profile)
-    return LabelledPlan(profile=profile, ref=image, id=found.id, labels=labels)
+    return LabelledPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
 
 
 def _local_or_pulled(client: docker.DockerClient, image: str) -> Image:
@@ -119,6 +121,9 @@ def materialize(
         ImageBuildError: a build failed or produced the wrong versions.
     """
     profile = plan.profile
+    if isinstance(plan, BuildPlan) and plan.pvisor_only:
+        built = build_pvisor_image(client, ownership, profile.suite, build)
+        return ResolvedImage(profile=profile, image=_ref(built.tag, built.id, profile, "build"), built=built)
     if isinstance(plan, BuildPlan):
         built = build_agent_image(client, ownership, profile, build)
         return ResolvedImage(profile=profile, image=_ref(built.tag, built.id, profile, "build"), built=built)
@@ -130,13 +135,13 @@ def materialize(
     if isinstance(plan, LabelledPlan):
         entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
         image = _ref(plan.ref, plan.id, profile, "labels", entrypoint, plan.labels.get(L.PVISOR_PATH))
-        return ResolvedImage(profile=profile, image=image)
+        return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest}))
     found = probe_agent_image(client, ownership, plan.id, profile)
     problem = version_problem(found, profile)
     if problem is not None:
         raise UsageError(f"image {plan.ref} {problem}", hint=f"pvisor-host build --agent {profile.agent}")
     image = _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path)
-    return ResolvedImage(profile=profile, image=image)
+    return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest}))
 
 
 def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
@@ -149,7 +154,7 @@ def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
     if isinstance(plan, ProbePlan):
         note = "a probe container confirms the versions before the first run"
         return ImagePreview(image=_ref(plan.ref, plan.id, profile, "probe"), exists=True, note=note)
-    tag = expected_tag(client, profile)
+    tag = expected_tag(client, None if isinstance(plan, BuildPlan) and plan.pvisor_only else profile, profile.suite)
     agent_image = find_image(client, tag) if tag is not None else None
     if agent_image is None:
         stand_in = _ref("(to be built)", "(to be built)", profile, "build")
@@ -173,7 +178,7 @@ def _injected(plan: InjectPlan, volume: RuntimeVolume, agent_tag: str) -> ImageR
     spec = inject_spec(plan.profile)
     entrypoint = f"{volume.runtime_root}/{spec.entrypoint}"
     ref = _ref(plan.ref, plan.id, plan.profile, "inject", entrypoint, volume.pvisor_path)
-    return ref.model_copy(update={"runtime_volume": volume.name, "agent_image": agent_tag})
+    return ref.model_copy(update={"runtime_volume": volume.name, "agent_image": agent_tag, "digest": plan.digest})
 
 
 def _ref(

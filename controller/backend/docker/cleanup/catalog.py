@@ -1,7 +1,8 @@
 """What pvisor-host built in Docker — images and runtime volumes — and pruning it, least recently used first.
 
-Only resources labelled ``pvisor-host.managed=true`` are listed or removed, and never one that a container
-(running or stopped) uses. "Last used" comes from :mod:`.usage`; a resource never used is
+Only resources labelled ``pvisor-host.managed=true`` are listed or removed, and the task images a batch
+pulled and left (role ``pulled``, noted in :mod:`.pulled`); never one that a container (running or stopped)
+uses. "Last used" comes from :mod:`.usage`; a resource never used is
 judged by its creation time. Sizes are the engine's: an image's size counts the base layers it shares
 with others, so freeing one image may free less than its size.
 """
@@ -21,7 +22,7 @@ from .. import labels as L
 from ..build.base import find_image
 from ..build.recipe import expected_tag
 from ..engine import engine_errors, retrying
-from . import usage
+from . import pulled, usage
 
 
 @engine_errors("list images and volumes")
@@ -33,12 +34,36 @@ def _usage(client: docker.DockerClient) -> tuple[dict[str, Any], set[str | None]
 
 
 def list_catalog(client: docker.DockerClient) -> list[CatalogEntry]:
-    """Every pvisor-host image and runtime volume, least recently used first."""
+    """Every pvisor-host image and runtime volume, and every task image a batch pulled and left (noted in
+    :mod:`.pulled`), least recently used first."""
     df, used_images = _usage(client)
     uses = usage.last_used()
-    entries = [_image_entry(image, uses, used_images) for image in df.get("Images") or [] if _ours(image)]
+    noted = {entry.id: entry for entry in pulled.pulled()}
+    images = df.get("Images") or []
+    entries = [_image_entry(image, uses, used_images) for image in images if _ours(image)]
+    entries += [_pulled_entry(image, noted[str(image["Id"])], used_images) for image in images
+                if str(image["Id"]) in noted and not _ours(image)]  # fmt: skip
     entries += [_volume_entry(volume, uses) for volume in df.get("Volumes") or [] if _ours(volume)]
+    gone = set(noted) - {str(image["Id"]) for image in images}
+    if gone:  # removed by someone else meanwhile: nothing left to account for
+        for image_id in gone:
+            pulled.forget(image_id)
     return sorted(entries, key=lambda e: (e.recency, e.name))
+
+
+def _pulled_entry(image: dict[str, Any], noted: pulled.PulledRecord, used: set[str | None]) -> CatalogEntry:
+    image_id = str(image["Id"])
+    return CatalogEntry(
+        kind="image",
+        name=noted.ref,
+        id=image_id,
+        role="pulled",
+        size=int(image.get("Size") or 0),
+        created=noted.pulled_at,
+        last_used=noted.pulled_at,
+        in_use=image_id in used or int(image.get("Containers") or 0) > 0,
+        pulled_by=noted.owner,
+    )
 
 
 def _ours(resource: dict[str, Any]) -> bool:
@@ -124,6 +149,9 @@ def prune(
         total -= entry.size
     if not dry_run:
         usage.forget(*(e.id for e in result.removed))
+        for entry in result.removed:
+            if entry.role == "pulled":
+                pulled.forget(entry.id)
     return result
 
 
@@ -135,8 +163,8 @@ def _remove(client: docker.DockerClient, entry: CatalogEntry) -> tuple[bool, str
 
 def _try_remove(client: docker.DockerClient, entry: CatalogEntry) -> tuple[bool, str | None]:
     try:
-        if entry.kind == "image":
-            client.images.remove(entry.id, force=False, noprune=False)
+        if entry.kind == "image":  # a pulled image goes by the name it was pulled as (it may have others)
+            client.images.remove(entry.name if entry.role == "pulled" else entry.id, force=False, noprune=False)
         else:
             client.volumes.get(entry.name).remove(force=False)
     except NotFound:

@@ -4,19 +4,22 @@ Every container, network and per-run volume pvisor-host creates carries ``pvisor
 ``<host>/<pid>/<start ticks>`` of the controller process. A resource is an orphan when that process is
 gone (the pid no longer runs, or runs a different process since the start time differs). Resources of a
 live controller, of a controller on another host (sharing the engine) and anything without the label —
-including the shared runtime volumes and images, which ``images prune`` manages — are never touched.
+including the shared runtime volumes and images, which ``images prune`` manages — are never touched. Task
+images a dead batch pulled and could not remove (noted in :mod:`.pulled`) are removed too, by the name they
+were pulled as, unless a container uses them.
 """
 
 from __future__ import annotations
 
 import docker
-from docker.errors import NotFound
+from docker.errors import APIError, NotFound
 
 from ...._log import logger
 from ....models.housekeeping import GcReport, Resource, ResourceKind
 from ....models.ownership import Ownership
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
+from . import pulled
 
 
 @engine_errors("list pvisor-host's containers, networks and volumes")
@@ -55,12 +58,29 @@ def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_ru
             live += 1
         else:
             orphans.append(resource)
+    for noted in pulled.pulled():  # task images a batch pulled and could not remove itself
+        alive = ownership.owner_alive(noted.owner)
+        if alive is None:
+            other_hosts += 1
+        elif alive:
+            live += 1
+        else:
+            orphans.append(Resource(kind="image", id=noted.id, name=noted.ref, owner=noted.owner, role="pulled"))
     report = GcReport(orphans=orphans, live=live, other_hosts=other_hosts)
     if dry_run:
         return report
-    for resource in orphans:  # already in order: containers, networks, volumes
+    for resource in list(orphans):  # already in order: containers, networks, volumes, images
         try:
             _remove(client, resource)
+        except APIError as exc:
+            if resource.kind == "image" and exc.status_code == 409:  # something else uses it now: not ours to take
+                logger.info("leaving {}: {}", resource.name, describe(exc))
+                pulled.forget(resource.id)
+                report.orphans.remove(resource)
+                report.live += 1
+                continue
+            report.failed[resource.name] = describe(exc)
+            logger.warning("could not remove {} {}: {}", resource.kind, resource.name, describe(exc))
         except ENGINE_ERRORS as exc:
             report.failed[resource.name] = describe(exc)
             logger.warning("could not remove {} {}: {}", resource.kind, resource.name, describe(exc))
@@ -74,7 +94,11 @@ def _remove(client: docker.DockerClient, resource: Resource) -> None:
             client.containers.get(resource.id).remove(force=True, v=True)
         elif resource.kind == "network":
             client.networks.get(resource.id).remove()
+        elif resource.kind == "image":  # by the name it was pulled as; never forced (a container may use it)
+            client.images.remove(resource.name)
         else:
             client.volumes.get(resource.id).remove(force=True)
     except NotFound:
         pass  # gone meanwhile (its owner's own cleanup, or the engine's auto-removal)
+    if resource.kind == "image":
+        pulled.forget(resource.id)

@@ -73,6 +73,8 @@ def container_spec(
     """The hardened container for one attempt (every relaxation comes from an explicit flag)."""
     spec = prepared.spec
     environment = {**prepared.profile.sandbox_env, "HOME": "/tmp", "TMPDIR": "/tmp"}
+    if spec.mode == "replay-only":
+        environment |= {k: v for k, v in prepared.profile.replay_only_env.items() if k not in spec.env}
     mounts: list[sandbox.BindMount | sandbox.VolumeMount] = [
         sandbox.BindMount(source=staging.input_dir, target=INPUT_MOUNT, read_only=True),
         sandbox.BindMount(source=staging.workspace_dir, target=prepared.workspace_path),

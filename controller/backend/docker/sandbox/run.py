@@ -34,7 +34,7 @@ from . import launch
 from .collect import collect_logs, collect_trees
 from .container import Leftovers
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
-from .seed import seed_from_image
+from .seed import Seeds
 from .stage import Staging, remove_staging, stage, staging_root
 
 
@@ -47,6 +47,7 @@ def run_attempt(
     gateway: Gateway | None = None,
     cancel: threading.Event | None = None,
     leftovers: Leftovers | None = None,
+    seeds: Seeds | None = None,
 ) -> ReplayRecord:
     """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
@@ -60,7 +61,7 @@ def run_attempt(
     model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL) if gateway is not None else None
     try:
         with full_disk_raises(attempt.run_dir):
-            return _run(client, ownership, prepared, attempt, model, cancel, leftovers)
+            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds())
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
@@ -74,6 +75,7 @@ def _run(
     model: ModelAccess | None,
     cancel: threading.Event | None,
     leftovers: Leftovers | None,
+    seeds: Seeds,
 ) -> ReplayRecord:
     state = AttemptState(prepared, attempt)
     state.used_gateway = model is not None
@@ -91,7 +93,7 @@ def _run(
             workspace_source=prepared.spec.workspace_dir,
             user=prepared.user,
             env=launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env}),
-            workspace_seed=_image_seed(client, ownership, prepared),
+            workspace_seed=_image_seed(client, ownership, prepared, seeds),
         )
         clock = state.phase("stage", clock)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
@@ -119,12 +121,13 @@ def _run(
 
 
 def _image_seed(
-    client: docker.DockerClient, ownership: Ownership, prepared: PreparedReplay
+    client: docker.DockerClient, ownership: Ownership, prepared: PreparedReplay, seeds: Seeds
 ) -> Callable[[Path], list[Entry]] | None:
     if not prepared.spec.image_workspace:
         return None
     budget = Budget(prepared.spec.collect_limit)
-    return lambda dest: seed_from_image(client, ownership, prepared.image.id, prepared.workspace_path, dest, budget)
+    image, path, place = prepared.image.id, prepared.workspace_path, prepared.out_dir.parent  # the batch's, say
+    return lambda dest: seeds.fill(client, ownership, image, path, dest, budget, place=place)
 
 
 def _run_container(

@@ -2,13 +2,21 @@
 
 Task images carry the task (a repository at ``/app``, say). The sandbox's root filesystem is read-only,
 so the replay cannot work in the image's directory itself; instead it is copied out of a container that
-is created but never started, through the same safe extractor as every collection, into the staged
-workspace, and that copy is bound at the same path. The copy's snapshot is the "before" of the
-workspace changes.
+is created but never started, through the same safe extractor as every collection, and each sandbox gets a
+fresh copy of that, bound at the same path. The copy's snapshot is the "before" of the workspace changes.
+
+The copy out of the image is made once per image and directory (:class:`Seeds`), beside the run
+directories, and kept read-only as the source of every item's fresh workspace: a dataset's items of one
+image copy a host directory, never the image again. It goes when its image is removed, and when the
+backend closes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import threading
 from pathlib import Path
 
 import docker
@@ -16,7 +24,7 @@ from docker.errors import NotFound
 
 from ....errors import UsageError
 from ....files.archive import Budget, extract_tar, tar_stream
-from ....files.trees import Entry
+from ....files.trees import Entry, copy_tree, remove_tree
 from ....models.ownership import Ownership
 from ..engine import engine_errors
 from .container import stopped_container
@@ -46,3 +54,76 @@ def seed_from_image(
     if report.truncated:
         raise UsageError(f"--image-workspace: {path} in the image is larger than --collect-limit")
     return report.entries
+
+
+#: The folder, beside a run directory, that holds the copies out of images.
+SEEDS_NAME = ".pvisor-host-seeds"
+
+
+class Seeds:
+    """Copies out of images, made once per (image, directory, place) and shared by every sandbox that starts
+    from them (see the module docstring). Thread-safe: the first sandbox makes a copy, the others wait."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[tuple[str, str, Path], threading.Lock] = {}
+        self._made: dict[tuple[str, str, Path], tuple[Path, list[Entry]]] = {}
+
+    def fill(
+        self,
+        client: docker.DockerClient,
+        ownership: Ownership,
+        image_id: str,
+        path: str,
+        dest: Path,
+        budget: Budget,
+        *,
+        place: Path,
+    ) -> list[Entry]:
+        """Fill the new directory ``dest`` with ``path`` of the image (copied out of it, into ``place``, the
+        first time); return the snapshot of what it holds."""
+        key = (image_id, path, place)
+        with self._lock:
+            lock = self._keys.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._made:
+                name = hashlib.sha256(f"{image_id}:{path}".encode()).hexdigest()[:16]
+                source = key[2] / SEEDS_NAME / name
+                remove_tree(source)  # what a killed run left
+                entries = seed_from_image(client, ownership, image_id, path, source, budget)
+                _read_only(source)
+                with self._lock:
+                    self._made[key] = (source, entries)
+            source, _ = self._made[key]
+        return copy_tree(source, dest)
+
+    def drop(self, image_id: str) -> None:
+        """Remove the copies out of an image (it is gone)."""
+        with self._lock:
+            gone = [key for key in self._made if key[0] == image_id]
+            for key in gone:
+                source, _ = self._made.pop(key)
+                remove_tree(source)
+                _remove_if_empty(source.parent)
+
+    def close(self) -> None:
+        """Remove every copy."""
+        with self._lock:
+            images = {key[0] for key in self._made}
+        for image_id in images:
+            self.drop(image_id)
+
+
+def _read_only(root: Path) -> None:
+    """Directories r-x, files r--: a source to copy from, not to work in (links are left as they are)."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, os.stat(path).st_mode & 0o555)
+        os.chmod(directory, 0o555)
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()

@@ -107,11 +107,15 @@ def stage(
     workspace = layout.workspace_dir
     if workspace_source is not None:
         before = copy_tree(workspace_source, workspace, uid=owner_uid, gid=owner_gid)
-    else:
-        workspace.mkdir(mode=0o755)
-        before = workspace_seed(workspace) if workspace_seed is not None else []
+    elif workspace_seed is not None:
+        before = workspace_seed(workspace)
         if owner_uid is not None:
             chown_tree(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
+    else:
+        workspace.mkdir(mode=0o755)
+        before = []
+        if owner_uid is not None:
+            os.chown(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
     run_dir = layout.run_dir
     run_dir.mkdir(mode=0o700)
     if owner_uid is not None:
