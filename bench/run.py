@@ -14,6 +14,11 @@ drifts hit both alike; medians, with the spread of the per-pair ratios. Sections
 * ``plan``    the same for ``batch --plan --json`` over a 10,000-line manifest.
 * ``cache``   ``build`` of an image that exists against a docker-py script that only looks the tag up.
 * ``startup`` ``pvisor-host --help`` and ``replay --help`` against ``python -c "import typer"``.
+* ``dataset`` a dataset of task images in a real registry (20 images, each with 100 MB of its own, 3 replay-only
+  items each, the agent injected, W=4): pvisor-host (images pulled just in time, within a budget of four
+  images) against a shell loop ``docker pull && docker run && docker rmi`` per item at the same width and
+  hardening, and against pvisor-host pulling every image first (``--pull-workers 0``): throughput, the time to
+  the first result, and the peak disk the batch's images took against the budget.
 * ``cluster`` ``batch --cluster`` on a real Ray cluster of node containers (``tests/cluster.py``): the same
   replay-only items against a local batch with as many workers as the cluster has slots, throughput at 3,
   2 and 1 nodes, and a node's memory (idle, and its peak while replaying). Not in the default run (it
@@ -460,6 +465,15 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"cached build vs a docker-py tag lookup: {c['ratio']['median']}x ({c['median_seconds']})")
     if "startup" in results:
         lines.append(f"start-up (s): {results['startup']['median_seconds']}")
+    if "dataset" in results:
+        d = results["dataset"]
+        lines.append(
+            f"dataset of {d['images']} task images x {d['items'] // d['images']} items (replays/min): "
+            + ", ".join(f"{k} {v}" for k, v in d["per_minute"].items())
+            + f"; {d['ratio_vs_shell_loop']}x the shell loop, {d['ratio_vs_pull_everything_first']}x pulling first"
+        )
+        lines.append(f"  first result (s): {d['first_result_seconds']}")
+        lines.append(f"  peak of the batch's images {d['peak_image_bytes']} B within a budget of {d['budget_bytes']} B")
     if "cluster" in results:
         c = results["cluster"]
         lines.append(
@@ -530,6 +544,180 @@ def _cluster(work: Path, client: Any) -> dict[str, Any]:
     }
 
 
+def dataset(work: Path) -> dict[str, Any]:
+    """See the module docstring. The registry runs in a container of the test node image (built once)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import docker
+
+    from cluster import Registry
+
+    client = docker.from_env(timeout=600)
+    count, per_image, workers = scaled(20, 4), 3, 4
+    with Registry(client) as registry:
+        refs = _task_images(client, registry.name, count, megabytes=scaled(100, 10))
+        size = _pull_size(client, refs[0])
+        budget = 4 * size
+        manifest = work / "dataset.jsonl"
+        trajectory = work / "task.jsonl"
+        trajectory.write_text(TASK_SESSION)
+        lines = [{"id": f"d{i:02d}-{n}", "trajectory": str(trajectory), "after_step": 1, "image": ref}
+                 for n in range(per_image) for i, ref in enumerate(refs)]  # fmt: skip
+        manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        items = len(lines)
+        # One run first: the injected runtime's volume is filled, and its sandbox's command is the loop's.
+        warm = _dataset_batch(manifest, work / "warm", workers, f"--image-budget={budget}")
+        template = _loop_template(work / "warm")
+        _forget(client, refs)
+        ours = _dataset_batch(manifest, work / "ours", workers, f"--image-budget={budget}")
+        _forget(client, refs)
+        first = _dataset_batch(manifest, work / "first", workers, "--pull-workers=0")
+        _forget(client, refs)
+        loop = _dataset_loop(work / "loop", template, refs, per_image, workers)
+        _forget(client, refs)
+    images = ours["summary"]["images"]
+    return {
+        "images": count,
+        "items": items,
+        "image_bytes": size,
+        "budget_bytes": budget,
+        "per_minute": {
+            "pvisor-host": round(items / ours["wall"] * 60, 1),
+            "pull everything first": round(items / first["wall"] * 60, 1),
+            "shell loop": round(items / loop["wall"] * 60, 1),
+        },
+        "ratio_vs_shell_loop": round(loop["wall"] / ours["wall"], 3),
+        "ratio_vs_pull_everything_first": round(first["wall"] / ours["wall"], 3),
+        "first_result_seconds": {
+            "pvisor-host": ours["first"],
+            "pull everything first": first["first"],
+            "shell loop": loop["first"],
+            "one pull plus one replay": round(warm["one_pull"] + warm["one_replay"], 1),
+        },
+        "peak_image_bytes": images["peak"],
+        "peak_within_budget": images["peak"] <= budget,
+        "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; peak <= budget",
+    }
+
+
+TASK_SESSION = "".join(
+    json.dumps(event) + "\n"
+    for event in [
+        {"type": "user", "uuid": "u1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
+         "message": {"role": "user", "content": "Read the task."}},
+        {"type": "assistant", "uuid": "a1", "parentUuid": "u1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
+         "message": {"id": "m1", "role": "assistant", "model": "m", "stop_reason": "tool_use", "content": [
+             {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "cat README"}}]}},
+        {"type": "user", "uuid": "u2", "parentUuid": "a1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
+         "message": {"role": "user", "content": [
+             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "task\n"}]}},
+    ]
+)  # fmt: skip
+
+
+def _task_images(client: Any, registry: str, count: int, *, megabytes: int) -> list[str]:
+    """``count`` images in ``registry``, each on the agent images' base with ``megabytes`` of its own (random,
+    so that nothing is shared but the base), none left on the engine."""
+    import io
+
+    base = client.images.get(image()[0]).labels["pvisor-host.base-image"]
+    refs = []
+    for n in range(count):
+        dockerfile = (f"FROM {base}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
+                      f"&& head -c {megabytes * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
+        built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+        ref = f"{registry}/bench/task{n:02d}:v1"
+        repository, tag = ref.rsplit(":", 1)
+        built.tag(repository, tag)
+        for line in client.images.push(repository, tag, stream=True, decode=True):
+            if "error" in line:
+                raise SystemExit(f"push of {ref} failed: {line['error']}")
+        refs.append(ref)
+    _forget(client, refs)
+    return refs
+
+
+def _pull_size(client: Any, ref: str) -> int:
+    client.images.pull(ref)
+    size = int(client.images.get(ref).attrs["Size"])
+    client.images.remove(ref)
+    return size
+
+
+def _forget(client: Any, refs: list[str]) -> None:
+    import docker
+
+    for ref in refs:
+        try:
+            client.images.remove(ref)
+        except docker.errors.ImageNotFound:
+            continue
+
+
+def _dataset_batch(manifest: Path, out: Path, workers: int, *extra: str) -> dict[str, Any]:
+    command = [CLI, "batch", str(manifest), "--agent", "claude-code", "--inject", "--image-workspace",
+               "--workspace-path", "/app", "--mode", "replay-only", "--out", str(out), "--workers", str(workers),
+               "--quiet", "--json", *extra]  # fmt: skip
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the dataset batch failed ({done.returncode}): {done.stderr[-800:]}")
+    records = [json.loads(p.read_text()) for p in out.glob("*/record.json")]
+    finished = min(datetime.fromisoformat(r["finished_at"]).timestamp() for r in records)
+    replays = sorted(r["timings"]["total"] for r in records)
+    summary = json.loads(done.stdout)
+    images = summary.get("images") or {}
+    return {
+        "wall": wall,
+        "first": round(finished - started, 1),
+        "summary": summary,
+        "one_pull": (images.get("pull_seconds") or 0) / max(1, images.get("pulled") or 1),
+        "one_replay": replays[len(replays) // 2],
+    }
+
+
+def _loop_template(out: Path) -> dict[str, Any]:
+    """The sandbox a pvisor-host record describes: its command and the runtime volume the loop mounts too."""
+    record = json.loads(next(out.glob("*/record.json")).read_text())
+    return {"command": record["container"]["command"], "volume": record["image"]["runtime_volume"]}
+
+
+def _dataset_loop(out: Path, template: dict[str, Any], refs: list[str], per_image: int, workers: int) -> dict[str, Any]:
+    """``docker pull IMG && docker run ... && docker rmi IMG`` per item, ``xargs -P workers``; the same sandbox
+    as pvisor-host's (hardening, the injected runtime, the image's /app copied out as the workspace)."""
+    out.mkdir()
+    hardening = " ".join(f"'{flag}'" for flag in HARDENING if flag != "/workspace" and flag != "-w")
+    command = " ".join(f"'{part}'" for part in template["command"])
+    staged = Path(template["command"][template["command"].index("--trajectory") + 1]).name
+    script = out / "item.sh"
+    script.write_text(f"""#!/bin/sh
+# one item: $1 = the image, $2 = the item's directory
+img=$1; dir=$2; mkdir -p "$dir/input" "$dir/run"
+cp {out.parent / "task.jsonl"} "$dir/input/{staged}"; cp {ROOT / "controller" / "assets" / "entry.sh"} "$dir/input/"
+docker pull -q "$img" >/dev/null || exit 1
+cid=$(docker create "$img") && docker cp "$cid:/app" "$dir/workspace" && docker rm "$cid" >/dev/null
+chown -R 65532:65532 "$dir/run" "$dir/workspace" 2>/dev/null
+docker run --rm {hardening} -w /app -v "{template['volume']}:/pvisor-host/runtime:ro" \
+    -v "$dir/input:/pvisor-host/input:ro" -v "$dir/workspace:/app" -v "$dir/run:/pvisor-host/run" \
+    "$img" {command} > "$dir/stdout.log" 2> "$dir/stderr.log"
+code=$?
+docker rmi "$img" >/dev/null 2>&1  # another item of the image may still run: then it stays for the last one
+date +%s.%N > "$dir/done"
+exit $code
+""")  # fmt: skip
+    script.chmod(0o755)
+    jobs = "\n".join(f"{ref} {out}/{ref.rsplit('/', 1)[-1].replace(':', '-')}-{n}" for n in range(per_image)
+                     for ref in refs)  # fmt: skip
+    started = time.time()
+    done = subprocess.run(["xargs", "-P", str(workers), "-L", "1", str(script)], input=jobs, text=True,
+                          capture_output=True)  # fmt: skip
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"the shell loop failed: {done.stderr[-800:]}")
+    first = min(float(p.read_text()) for p in out.glob("*/done"))
+    return {"wall": wall, "first": round(first - started, 1)}
+
+
 def _memory(client: Any, name: str) -> tuple[float, float, float]:
     """A container's memory (MiB) from the engine's stats: its RSS now, its cgroup usage now, and the cgroup's
     peak (cgroup v1 keeps it; it counts the page cache too, so a ``docker load`` of the image shows there)."""
@@ -540,7 +728,7 @@ def _memory(client: Any, name: str) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup")
+    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset")
     parser.add_argument("--results", default=str(ROOT / "bench-results.json"))
     args = parser.parse_args()
     sections = args.only.split(",")
@@ -562,6 +750,9 @@ def main() -> int:
             results["scale"] = scale(work / "scale")
         if "plan" in sections:
             results["plan"] = plan(work / "plan")
+        if "dataset" in sections:
+            (work / "dataset").mkdir()
+            results["dataset"] = dataset(work / "dataset")
         if "cluster" in sections:
             (work / "cluster").mkdir()
             results["cluster"] = cluster(work / "cluster")

@@ -12,16 +12,20 @@ What is public is what ``__all__`` names; it follows semantic versioning from 1.
 release may change it, and says so). Everything else — the modules under ``pvisor_host.*`` — is internal.
 The library never configures logging sinks: it logs through loguru under the ``pvisor_host`` name, which
 stays disabled until the CLI (or the embedding application, ``logger.enable("pvisor_host")``) enables it.
-Names are imported on first use, so ``import pvisor_host`` stays cheap (loguru, and nothing else heavy).
+Names are imported on first use, so ``import pvisor_host`` stays cheap (nothing heavy: not even loguru, which
+comes with the first module that logs).
 """
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from . import _log  # noqa: F401  (turns our records off before anything can turn them on)
 from ._version import PVISOR_VERSION, __version__
+
+if "loguru" in sys.modules:  # an application that uses loguru: our records go off now, before it can turn them on
+    from . import _log  # noqa: F401
 
 if TYPE_CHECKING:
     from .api import Batch, abatch, batch, build, gc, replay

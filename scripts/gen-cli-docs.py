@@ -65,6 +65,7 @@ def commands(group: TyperGroup, prefix: str = "") -> list[str]:
         command = group.get_command(None, name)  # type: ignore[arg-type]
         if command is None or command.hidden:
             continue
+        command = command.resolved() if hasattr(command, "resolved") else command  # made when used (cli/app.py)
         full = f"{prefix}{name}"
         lines += command_section(full, command)
         if isinstance(command, TyperGroup):

@@ -285,9 +285,12 @@ def pi_session(task: str, turns: list[Turn], *, model: str = "stub-model") -> li
     return events
 
 
-def mini_trajectory(task: str, turns: list[Turn], *, cwd: str = "/workspace") -> dict[str, Any]:
+def mini_trajectory(
+    task: str, turns: list[Turn], *, cwd: str = "/workspace", model_name: str | None = "openai/stub-model"
+) -> dict[str, Any]:
     """A mini-swe-agent 2.4.6 trajectory (``trajectory_format`` mini-swe-agent-1.1) recorded with the
-    text-based litellm model: one bash action per assistant message, each followed by its observation."""
+    text-based litellm model: one bash action per assistant message, each followed by its observation.
+    ``model_name=None``: a config that names no model (mini then falls back to its user config)."""
     observation = "<returncode>{{output.returncode}}</returncode>\n<output>\n{{ output.output -}}\n</output>"
     config = {
         "agent": {
@@ -311,6 +314,8 @@ def mini_trajectory(task: str, turns: list[Turn], *, cwd: str = "/workspace") ->
         "environment": {"cwd": cwd, "env": {}, "timeout": 30},
         "environment_type": "minisweagent.environments.local.LocalEnvironment",
     }
+    if model_name is None:
+        del config["model"]["model_name"]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": config["agent"]["system_template"]},
         {"role": "user", "content": f"Please solve this issue: {task}"},

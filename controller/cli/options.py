@@ -15,7 +15,6 @@ own default applies; the help only shows it.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 import types
@@ -23,17 +22,14 @@ import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
-from pydantic import BeforeValidator
-from pydantic.fields import FieldInfo
 
-from ..models.image import BuildOptions
-from ..models.spec import MODEL_OPTIONS, NO_MODEL_BODIES_HELP, ModelUpstream, ReplaySpec, duration_value, size_value
 from ..units import short_duration, short_size
 
-F = TypeVar("F", bound=Callable[..., Any])
+if TYPE_CHECKING:  # the models are imported when a command is built, not when the commands are listed
+    from pydantic.fields import FieldInfo
 
 #: Fields a batch item sets for itself (or the batch names for it): not batch-wide defaults.
 PER_ITEM = frozenset({"trajectory", "after_step", "out", "run_id", "session_id"})
@@ -76,6 +72,8 @@ def replay_options(*, batch: bool = False) -> list[ModelOption]:
     """The options of ``replay`` (``batch=False``) or the item defaults of ``batch``, in the models' order:
     the required fields first, the ``--model-*`` options where the spec has ``upstream``, the build options
     last."""
+    from ..models.spec import ReplaySpec
+
     found: list[ModelOption] = []
     for name, field in ReplaySpec.model_fields.items():
         if batch and name in PER_ITEM:
@@ -90,11 +88,17 @@ def replay_options(*, batch: bool = False) -> list[ModelOption]:
 
 def build_options(names: Iterable[str], rename: dict[str, str] | None = None) -> list[ModelOption]:
     """Options from :class:`BuildOptions` fields (``rename`` gives a field another option name)."""
+    from ..models.image import BuildOptions
+
     rename = rename or {}
     return [ModelOption(rename.get(name, name), BuildOptions.model_fields[name]) for name in names]
 
 
 def _upstream_options() -> Iterator[ModelOption]:
+    from pydantic.fields import FieldInfo
+
+    from ..models.spec import MODEL_OPTIONS, NO_MODEL_BODIES_HELP, ModelUpstream
+
     for option, field_name in MODEL_OPTIONS.items():
         yield ModelOption(option, ModelUpstream.model_fields[field_name], grouped=True)
         if option == "model_body_limit":
@@ -107,36 +111,72 @@ def _single_flag(name: str, field: FieldInfo) -> str | None:
     return "--" + name.replace("_", "-") if field.annotation is bool and name.startswith("no_") else None
 
 
-def with_options(options: list[ModelOption], *, show_defaults: bool = True, first: bool = False) -> Callable[[F], F]:
-    """Add ``options`` to a command, after its own parameters (before them with ``first``). The command takes
-    them as ``**options``: only those given on the command line, by name (the model's defaults apply to the
-    others). ``show_defaults=False`` leaves the defaults out of the help (``batch``: they are the items')."""
+def with_options(
+    options: Callable[[], list[ModelOption]], *, show_defaults: bool = True, first: bool = False
+) -> Callable[[Callable[..., Any]], WithOptions]:
+    """Add the ``options`` (a function giving them, called when the command is built) to a command, after its own
+    parameters (before them with ``first``). The command takes them as ``**options``: only those given on the
+    command line, by name (the model's defaults apply to the others). ``show_defaults=False`` leaves the
+    defaults out of the help (``batch``: they are the items')."""
 
-    def add(command: F) -> F:
-        own = inspect.signature(command, eval_str=True)
-        kept = [  # keyword-only like the added ones, so that any order is a valid signature
-            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-            for p in own.parameters.values()
-            if p.kind is not inspect.Parameter.VAR_KEYWORD
-        ]
-        names = {p.name for p in kept}
-        added = [option.parameter(with_default=show_defaults) for option in options]
-        clash = names & {p.name for p in added}
-        if clash:
-            raise TypeError(f"{command.__name__}: its own parameters {sorted(clash)} are also model options")
-
-        @functools.wraps(command)
-        def run(**given: Any) -> Any:
-            own_values = {name: given.pop(name) for name in names if name in given}
-            chosen = {name: value for name, value in given.items() if value is not None and value != []}
-            return command(**own_values, **chosen)
-
-        parameters = [*added, *kept] if first else [*kept, *added]
-        run.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": own.return_annotation}
-        return run  # type: ignore[return-value]
+    def add(command: Callable[..., Any]) -> WithOptions:
+        return WithOptions(command, options, show_defaults=show_defaults, first=first)
 
     return add
+
+
+class WithOptions:
+    """A command with model options added (see :func:`with_options`). Its signature is made the first time typer
+    asks for it, so that listing the commands (``pvisor-host --help``) imports no model."""
+
+    def __init__(
+        self,
+        command: Callable[..., Any],
+        options: Callable[[], list[ModelOption]],
+        *,
+        show_defaults: bool,
+        first: bool,
+    ) -> None:
+        self._command = command
+        self._options = options
+        self._show_defaults = show_defaults
+        self._first = first
+        self._made: inspect.Signature | None = None
+        self._own: set[str] = set()
+        self.__name__ = command.__name__
+        self.__qualname__ = command.__qualname__
+        self.__module__ = command.__module__
+        self.__doc__ = command.__doc__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        if self._made is None:
+            own = inspect.signature(self._command, eval_str=True)
+            kept = [  # keyword-only like the added ones, so that any order is a valid signature
+                p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                for p in own.parameters.values()
+                if p.kind is not inspect.Parameter.VAR_KEYWORD
+            ]
+            self._own = {p.name for p in kept}
+            added = [option.parameter(with_default=self._show_defaults) for option in self._options()]
+            clash = self._own & {p.name for p in added}
+            if clash:
+                raise TypeError(f"{self.__name__}: its own parameters {sorted(clash)} are also model options")
+            parameters = [*added, *kept] if self._first else [*kept, *added]
+            self._made = own.replace(parameters=parameters)
+        return self._made
+
+    @property
+    def __annotations__(self) -> dict[str, Any]:  # type: ignore[override]
+        signature = self.__signature__
+        found = {p.name: p.annotation for p in signature.parameters.values()}
+        return found | {"return": signature.return_annotation}
+
+    def __call__(self, **given: Any) -> Any:
+        self.__signature__  # noqa: B018 - which parameters are the command's own
+        own_values = {name: given.pop(name) for name in self._own if name in given}
+        chosen = {name: value for name, value in given.items() if value is not None and value != []}
+        return self._command(**own_values, **chosen)
 
 
 # -- what a field says about its option -------------------------------------------------------------------------
@@ -151,6 +191,10 @@ def _help(field: FieldInfo) -> str:
 
 
 def _unit(field: FieldInfo) -> Literal["size", "duration"] | None:
+    from pydantic import BeforeValidator
+
+    from ..models.spec import duration_value, size_value
+
     for meta in field.metadata:
         if isinstance(meta, BeforeValidator):
             if meta.func is size_value:
@@ -195,11 +239,15 @@ def _cli_default(field: FieldInfo) -> str | int | float | None:
 
 def spec_fields(options: dict[str, Any]) -> dict[str, Any]:
     """The part of a command's model options that :class:`ReplaySpec` validates (not the build options)."""
+    from ..models.image import BuildOptions
+
     return {name: value for name, value in options.items() if name not in BuildOptions.model_fields}
 
 
 def build_fields(options: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, Any]:
     """The part of a command's model options that :class:`BuildOptions` validates, by field name."""
+    from ..models.image import BuildOptions
+
     back = {option: field for field, option in (rename or {}).items()}
     fields = {back.get(name, name): value for name, value in options.items()}
     return {name: value for name, value in fields.items() if name in BuildOptions.model_fields}

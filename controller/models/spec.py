@@ -81,7 +81,7 @@ class ModelUpstream(BaseModel):
     """The real model a live continuation talks to, and how the sandbox reaches it. The key stays on the host:
     a host-side gateway forwards the sandbox's requests with it (except with ``network="pass-through"``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, defer_build=True)
 
     base_url: str
     """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1``; a host-side gateway forwards
@@ -123,7 +123,7 @@ class ReplaySpec(BaseModel):
     """One replay request. Every field is the ``pvisor-host replay`` option of the same name, but ``upstream``,
     which the ``--model-*`` options (or manifest keys) fill in."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, defer_build=True)
 
     trajectory: Path
     """The agent's native trajectory on the host (read-only in the sandbox)."""

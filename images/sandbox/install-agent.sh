@@ -2,9 +2,8 @@
 # Install one agent runtime at its exact pinned version:
 #   install-agent.sh npm PACKAGE VERSION [PREFIX]   (default prefix: the global /usr/local)
 #   install-agent.sh pip PACKAGE VERSION VENV
-#   install-agent.sh none                           (the prepare-only image: pvisor, no agent)
 set -eu
-kind=$1 package=${2:-} version=${3:-} target=${4:-}
+kind=$1 package=$2 version=$3 target=${4:-}
 case "$kind" in
 npm)
     if [ -n "$target" ]; then
@@ -14,8 +13,6 @@ npm)
         npm install --global --no-fund --no-audit --no-update-notifier "$package@$version"
     fi
     rm -rf /root/.npm /tmp/*
-    ;;
-none)
     ;;
 pip)
     # --copies: pvisor canonicalises the entrypoint, and a symlinked venv python resolves to the system one.

@@ -12,6 +12,7 @@ import typer.main
 from pydantic import TypeAdapter
 
 from pvisor_host.cli.app import app
+from pvisor_host.cli.app import command as cli_command
 from pvisor_host.models.image import BuildOptions
 from pvisor_host.models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec
 
@@ -28,7 +29,7 @@ PER_ITEM = {"trajectory", "after_step", "out", "run_id", "session_id"}
 
 
 def params(command: str) -> dict[str, Any]:
-    return {p.name: p for p in COMMAND.commands[command].params if p.name != "help"}  # type: ignore[attr-defined]
+    return {p.name: p for p in cli_command(command).params if p.name != "help"}
 
 
 def field_of(name: str) -> Any:

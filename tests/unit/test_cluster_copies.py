@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakeray import FakeCluster, FakeRay, Step
 
 from pvisor_host.backend.cluster import copies
 from pvisor_host.backend.cluster.copies import MAX_NODE_LOSSES, AttemptRun
@@ -23,6 +22,7 @@ from pvisor_host.preflight.checks import check_inputs
 from pvisor_host.preflight.prepare import prepare
 
 from fakebackend import FakeBackend, trajectories
+from fakeray import FakeCluster, FakeRay, Step
 
 GRACE = 0.6
 

@@ -15,7 +15,7 @@ from ..shared import JsonFlag, open_engine, out
 _BUILD_RENAMED = {"force_bootstrap": "bootstrap"}
 
 
-@with_options(build_options(("base", "ca_bundle", "force_bootstrap"), rename=_BUILD_RENAMED), first=False)
+@with_options(lambda: build_options(("base", "ca_bundle", "force_bootstrap"), rename=_BUILD_RENAMED))
 def build(
     agent: Annotated[str, typer.Option(help="Agent to build the sandbox image for (see `pvisor-host agents`).")],
     push: Annotated[
@@ -102,5 +102,5 @@ def images_prune(
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(build)
+    """``images`` (``build`` is made when used: :mod:`pvisor_host.cli.app`)."""
     app.add_typer(images_app, name="images")

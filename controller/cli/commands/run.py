@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ...fanout.scheduler import BatchOptions
 
 
-@with_options(replay_options(), first=True)
+@with_options(replay_options, first=True)
 def replay(
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json on stdout.")] = False,
     **options: Any,
@@ -48,7 +48,7 @@ def replay(
     return exit_code_for_status(record.status)
 
 
-@with_options(replay_options(batch=True), show_defaults=False)
+@with_options(lambda: replay_options(batch=True), show_defaults=False)
 def batch(
     manifest_file: Annotated[
         Path | None,
@@ -270,8 +270,3 @@ def _run(
         first = next(r for r in outcome.results if r.status == "infra_error")
         say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
     return code
-
-
-def register(app: typer.Typer) -> None:
-    app.command()(replay)
-    app.command()(batch)

@@ -39,6 +39,8 @@ RELAY_PATH = "/usr/local/lib/pvisor-host/relay"
 _RECIPE_DIR = "sandbox"
 _RECIPE_FILES = ("Dockerfile", "with-ca.sh", "ensure-os.sh", "fetch-npm.py", "install-agent.sh", "relay.c")
 _BUILD_TIMEOUT = 3600
+#: The agent step of the prepare-only image: pvisor is all ``--prepare-only`` needs.
+_NO_AGENT = b"#!/bin/sh\n# pvisor-host: the prepare-only image carries no agent runtime.\nexit 0\n"
 
 
 class _Pin(BaseModel):
@@ -122,7 +124,8 @@ def render(profile: AgentProfile | None, base: BaseImage, ca_bundle: Path | None
     root = resources.files("pvisor_host.images").joinpath(_RECIPE_DIR)
     files = {name: root.joinpath(name).read_bytes() for name in _RECIPE_FILES}
     files["build-ca.pem"] = _read_ca(ca_bundle) if ca_bundle else b""
-    if profile is None:
+    if profile is None:  # the same recipe with an agent step that installs nothing (agent images keep their hash)
+        files["install-agent.sh"] = _NO_AGENT
         files["agent-fragment.sh"] = b""
         args = {"BASE_IMAGE": base.id, "PVISOR_VERSION": PVISOR_VERSION, "AGENT_INSTALL": "none",
                 "AGENT_PACKAGE": "", "AGENT_VERSION": ""}  # fmt: skip
