@@ -25,6 +25,7 @@ from pvisor_host.models.image import (
     ImagePreview,
     ImageRef,
     ImageRequest,
+    InjectPlan,
     PulledImage,
     ResolvedImage,
 )
@@ -109,12 +110,18 @@ class FakeBackend:
         if self.registry is not None and request.image is not None and request.image not in self.present:
             raise AssertionError(f"{request.image} was planned before it was pulled")
         assert request.profile is not None
+        if request.image is not None and request.inject:
+            return InjectPlan(profile=request.profile, ref=request.image, id=f"sha256:{request.image}")
         return BuildPlan(profile=request.profile)
 
     def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
         with self._lock:
             self.images_made += 1
-        return ResolvedImage(profile=plan.profile, image=image_ref(plan.profile.agent))
+        agent = image_ref(plan.profile.agent)
+        if isinstance(plan, InjectPlan):  # the task image, its runtime from the agent image
+            injected = agent.model_copy(update={"ref": plan.ref, "id": plan.id, "agent_image": agent.ref})
+            return ResolvedImage(profile=plan.profile, image=injected)
+        return ResolvedImage(profile=plan.profile, image=agent)
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image_ref(plan.profile.agent), exists=True)

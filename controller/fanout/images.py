@@ -5,7 +5,9 @@ costs the disk of all of them and hours before the first result; pulling and rem
 :class:`ImageWindow` does the middle (the manifest already runs the items of one image together):
 
 * it pulls ahead of the items, in their order, on a small pool of its own (``--pull-workers``), while
-  sandboxes keep running: at most ``2 × pull workers`` images ahead, and never past the byte budget;
+  sandboxes keep running: once an item asks for an image, the next ``2 × pull workers`` images too, and never
+  past the byte budget (an item that finished in an earlier run asks for nothing, so a rerun pulls nothing
+  for it);
 * an item waits only for its own image: the first result comes after one pull;
 * before a pull that would go over the budget (``--image-budget``), it removes images this batch pulled
   whose items have all ended, least recently used first; never an image the batch did not pull, one a
@@ -60,6 +62,10 @@ class _Image:
     removed: bool = False
     stuck: bool = False
     """The engine would not remove it (something else uses it): it stays, and counts."""
+    identity: str | None = None
+    """Its id as known before a pull ("" once asked and unknown)."""
+    wanted: bool = False
+    """An item asked for it (one that finished in an earlier run and need not run again does not)."""
 
     @property
     def ours(self) -> bool:
@@ -143,6 +149,9 @@ class ImageWindow:
             Interrupted: the batch, or ``cancel``, was stopped meanwhile.
         """
         image = self._images[ref]
+        with self._lock:
+            image.wanted = True
+            self._lock.notify_all()
         while not image.done.wait(0.2):
             if self._cancel.is_set() or (cancel is not None and cancel.is_set()):
                 raise Interrupted("interrupted while its image was being pulled")
@@ -164,6 +173,19 @@ class ImageWindow:
             image.items_left -= 1
             image.last_used = time.monotonic()
             self._lock.notify_all()
+
+    def identity(self, ref: str) -> str | None:
+        """The image's id without pulling it: the engine's, or its registry's (its configuration's digest);
+        None when neither can say."""
+        image = self._images[ref]
+        if image.pulled is not None:
+            return image.pulled.id
+        if image.identity is None:  # asked once (two items asking at once may both ask: no harm)
+            try:
+                image.identity = self._backend.image_cost(ref).id or ""
+            except PvisorHostError:
+                image.identity = ""
+        return image.identity or None
 
     def skip(self, ref: str) -> None:
         """An item of the image ended without asking for it (finished in an earlier run, refused first)."""
@@ -216,14 +238,18 @@ class ImageWindow:
             self._pool.submit(self._pull, image)
 
     def _room_for(self, image: _Image) -> bool:
-        """Whether ``image`` may start now (under the lock): the window, the pool and the budget allow it;
-        images the batch is done with are removed to make the budget's room."""
+        """Whether ``image`` may start now (under the lock): items have come near it (an item asked for it, or
+        for one of the images just before it), and the window, the pool and the budget allow it; images the
+        batch is done with are removed to make the budget's room."""
+        if image.items_left <= 0 and image.in_use == 0:
+            return True  # every item of it ended first (finished earlier): it will be skipped, not pulled
+        position = self._order.index(image)
+        if not any(i.wanted for i in self._order[max(0, position - self._ahead + 1) : position + 1]):
+            return False  # its items are not near yet (or all of them finished earlier and will not ask)
         ahead = [i for i in self._order if i.started and not i.removed and i.error is None and i.items_left > 0]
         pulling = [i for i in self._order if i.started and not i.done.is_set()]
         if len(ahead) >= self._ahead or len(pulling) >= self._workers:
             return False
-        if image.items_left <= 0 and image.in_use == 0:
-            return True  # every item of it ended first (finished earlier): it will be skipped, not pulled
         budget = self.stats.budget
         if budget is None:
             return True

@@ -33,7 +33,7 @@ from ..files.space import disk_full, full_disk_raises, is_full, tree_bytes
 from ..models.batch import BatchSummary, ItemResult
 from ..models.image import BuildOptions, ImageRequest, PullProgress, ResolvedImage
 from ..models.profiles import get_profile
-from ..models.record import DISK_FULL, BatchInfo
+from ..models.record import DISK_FULL, BatchInfo, load_record
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import check_inputs
 from ..preflight.prepare import prepare, prepare_image
@@ -136,8 +136,21 @@ class _Batch:
         if spec.image is None or self.window is None or spec.image not in self.window:
             self.image(spec)
         elif spec.inject and spec.agent is not None:
-            request = ImageRequest(profile=get_profile(spec.agent))
-            self._images.get(("agent", spec.agent), lambda: prepare_image(self.backend, request, self.options.build))
+            self._agent_image(spec.agent)
+
+    def _agent_image(self, agent: str) -> ResolvedImage:
+        request = ImageRequest(profile=get_profile(agent))
+        return self._images.get(("agent", agent), lambda: prepare_image(self.backend, request, self.options.build))
+
+    def agent_tag(self, spec: ReplaySpec) -> str | None:
+        """The agent image an injected runtime comes from (made ready before the first item), else None."""
+        if not spec.inject or spec.agent is None:
+            return None
+        try:
+            made = self._agent_image(spec.agent)
+        except PvisorHostError:
+            return None
+        return made.built.tag if made.built is not None else made.image.ref
 
     def skip_image(self, spec: ReplaySpec) -> None:
         """An item ends without running: its task image is one item less in demand."""
@@ -399,11 +412,6 @@ def _exclusive(out: Path) -> Iterator[None]:
 Pending = dict[futures.Future[ItemResult], BatchItem]
 
 
-def _late(batch: _Batch) -> bool:
-    remaining = batch.remaining()
-    return remaining is not None and remaining <= 0
-
-
 def _not_started(item: BatchItem, message: str) -> ItemResult:
     return ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run", message=message)
 
@@ -428,9 +436,16 @@ def _run_item(item: BatchItem, batch: _Batch) -> ItemResult:
 
 
 def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
+    asked = threading.Event()  # whether it asked for its task image (else the window is told it never will)
+    try:
+        return _outcome(item, batch, asked)
+    finally:
+        if not asked.is_set():
+            batch.skip_image(item.spec)
+
+
+def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResult:
     base = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="rejected", path=item.id)
-    if batch.cancel.is_set() or batch.full is not None or _late(batch):
-        batch.skip_image(item.spec)  # it will not ask for its task image: the window may let it go
     if batch.cancel.is_set():
         return _interrupted(item, "not started")
     if batch.full is not None:
@@ -441,28 +456,33 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     spec = item.spec
     run_dir = batch.options.out / item.id
     try:
-        with full_disk_raises(run_dir), batch.task_image(spec):
+        with full_disk_raises(run_dir):
             trajectory = check_file(spec.trajectory)
-            image = batch.image(spec)
-            key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
-            earlier = finished_result(run_dir, key, batch.options.rerun_failed)
+            earlier = _finished_before_its_image(item, batch, trajectory.sha256)
             if earlier is not None:
                 return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
-            set_aside(batch.options.out, item.id)
-            if remaining is not None:
-                spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
-            checked = check_inputs(
-                spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
-            )
-            prepared = prepare(checked, batch.backend, image=image)
-            record = run_attempts(
-                prepared,
-                batch.backend,
-                gateway=batch.gateway(spec.continuation, prepared.user),
-                policy=RetryPolicy.for_spec(spec, infra=True, oom=batch.options.retry_oom),
-                cancel=batch.cancel,
-                batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
-            )
+            asked.set()
+            with batch.task_image(spec):
+                image = batch.image(spec)
+                key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
+                earlier = finished_result(run_dir, key, batch.options.rerun_failed)
+                if earlier is not None:
+                    return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
+                set_aside(batch.options.out, item.id)
+                if remaining is not None:
+                    spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
+                checked = check_inputs(
+                    spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
+                )
+                prepared = prepare(checked, batch.backend, image=image)
+                record = run_attempts(
+                    prepared,
+                    batch.backend,
+                    gateway=batch.gateway(spec.continuation, prepared.user),
+                    policy=RetryPolicy.for_spec(spec, infra=True, oom=batch.options.retry_oom),
+                    cancel=batch.cancel,
+                    batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
+                )
     except Interrupted as exc:
         return _interrupted(item, exc.one_line()).model_copy(update={"path": item.id})
     except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
@@ -477,3 +497,24 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
     if record.failure is not None and record.failure.disk_full:
         batch.full = batch.full or disk_full(run_dir)
     return item_result(record, item_id=item.id, line=item.line)
+
+
+def _finished_before_its_image(item: BatchItem, batch: _Batch, trajectory_sha256: str) -> ItemResult | None:
+    """An item of a task image that finished in an earlier run with the same content key, told without pulling
+    the image: its key needs only the image's id, which the engine or the registry's manifest gives, and the
+    agent image its runtime came from, which the batch made ready already. None: it is to run (or to tell,
+    once its image is here)."""
+    spec = item.spec
+    if batch.window is None or spec.image is None or spec.image not in batch.window:
+        return None
+    run_dir = batch.options.out / item.id
+    try:
+        earlier = load_record(run_dir / "record.json")
+    except (OSError, ValueError):
+        return None
+    identity = batch.window.identity(spec.image)
+    if identity is None:
+        return None
+    image = earlier.image.model_copy(update={"id": identity, "agent_image": batch.agent_tag(spec)})
+    key = content_key(spec, trajectory_sha256, image, batch.workspace_sha256(spec.workspace_dir))
+    return finished_result(run_dir, key, batch.options.rerun_failed)

@@ -151,3 +151,15 @@ def test_kept_images_stay(tmp_path):
     outcome = run(backend, tmp_path, refs, 1, keep_images=True)
     assert outcome.summary.counts == {"ok": 2} and backend.removals == []
     assert set(backend.present) == set(refs)
+
+
+def test_a_rerun_skips_finished_items_without_pulling_their_images(tmp_path):
+    images, refs = registry(3, seconds=0.05)
+    backend = FakeBackend(seconds=0.01, registry=images)
+    first = run(backend, tmp_path, refs, 2)
+    assert first.summary.counts == {"ok": 6} and len(backend.pulls) == 3 and backend.present == {}
+    again = run(backend, tmp_path, refs, 2)
+    assert again.summary.counts == {"ok": 6} and again.summary.skipped == 6
+    assert len(backend.pulls) == 3  # nothing pulled to tell that nothing needs to run
+    assert again.summary.images is not None and again.summary.images.pulled == 0
+
