@@ -31,3 +31,16 @@ def test_make_test_starts_the_engine_and_leaves_images_to_the_tests_that_need_th
 def test_make_images_builds_the_agents_asked_for():
     assert "for agent in claude-code codex;" in dry_run("images")
     assert "for agent in pi-agent;" in dry_run("images", "AGENTS=pi-agent")
+
+
+def test_the_wheel_lists_every_package_of_the_source():
+    """``pyproject.toml`` names the packages one by one (the source is ``controller/``, not ``pvisor_host/``):
+    a package left out installs from a clone (editable) and is missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        "pvisor_host" + "".join(f".{part}" for part in init.parent.relative_to(ROOT / "controller").parts)
+        for init in (ROOT / "controller").rglob("__init__.py")
+    }
+    assert found - listed == set()
