@@ -273,3 +273,13 @@ def agent_image(backend):
         return built[agent]
 
     return image
+
+
+@pytest.fixture(scope="module")
+def runtime_volumes_removed_afterwards(docker_client):
+    """Runtime volumes are a cache that outlives runs by design; a module that injects removes the ones it filled."""
+    existing = {v.name for v in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"})}
+    yield
+    for volume in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"}):
+        if volume.name not in existing:
+            volume.remove(force=True)

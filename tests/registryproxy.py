@@ -1,14 +1,17 @@
 """A registry that misbehaves on purpose: a proxy in front of a real registry (a test aid, never a registry).
 
 The engine pulls through it (``127.0.0.1:PORT``, which it trusts without TLS) and it passes everything on to
-the real registry, except what the test asks for, in order: answer manifest requests with a status (429 with
-a ``Retry-After``, 500), drop a connection in the middle of a blob, or send blobs slowly. Every request is
-recorded with the time it arrived and the status it got.
+the real registry, except what the test asks for: answer every manifest request with a status for a while
+(429 with a ``Retry-After`` naming what is left of the while, 500), drop a connection in the middle of a
+blob, or send blobs slowly. (The engine asks for a manifest twice, HEAD then GET, and gives up only when both
+fail: hence faults for a while, not for a number of requests.) Every request is recorded with the time it
+arrived, who sent it (its User-Agent) and the status it got.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
@@ -25,14 +28,17 @@ class Seen:
     method: str
     path: str
     status: int
+    agent: str
+    retry_after: str | None = None
 
 
 @dataclass
 class _Rule:
     kind: str  # "manifest" or "blob"
-    times: int
+    times: int = 0
+    until: float = 0.0
     status: int = 0
-    retry_after: float | None = None
+    retry_after: bool = False
     drop: bool = False
 
 
@@ -65,21 +71,28 @@ class RegistryProxy:
 
     # -- what it does to the next requests -----------------------------------------------------------------
 
-    def fail_manifests(self, status: int, times: int, *, retry_after: float | None = None) -> None:
+    def fail_manifests(self, status: int, seconds: float, *, retry_after: bool = False) -> None:
+        """Answer every manifest request with ``status`` for ``seconds`` from now (with ``retry_after``, a 429
+        says how many of them are left)."""
         with self._lock:
-            self._rules.append(_Rule("manifest", times, status=status, retry_after=retry_after))
+            self._rules.append(
+                _Rule("manifest", until=time.monotonic() + seconds, status=status, retry_after=retry_after)
+            )
 
     def drop_blobs(self, times: int = 1) -> None:
         with self._lock:
-            self._rules.append(_Rule("blob", times, drop=True))
+            self._rules.append(_Rule("blob", times=times, drop=True))
 
     def answered(self, status: int) -> list[Seen]:
         with self._lock:
             return [seen for seen in self.requests if seen.status == status]
 
     def _rule_for(self, kind: str) -> _Rule | None:
+        now = time.monotonic()
         with self._lock:
             for rule in self._rules:
+                if rule.kind == kind and now < rule.until:
+                    return rule
                 if rule.kind == kind and rule.times > 0:
                     rule.times -= 1
                     return rule
@@ -109,16 +122,18 @@ class RegistryProxy:
         await self._runner.cleanup()
         await self._session.close()
 
-    def _record(self, request: web.Request, status: int) -> None:
+    def _record(self, request: web.Request, status: int, retry_after: str | None = None) -> None:
+        agent = request.headers.get("User-Agent", "")
         with self._lock:
-            self.requests.append(Seen(time.monotonic(), request.method, request.path, status))
+            self.requests.append(Seen(time.monotonic(), request.method, request.path, status, agent, retry_after))
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         kind = "manifest" if "/manifests/" in request.path else "blob" if "/blobs/" in request.path else ""
         rule = self._rule_for(kind) if kind else None
         if rule is not None and rule.status:
-            self._record(request, rule.status)
-            headers = {"Retry-After": f"{rule.retry_after:g}"} if rule.retry_after is not None else {}
+            left = max(1, math.ceil(rule.until - time.monotonic()))
+            headers = {"Retry-After": str(left)} if rule.retry_after else {}
+            self._record(request, rule.status, headers.get("Retry-After"))
             if rule.status == 429:  # as registries say it (the engine reports "toomanyrequests: ...")
                 body = {"errors": [{"code": "TOOMANYREQUESTS", "message": "injected rate limit"}]}
                 return web.json_response(body, status=429, headers=headers)

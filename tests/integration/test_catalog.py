@@ -60,7 +60,7 @@ def _lists_what_pvisor_host_built(claude_image: str, codex_image: str, state: di
 def throwaway_images(docker_client, tmp_path):
     tags = []
     for name in ("old", "busy", "recent"):
-        tag = f"pvisor-host-test/prune-{name}:1"
+        tag = f"pvisor-host/prune-test-{name}:1"
         context = tmp_path / f"ctx-{name}"
         context.mkdir()
         (context / f"{name}.txt").write_text(name * 1000)
@@ -123,17 +123,26 @@ def test_prune_keep_bytes_removes_least_recently_used_first(tmp_path, docker_cli
     assert {"pvisor-host-test/prune-recent:1", claude_image} <= names
 
 
-def test_prune_never_touches_images_without_our_label(tmp_path, docker_client, base_image):
+@pytest.mark.parametrize(
+    "dockerfile",
+    ["FROM scratch\nCOPY Dockerfile /x\n",
+     # a user's task image built FROM one of ours: it inherits our labels, and is still not ours
+     "FROM scratch\nCOPY Dockerfile /x\nLABEL pvisor-host.managed=true pvisor-host.role=base\n"],
+    ids=["no-label", "inherited-label"],
+)  # fmt: skip
+def test_prune_never_touches_images_that_are_not_ours(tmp_path, docker_client, dockerfile):
     tag = "pvisor-host-test/not-ours:1"
     context = tmp_path / "ctx"
     context.mkdir()
-    (context / "Dockerfile").write_text("FROM scratch\nCOPY Dockerfile /x\n")
+    (context / "Dockerfile").write_text(dockerfile)
     docker_client.images.build(path=str(context), tag=tag, rm=True)
     try:
         env = _usage_file(tmp_path, docker_client, {})
         result = run_cli("images", "prune", "--keep-bytes", "1", "--dry-run", "--json", env=env)
         assert result.code == 0
         assert tag not in {e["name"] for e in json.loads(result.stdout)["removed"]}
+        listed = run_cli("images", "--json", env=env)
+        assert tag not in {e["name"] for e in json.loads(listed.stdout)}
     finally:
         docker_client.images.remove(tag, force=True)
 

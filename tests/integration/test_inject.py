@@ -12,19 +12,9 @@ import pytest
 from conftest import build_test_image, run_cli
 from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("runtime_volumes_removed_afterwards")]
 
 TEST_LABELS = "LABEL pvisor-host.managed=true pvisor-host.role=test-image"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def remove_runtime_volumes_afterwards(docker_client):
-    """Runtime volumes are a cache that outlives runs by design; the suite removes the ones it filled."""
-    existing = {v.name for v in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"})}
-    yield
-    for volume in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"}):
-        if volume.name not in existing:
-            volume.remove(force=True)
 
 
 @pytest.fixture(scope="module")

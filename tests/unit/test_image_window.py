@@ -162,4 +162,3 @@ def test_a_rerun_skips_finished_items_without_pulling_their_images(tmp_path):
     assert again.summary.counts == {"ok": 6} and again.summary.skipped == 6
     assert len(backend.pulls) == 3  # nothing pulled to tell that nothing needs to run
     assert again.summary.images is not None and again.summary.images.pulled == 0
-

@@ -40,9 +40,9 @@ def list_catalog(client: docker.DockerClient) -> list[CatalogEntry]:
     uses = usage.last_used()
     noted = {entry.id: entry for entry in pulled.pulled()}
     images = df.get("Images") or []
-    entries = [_image_entry(image, uses, used_images) for image in images if _ours(image)]
+    entries = [_image_entry(image, uses, used_images) for image in images if _ours(image) and image["Id"] not in noted]
     entries += [_pulled_entry(image, noted[str(image["Id"])], used_images) for image in images
-                if str(image["Id"]) in noted and not _ours(image)]  # fmt: skip
+                if str(image["Id"]) in noted]  # fmt: skip
     entries += [_volume_entry(volume, uses) for volume in df.get("Volumes") or [] if _ours(volume)]
     gone = set(noted) - {str(image["Id"]) for image in images}
     if gone:  # removed by someone else meanwhile: nothing left to account for
@@ -67,8 +67,13 @@ def _pulled_entry(image: dict[str, Any], noted: pulled.PulledRecord, used: set[s
 
 
 def _ours(resource: dict[str, Any]) -> bool:
+    """Made by pvisor-host: our label, and (for a tagged image) one of our tags. An image someone built FROM one
+    of ours inherits our labels; its own tags tell it apart, and it is never ours to list or prune."""
     labels = resource.get("Labels") or {}
-    return isinstance(labels, dict) and labels.get(L.MANAGED) == "true"
+    if not isinstance(labels, dict) or labels.get(L.MANAGED) != "true":
+        return False
+    tags = [t for t in (resource.get("RepoTags") or []) if t != "<none>:<none>"]
+    return not tags or any(tag.startswith("pvisor-host/") for tag in tags)
 
 
 def _image_entry(image: dict[str, Any], uses: dict[str, datetime], used: set[str | None]) -> CatalogEntry:
