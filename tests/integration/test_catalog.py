@@ -96,16 +96,16 @@ def test_prune_older_than_removes_only_unused_old_images(tmp_path, docker_client
     dry = run_cli("images", "prune", "--older-than", "2d", "--dry-run", "--json", env=env)
     assert dry.code == 0, dry.stderr
     planned = json.loads(dry.stdout)
-    assert [e["name"] for e in planned["removed"]] == ["pvisor-host-test/prune-old:1"]
-    assert docker_client.images.get("pvisor-host-test/prune-old:1")  # dry run removed nothing
+    assert [e["name"] for e in planned["removed"]] == ["pvisor-host/prune-test-old:1"]
+    assert docker_client.images.get("pvisor-host/prune-test-old:1")  # dry run removed nothing
     result = run_cli("images", "prune", "--older-than", "2d", "--json", env=env)
     assert result.code == 0, result.stderr
     done = json.loads(result.stdout)
-    assert [e["name"] for e in done["removed"]] == ["pvisor-host-test/prune-old:1"]
-    assert done["kept"] == {"pvisor-host-test/prune-busy:1": "in use by a container"}
+    assert [e["name"] for e in done["removed"]] == ["pvisor-host/prune-test-old:1"]
+    assert done["kept"] == {"pvisor-host/prune-test-busy:1": "in use by a container"}
     names = {t for i in docker_client.images.list() for t in i.tags}
-    assert "pvisor-host-test/prune-old:1" not in names
-    assert {"pvisor-host-test/prune-busy:1", "pvisor-host-test/prune-recent:1", claude_image} <= names
+    assert "pvisor-host/prune-test-old:1" not in names
+    assert {"pvisor-host/prune-test-busy:1", "pvisor-host/prune-test-recent:1", claude_image} <= names
 
 
 def test_prune_keep_bytes_removes_least_recently_used_first(tmp_path, docker_client, throwaway_images, claude_image):
@@ -118,9 +118,9 @@ def test_prune_keep_bytes_removes_least_recently_used_first(tmp_path, docker_cli
     keep = sum(e.size for e in entries) - old_size
     result = run_cli("images", "prune", "--keep-bytes", str(keep), "--json", env=env)
     assert result.code == 0, result.stderr
-    assert [e["name"] for e in json.loads(result.stdout)["removed"]] == ["pvisor-host-test/prune-old:1"]
+    assert [e["name"] for e in json.loads(result.stdout)["removed"]] == ["pvisor-host/prune-test-old:1"]
     names = {t for i in docker_client.images.list() for t in i.tags}
-    assert {"pvisor-host-test/prune-recent:1", claude_image} <= names
+    assert {"pvisor-host/prune-test-recent:1", claude_image} <= names
 
 
 @pytest.mark.parametrize(

@@ -139,7 +139,7 @@ def test_registry_faults_are_retried_and_a_rate_limit_is_waited_out(docker_clien
     result = batch(manifest(tmp_path / "data", refs, 1), tmp_path / "out", "--workers", "2", "--pull-workers", "1")
     assert result.code == 0, result.stderr
     assert json.loads(result.stdout)["counts"] == {"ok": 3}
-    asked = [seen for seen in proxy.answered(429) if "pvisor-host" in seen.agent]
+    asked = [seen for seen in proxy.answered(429) if "pvisor-host" in seen.agent and seen.method == "HEAD"]
     assert asked and asked[0].retry_after is not None  # the engine failed, we asked the registry how long to wait
     wait = float(asked[0].retry_after)
     later = [seen for seen in proxy.requests if seen.at > asked[0].at and "pvisor-host" not in seen.agent]
@@ -184,7 +184,8 @@ def test_kill_9_mid_pull_then_the_same_batch_resumes_and_gc_cleans_up(docker_cli
     proxy.slow_blobs = None
     listed = run_cli("images", "--json")
     assert listed.code == 0, listed.stderr
-    assert [e["name"] for e in json.loads(listed.stdout) if e["role"] == "pulled"] == [small]
+    ours = [e for e in json.loads(listed.stdout) if e["role"] == "pulled" and e["name"].startswith(proxy.name)]
+    assert [e["name"] for e in ours] == [small]
     swept = run_cli("gc", "--json")
     assert swept.code == 0, swept.stderr
     assert {(r["kind"], r["name"]) for r in json.loads(swept.stdout)["orphans"]} >= {("image", small)}
@@ -220,10 +221,11 @@ def test_build_push_then_replay_by_digest_on_an_engine_without_the_image(docker_
     repository, tag = codex_image.rsplit(":", 1)
     assert pushed.startswith(f"{registry.name}/{repository}@sha256:")
     image_id = docker_client.images.get(codex_image).id
-    docker_client.images.remove(codex_image)  # the tag, and with it the image: the engine has it no more
-    with pytest.raises(docker.errors.ImageNotFound):
-        docker_client.images.get(image_id)
     try:
+        docker_client.images.remove(codex_image)  # its tag and the digest the push gave it: the image goes
+        docker_client.images.remove(pushed)
+        with pytest.raises(docker.errors.ImageNotFound):
+            docker_client.images.get(image_id)
         trajectory = DATA / "trajectories" / "codex-contract-shape.jsonl"
         done = run_cli("replay", "--image", pushed, "--trajectory", trajectory, "--after-step", "1",
                        "--mode", "replay-only", "--out", tmp_path / "run", "--json")  # fmt: skip
@@ -235,6 +237,7 @@ def test_build_push_then_replay_by_digest_on_an_engine_without_the_image(docker_
         if not any(t == codex_image for i in docker_client.images.list() for t in i.tags):
             docker_client.images.pull(pushed)
             docker_client.images.get(image_id).tag(repository, tag)
+            docker_client.images.remove(pushed)  # as it was: a tag, no registry name
 
 
 def test_prepare_only_needs_no_agent_runtime(tmp_path, docker_client, base_image):

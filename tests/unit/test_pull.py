@@ -18,7 +18,7 @@ REF = "127.0.0.1:5000/task/t1:v1"
 @pytest.mark.parametrize(
     ("text", "status", "kind"),
     [
-        ("manifest for 127.0.0.1:5000/task/t1:v1 not found: manifest unknown: manifest unknown", 404, "image_not_found"),
+        (f"manifest for {REF} not found: manifest unknown: manifest unknown", 404, "image_not_found"),
         ("pull access denied for x, repository does not exist or may require 'docker login'", 404, "image_not_found"),
         ("unauthorized: authentication required", 500, "registry_unauthorized"),
         ("toomanyrequests: injected rate limit", 500, "passing"),
