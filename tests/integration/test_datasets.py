@@ -222,8 +222,7 @@ def test_build_push_then_replay_by_digest_on_an_engine_without_the_image(docker_
     assert pushed.startswith(f"{registry.name}/{repository}@sha256:")
     image_id = docker_client.images.get(codex_image).id
     try:
-        docker_client.images.remove(codex_image)  # its tag and the digest the push gave it: the image goes
-        docker_client.images.remove(pushed)
+        docker_client.images.remove(codex_image)  # the tag, and with it the image (the push left no name behind)
         with pytest.raises(docker.errors.ImageNotFound):
             docker_client.images.get(image_id)
         trajectory = DATA / "trajectories" / "codex-contract-shape.jsonl"
@@ -237,7 +236,7 @@ def test_build_push_then_replay_by_digest_on_an_engine_without_the_image(docker_
         if not any(t == codex_image for i in docker_client.images.list() for t in i.tags):
             docker_client.images.pull(pushed)
             docker_client.images.get(image_id).tag(repository, tag)
-            docker_client.images.remove(pushed)  # as it was: a tag, no registry name
+            docker_client.images.remove(pushed)  # as it was: the tag, no registry name
 
 
 def test_prepare_only_needs_no_agent_runtime(tmp_path, docker_client, base_image):
