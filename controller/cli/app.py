@@ -22,16 +22,10 @@ from typer.core import TyperCommand, TyperGroup
 
 from .._version import PVISOR_VERSION, __version__
 from .commands import cluster, host, images, results, run
-from .shared import out, say
+from .shared import SETTINGS, say
 
 __all__ = ["app", "command", "say"]
 
-#: Settings of every command and group: ``-h`` as ``--help``, and exceptions left to :mod:`.main`.
-_SETTINGS: dict[str, Any] = {
-    "add_completion": False,
-    "pretty_exceptions_enable": False,
-    "context_settings": {"help_option_names": ["-h", "--help"]},
-}
 #: The commands built when used, in the order ``--help`` lists all commands.
 _LAZY: dict[str, Callable[..., Any]] = {"build": images.build, "replay": run.replay, "batch": run.batch}
 _ORDER = ("build", "agents", "doctor", "gc", "replay", "batch", "compare", "report", "images", "node", "cluster")
@@ -49,7 +43,7 @@ class _LazyCommand(TyperCommand):
     def resolved(self) -> Any:
         """The command itself, made by typer from its function."""
         if self._made is None:
-            single = typer.Typer(**_SETTINGS)
+            single = typer.Typer(**SETTINGS)
             single.command(name=self.name)(self._function)
             self._made = typer.main.get_command(single)
         return self._made
@@ -83,13 +77,13 @@ app = typer.Typer(
     help="Replay recorded AI-agent trajectories with pvisor inside hardened Docker containers.",
     no_args_is_help=True,
     cls=_Commands,
-    **_SETTINGS,
+    **SETTINGS,
 )
 
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"pvisor-host {__version__} (pvisor {PVISOR_VERSION})")
+        typer.echo(f"pvisor-host {__version__} (pvisor {PVISOR_VERSION})")
         raise typer.Exit
 
 

@@ -4,6 +4,7 @@ way down, and ``batch`` offers the same ones as item defaults."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -124,3 +125,22 @@ def test_no_model_bodies_is_a_body_limit_of_zero(tmp_path, monkeypatch):
         COMMAND.main(["replay", "--trajectory", str(Path("t")), "--after-step", "1", "--agent", "codex", *model,
                       "--no-model-bodies"], standalone_mode=False)  # fmt: skip
     assert seen[0].upstream is not None and seen[0].upstream.body_limit == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "allowed"),
+    [(["--help"], set()), (["--version"], set()),
+     # typer reads a command's parameters with pydantic; the global options set up the logger
+     (["images", "--help"], {"pydantic", "pydantic_core", "loguru"})],
+)  # fmt: skip
+def test_help_loads_no_engine_client_no_model_and_no_rich(argv, allowed):
+    """Start-up is most of what ``--help`` costs: it must not import what only a command's work needs."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom pvisor_host.entry import main\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+             "heavy = ('docker', 'pydantic', 'rich', 'loguru', 'ray', 'pvisor_host.models', 'pvisor_host.backend')\n"
+             "print(sorted({m.split('.')[0] if m.split('.')[0] != 'pvisor_host' else m for m in sys.modules\n"
+             "              if m.startswith(heavy)}), file=sys.stderr)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+    assert set(json.loads(done.stderr.strip().splitlines()[-1].replace("'", '"'))) == allowed

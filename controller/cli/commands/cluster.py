@@ -8,12 +8,12 @@ from typing import Annotated
 import typer
 
 from ...errors import ExitCode
-from ..shared import JsonFlag, out
+from ..shared import SETTINGS, JsonFlag, console
 
 Address = Annotated[str, typer.Option(metavar="HEAD:PORT", help="The Ray head's address (its GCS port).")]
 
-node_app = typer.Typer(help="Make this Docker host a worker node of a Ray cluster.", no_args_is_help=True)
-cluster_app = typer.Typer(help="Look at a Ray cluster of Docker hosts.", no_args_is_help=True)
+node_app = typer.Typer(help="Make this Docker host a worker node of a Ray cluster.", no_args_is_help=True, **SETTINGS)
+cluster_app = typer.Typer(help="Look at a Ray cluster of Docker hosts.", no_args_is_help=True, **SETTINGS)
 
 
 @node_app.command("join")
@@ -45,7 +45,7 @@ def cluster_status(address: Address, json_output: JsonFlag = False) -> int:
     if json_output:
         typer.echo(json.dumps([{**n.model_dump(), "free": n.free} for n in nodes], indent=2))
     else:
-        render.cluster_status(out, nodes)
+        render.cluster_status(console(), nodes)
     return ExitCode.OK
 
 

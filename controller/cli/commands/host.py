@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ...errors import ExitCode
-from ..shared import JsonFlag, open_engine, out
+from ..shared import JsonFlag, console, open_engine
 
 
 def agents(json_output: JsonFlag = False) -> int:
@@ -28,7 +28,7 @@ def agents(json_output: JsonFlag = False) -> int:
     if json_output:
         typer.echo(json.dumps([s.model_dump() for s in statuses], indent=2))
     else:
-        render.agents_table(out, statuses, engine=engine)
+        render.agents_table(console(), statuses, engine=engine)
     return ExitCode.OK
 
 
@@ -42,7 +42,7 @@ def doctor(json_output: JsonFlag = False) -> int:
     if json_output:
         typer.echo(json.dumps({"ok": report.ok, **report.model_dump()}, indent=2))
     else:
-        render.doctor_report(out, report)
+        render.doctor_report(console(), report)
     return ExitCode.OK if report.ok else ExitCode.PREREQUISITE
 
 
@@ -61,7 +61,7 @@ def gc(
     if json_output:
         typer.echo(report.model_dump_json(indent=2))
     else:
-        render.gc_report(out, report, dry_run=dry_run)
+        render.gc_report(console(), report, dry_run=dry_run)
     return ExitCode.OK if not report.failed else ExitCode.INFRASTRUCTURE
 
 

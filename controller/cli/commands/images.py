@@ -9,7 +9,7 @@ import typer
 
 from ...errors import ExitCode
 from ..options import build_fields, build_options, with_options
-from ..shared import JsonFlag, open_engine, out
+from ..shared import SETTINGS, JsonFlag, console, open_engine
 
 #: ``build --bootstrap`` is the field ``BuildOptions.force_bootstrap``.
 _BUILD_RENAMED = {"force_bootstrap": "bootstrap"}
@@ -45,11 +45,13 @@ def build(
     if json_output:
         typer.echo(built.model_dump_json(indent=2))
     else:
-        render.built_image(out, built)
+        render.built_image(console(), built)
     return ExitCode.OK
 
 
-images_app = typer.Typer(help="List and prune the images and runtime volumes pvisor-host built.", no_args_is_help=False)
+images_app = typer.Typer(
+    help="List and prune the images and runtime volumes pvisor-host built.", no_args_is_help=False, **SETTINGS
+)
 
 
 @images_app.callback(invoke_without_command=True)
@@ -70,7 +72,7 @@ def images(
     if json_output:
         typer.echo(json.dumps([e.model_dump(mode="json") for e in entries], indent=2))
     else:
-        render.catalog_table(out, entries, show_all=show_all)
+        render.catalog_table(console(), entries, show_all=show_all)
     return ExitCode.OK
 
 
@@ -97,7 +99,7 @@ def images_prune(
     if json_output:
         typer.echo(result.model_dump_json(indent=2))
     else:
-        render.prune_result(out, result, dry_run=dry_run)
+        render.prune_result(console(), result, dry_run=dry_run)
     return ExitCode.OK
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ...errors import ExitCode
-from ..shared import out
+from ..shared import console
 
 
 def compare(
@@ -33,7 +33,7 @@ def compare(
     if json_output:
         typer.echo(comparison.model_dump_json(indent=2))
     else:
-        render.comparison(out, comparison)
+        render.comparison(console(), comparison)
     return ExitCode.REPLAY_FAILED if comparison.regressions else ExitCode.OK
 
 

@@ -14,7 +14,7 @@ import typer
 
 from ...errors import ExitCode, UsageError, exit_code_for_status
 from ..options import build_fields, replay_options, spec_fields, with_options
-from ..shared import open_engine, out, say
+from ..shared import console, open_engine, say
 
 if TYPE_CHECKING:
     from ...backend.base import AnyBackend
@@ -44,7 +44,7 @@ def replay(
     if json_output:
         typer.echo(record.model_dump_json(indent=2))
     else:
-        render.replay_summary(out, record, prepared.out_dir)
+        render.replay_summary(console(), record, prepared.out_dir)
     return exit_code_for_status(record.status)
 
 
@@ -202,7 +202,7 @@ def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) ->
     if quiet:
         say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
     else:
-        render.comparison(out, comparison)
+        render.comparison(console(), comparison)
     return ExitCode.REPLAY_FAILED if regressed and code == ExitCode.OK else code
 
 
@@ -219,7 +219,7 @@ def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, jso
                 rejected.setdefault(item.exit_code, item)
             yield item
 
-    render.batch_plan(out, tallied(), json_output=json_output, images=images)
+    render.batch_plan(console(), tallied(), json_output=json_output, images=images)
     first = rejected.get(ExitCode.INFRASTRUCTURE)
     if first is not None:
         say(f"pvisor-host: error: {first.id}: {first.reason}")
@@ -260,7 +260,7 @@ def _run(
     if json_output:
         typer.echo(outcome.summary.model_dump_json(indent=2))
     else:
-        render.batch_summary(out, outcome.summary, options.out, quiet=quiet)
+        render.batch_summary(console(), outcome.summary, options.out, quiet=quiet)
     if outcome.summary.interrupted:
         say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
     code = exit_code(outcome.summary, allowed(total))
