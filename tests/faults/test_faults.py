@@ -224,10 +224,13 @@ def test_an_artifact_far_above_the_collect_limit_is_capped_in_bounded_memory(tmp
 
 
 def test_a_flood_on_stdout_and_stderr_is_capped_and_the_result_still_parsed(tmp_path):
-    # A tool writes straight into the container's stdout and stderr (PID 1's), past the log cap.
+    # A tool writes straight into the sandbox's log files, past the cap, tries to replace them, and floods the
+    # container's own streams (PID 1's: the engine keeps no logs of a sandbox, so that goes nowhere).
     flood = (
-        "head -c 100000000 /dev/zero | tr '\\0' x > /proc/1/fd/1; "
-        "head -c 100000000 /dev/zero > /proc/1/fd/2; echo ok > done.txt"
+        "head -c 100000000 /dev/zero | tr '\\0' x >> /pvisor-host/logs/stdout.log; "
+        "head -c 100000000 /dev/zero >> /pvisor-host/logs/stderr.log; "
+        "rm -f /pvisor-host/logs/stdout.log; mv /pvisor-host/logs/stderr.log /pvisor-host/logs/gone; "
+        "head -c 100000000 /dev/zero > /proc/1/fd/1; echo ok > done.txt"
     )
     trajectory = write_jsonl(tmp_path / "flood.jsonl", probe(flood))
     out = tmp_path / "run"

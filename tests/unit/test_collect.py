@@ -279,3 +279,36 @@ def test_a_hostile_directory_is_harvested_with_the_archive_rules(tmp_path):
     everything = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
     assert all(p.startswith(("run", "sandbox", "outside")) for p in everything)
     assert (outside / "secret").read_text() == "host file" and list(outside.iterdir()) == [outside / "secret"]
+
+
+def test_logs_are_cut_at_the_cap_and_the_end_of_stdout_is_read_all_the_same(tmp_path):
+    from pvisor_host.backend.docker.sandbox.collect import collect_logs
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "stdout.log").write_bytes(b"x" * 5000 + b'\n{"result": 1}\n')
+    (staged / "stderr.log").write_bytes(b"warn\n")
+    truncated, tail = collect_logs(staged, tmp_path / "logs", limit=1000)
+    assert truncated is True
+    assert (tmp_path / "logs" / "stdout.log").read_bytes() == b"x" * 1000
+    assert (tmp_path / "logs" / "stderr.log").read_bytes() == b"warn\n"
+    assert tail.endswith(b'\n{"result": 1}\n') and len(tail) == 5015
+    assert collect_logs(staged, tmp_path / "again", limit=6000) == (False, tail)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "missing"])
+def test_a_log_that_is_not_a_regular_file_reads_as_empty(tmp_path, kind):
+    from pvisor_host.backend.docker.sandbox.collect import collect_logs
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    secret = tmp_path / "host-secret"
+    secret.write_bytes(b"not the sandbox's")
+    if kind == "symlink":
+        (staged / "stdout.log").symlink_to(secret)
+    elif kind == "fifo":
+        os.mkfifo(staged / "stdout.log")  # opened without O_NONBLOCK, this would hang the collection
+    (staged / "stderr.log").write_bytes(b"e")
+    assert collect_logs(staged, tmp_path / "logs") == (False, b"")
+    assert (tmp_path / "logs" / "stdout.log").read_bytes() == b""
+    assert (tmp_path / "logs" / "stderr.log").read_bytes() == b"e"

@@ -1,9 +1,13 @@
-"""Container lifecycle: create → start → wait (bounded) → logs → remove, the last on every path.
+"""Container lifecycle: create → start → wait (bounded) → remove, the last on every path.
 
-:class:`ContainerSpec` is the only place security settings become docker-py keyword arguments
-(:meth:`ContainerSpec.create_kwargs`). :func:`sandbox_container` is the only way pvisor-host holds a
-container: it removes it when the block ends, whatever ended it (error, timeout, Ctrl-C), with
-further interrupts deferred until the removal is done.
+:class:`ContainerSpec` is the only place security settings become docker-py arguments
+(:meth:`ContainerSpec.create_kwargs`, for docker-py's low-level ``create_container``: the high-level
+``containers.create`` inspects every container it creates, a round trip a batch pays per item for nothing).
+:func:`sandbox_container` is the only way pvisor-host holds a container: it removes it when the block ends,
+whatever ended it (error, timeout, Ctrl-C), with further interrupts deferred until the removal is done.
+
+A replay sandbox writes its output to files the host reads afterwards (:mod:`.collect`) and the engine keeps
+none of it (``engine_logs=False``); the short-lived helpers (probes) leave theirs to the engine's logs.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import docker
 import requests
+from docker.api import APIClient
 from docker.errors import APIError, ImageNotFound, NotFound
 from docker.models.containers import Container
-from docker.types import Mount
+from docker.types import LogConfig, Mount
 from pydantic import BaseModel, ConfigDict
 
 from ...._log import logger
@@ -31,11 +36,6 @@ from ....models.spec import default_user
 from ....signals import deferred_interrupts
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
-
-#: Logs beyond this many bytes per stream are cut (the record says so).
-LOG_LIMIT = 64 * 1024 * 1024
-#: The end of a stream kept in memory whatever its length (pvisor prints its result last).
-TAIL = 1024 * 1024
 
 
 class Leftovers:
@@ -112,10 +112,28 @@ class ContainerSpec(BaseModel):
     pids: int = 1024
     runtime: str | None = None
     """The engine's runtime to run it with (None: the engine's default)."""
+    engine_logs: bool = True
+    """Whether the engine keeps the container's output (False: it writes its own, see the module docstring)."""
 
-    def create_kwargs(self) -> dict[str, object]:
-        """The docker-py ``containers.create`` arguments (the single translation point)."""
+    def create_kwargs(self, api: APIClient) -> dict[str, object]:
+        """docker-py's ``create_container`` arguments (the single translation point)."""
         security = ["no-new-privileges"] if self.no_new_privileges else []
+        host_config = api.create_host_config(
+            mounts=[m.mount() for m in self.mounts],
+            network_mode=self.network,
+            read_only=self.read_only_rootfs,
+            tmpfs={"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=1777"},
+            cap_drop=["ALL"],
+            cap_add=self.cap_add or None,
+            security_opt=security,
+            mem_limit=self.memory,
+            memswap_limit=self.memory,
+            nano_cpus=int(self.cpus * 1e9),
+            pids_limit=self.pids,
+            init=True,
+            runtime=self.runtime,
+            log_config=None if self.engine_logs else LogConfig(type=LogConfig.types.NONE),
+        )
         return {
             "image": self.image,
             "command": self.command,
@@ -124,22 +142,10 @@ class ContainerSpec(BaseModel):
             "user": self.user,
             "working_dir": self.working_dir,
             "environment": self.environment,
-            "mounts": [m.mount() for m in self.mounts],
-            "network_mode": self.network,
-            "read_only": self.read_only_rootfs,
-            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmpfs_size},mode=1777"},
-            "cap_drop": ["ALL"],
-            "cap_add": self.cap_add or None,
-            "security_opt": security,
-            "mem_limit": self.memory,
-            "memswap_limit": self.memory,
-            "nano_cpus": int(self.cpus * 1e9),
-            "pids_limit": self.pids,
-            "init": True,
-            "runtime": self.runtime,
             "detach": True,
             "stdin_open": False,
             "tty": False,
+            "host_config": host_config,
         }
 
 
@@ -154,7 +160,8 @@ class WaitOutcome(BaseModel):
 @retrying()
 def _create(client: docker.DockerClient, spec: ContainerSpec) -> Container:
     try:
-        return client.containers.create(**spec.create_kwargs())
+        created = client.api.create_container(**spec.create_kwargs(client.api))
+        return client.containers.prepare_model({"Id": created["Id"]})
     except APIError as exc:
         if exc.status_code == 409:
             # A retried create whose first attempt reached the engine: adopt the container it made.
@@ -271,44 +278,13 @@ def inspect_state(container: Container) -> dict[str, object]:
     return dict(container.attrs.get("State", {}))
 
 
-def save_logs(container: Container, *, stdout: bool, dest: Path, limit: int = LOG_LIMIT) -> tuple[bool, bytes]:
-    """Write one of the container's output streams to ``dest``, cut at ``limit`` bytes. Returns whether it
-    was cut, and its last :data:`TAIL` bytes."""
-    tail = bytearray()
-    with dest.open("wb") as sink:
-        truncated = _copy_logs(container, stdout=stdout, sink=sink, limit=limit, tail=tail)
-    return truncated, bytes(tail)
-
-
 def logs_text(container: Container, *, stdout: bool, limit: int = 1024 * 1024) -> str:
-    """One of the container's (small) output streams as text."""
+    """One of a helper container's (small) output streams as text, cut at ``limit`` bytes."""
     buffer = io.BytesIO()
-    _copy_logs(container, stdout=stdout, sink=buffer, limit=limit)
-    return buffer.getvalue().decode("utf-8", errors="replace")
-
-
-def _copy_logs(
-    container: Container, *, stdout: bool, sink: IO[bytes], limit: int, tail: bytearray | None = None
-) -> bool:
-    """Copy a stream into ``sink`` up to ``limit`` bytes, read to its end all the same so that ``tail`` ends
-    with its last bytes (in bounded memory); True when ``sink`` got less than the whole stream."""
-    written = 0
-    truncated = False
     with engine_errors(f"read the logs of container {container.short_id}"):
         for chunk in container.logs(stdout=stdout, stderr=not stdout, stream=True, follow=False):
-            if tail is not None:
-                tail += chunk
-                del tail[: max(0, len(tail) - TAIL)]
-            room = limit - written
-            if room <= 0:
-                truncated = True
-                if tail is None:
-                    return True
-                continue
-            sink.write(chunk[:room])
-            written += min(len(chunk), room)
-            truncated = truncated or len(chunk) > room
-    return truncated
+            buffer.write(chunk[: max(0, limit - buffer.tell())])
+    return buffer.getvalue().decode("utf-8", errors="replace")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from ..build.inject import RUNTIME_MOUNT
 from ..build.recipe import RELAY_PATH
 from ..gateway import SOCKET_MOUNT, ModelAccess
 from . import container as sandbox
-from .stage import INPUT_MOUNT, RUN_MOUNT, Staging
+from .stage import INPUT_MOUNT, LOGS_MOUNT, RUN_MOUNT, Staging
 
 GVISOR_PIDS = (
     "pids: under gVisor the limit counts the sandbox's host threads (several per process inside it), "
@@ -79,6 +79,7 @@ def container_spec(
         sandbox.BindMount(source=staging.input_dir, target=INPUT_MOUNT, read_only=True),
         sandbox.BindMount(source=staging.workspace_dir, target=prepared.workspace_path),
         sandbox.BindMount(source=staging.run_dir, target=RUN_MOUNT),
+        sandbox.BindMount(source=staging.logs_dir, target=LOGS_MOUNT),
     ]
     if prepared.image.runtime_volume:
         mounts.append(sandbox.VolumeMount(volume=prepared.image.runtime_volume, target=RUNTIME_MOUNT))
@@ -110,6 +111,7 @@ def container_spec(
         cpus=spec.cpus,
         pids=spec.pids,
         runtime=prepared.runtime.name,
+        engine_logs=False,
     )
 
 

@@ -163,7 +163,7 @@ def _run_container(
         clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
-        state.logs_truncated, tail = collect_logs(box, out / "logs")
+        state.logs_truncated, tail = collect_logs(staging.logs_dir, out / "logs")
         _parse(state, tail)
         trees = {
             "output": staging.run_dir / "output" / state.attempt.run_id,

@@ -7,6 +7,9 @@ Layout under ``<out>/.pvisor-host-staging/`` (removed on every path when the run
     workspace/   bound read-write at the workspace path: a fresh copy of --workspace-dir, or of the
                  image's own directory there (--image-workspace), or empty
     run/         bound read-write at /pvisor-host/run: pvisor's --state-dir and --output-dir roots
+    logs/        bound read-write at /pvisor-host/logs: stdout.log and stderr.log, where entry.sh sends the
+                 sandbox's output. The directory is ours: the sandbox may write to the two files but cannot
+                 replace them (nor add others)
 
 The trajectory is copied (and hashed while copying) so the sandbox reads exactly the bytes the record
 names, whatever happens to the host file meanwhile, and so its permissions suit the sandbox user.
@@ -31,6 +34,9 @@ from ....models.spec import parse_user
 
 INPUT_MOUNT = "/pvisor-host/input"
 RUN_MOUNT = "/pvisor-host/run"
+LOGS_MOUNT = "/pvisor-host/logs"
+#: The streams entry.sh writes to, in the logs directory.
+LOG_FILES = ("stdout.log", "stderr.log")
 
 
 class Staging(BaseModel):
@@ -42,6 +48,7 @@ class Staging(BaseModel):
     input_dir: Path
     workspace_dir: Path
     run_dir: Path
+    logs_dir: Path
     trajectory_in_sandbox: str
     workspace_before: list[Entry]
 
@@ -65,6 +72,7 @@ def planned_staging(root: Path, trajectory: Path) -> Staging:
         input_dir=root / "input",
         workspace_dir=root / "workspace",
         run_dir=root / "run",
+        logs_dir=root / "logs",
         trajectory_in_sandbox=f"{INPUT_MOUNT}/{_sandbox_name(trajectory.name)}",
         workspace_before=[],
     )
@@ -120,6 +128,10 @@ def stage(
     run_dir.mkdir(mode=0o700)
     if owner_uid is not None:
         os.chown(run_dir, owner_uid, owner_gid or owner_uid)
+    layout.logs_dir.mkdir(mode=0o755)
+    for name in LOG_FILES:
+        (layout.logs_dir / name).touch(mode=0o600)
+        (layout.logs_dir / name).chmod(0o622)  # anyone may write (the sandbox user is not us); only we read
     return layout.model_copy(update={"workspace_before": before})
 
 
