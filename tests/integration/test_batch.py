@@ -345,13 +345,14 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
 def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_path, claude_image, monkeypatch):
     """In-process, so the engine calls can be made to fail: the first container create answers 503 (retried
     in place), the first container start fails (a fresh sandbox, attempt 2); a broken trajectory runs once."""
+    import docker.api.container as api
     import docker.models.containers as containers
     from docker.errors import APIError
 
     from pvisor_host import cli
 
     failures = {"create": 1, "start": 1}
-    real_create, real_start = containers.ContainerCollection.create, containers.Container.start
+    real_create, real_start = api.ContainerApiMixin.create_container, containers.Container.start
 
     def create(self, *args, **kwargs):
         if failures["create"]:
@@ -365,7 +366,7 @@ def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_p
             raise APIError("injected", explanation="cannot start container (injected)", response=_Response(500))
         return real_start(self, *args, **kwargs)
 
-    monkeypatch.setattr(containers.ContainerCollection, "create", create)
+    monkeypatch.setattr(api.ContainerApiMixin, "create_container", create)
     monkeypatch.setattr(containers.Container, "start", start)
     root = tmp_path / "data"
     root.mkdir()
