@@ -22,8 +22,10 @@ from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attem
 from ._log import logger
 from .backend.base import AnyBackend, ModelGateway
 from .errors import Interrupted
+from .files.atomic import write_atomic
 from .files.space import full_disk_raises
-from .models.record import AttemptSummary, BatchInfo, ReplayRecord, load_record, save_record
+from .models.gateway import MODEL_CASSETTE
+from .models.record import AttemptSummary, BatchInfo, ReplayRecord, add_totals, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
 from .preflight.checks import release_out_dir
@@ -129,7 +131,9 @@ def run_attempts(
             release_out_dir(out)
         raise
     with full_disk_raises(out):
-        return _finish(out, records, batch)
+        final = _finish(out, records, batch)
+        _keep_tape(prepared)
+        return final
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -142,6 +146,15 @@ def _log_retry(state: RetryCallState) -> None:
         what,
         format_duration(delay),
     )
+
+
+def _keep_tape(prepared: PreparedReplay) -> None:
+    """With ``--model-cassette record DIR``: the final attempt's tape goes to DIR, named after the run."""
+    upstream = prepared.spec.continuation
+    tape = prepared.out_dir / MODEL_CASSETTE
+    if upstream is None or upstream.cassette is None or upstream.cassette.replaying or not tape.is_file():
+        return
+    write_atomic(upstream.cassette.tape(prepared.name), tape.read_bytes())
 
 
 def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = None) -> ReplayRecord:
@@ -168,5 +181,8 @@ def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = No
         for r in records
     ]
     final = last.model_copy(update={"attempts": summaries if len(records) > 1 else [], "batch": batch})
+    if len(records) > 1 and final.model is not None:  # what every attempt's model calls came to
+        every = add_totals([r.model.totals for r in records if r.model is not None and r.model.totals is not None])
+        final = final.model_copy(update={"model": final.model.model_copy(update={"totals": every})})
     save_record(final, out)
     return final

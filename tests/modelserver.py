@@ -7,10 +7,14 @@ Its answer depends only on the request, so one server can serve many runs at onc
   shell tool (Claude's ``Bash``, Codex's ``exec_command``, ...) running :attr:`StubModel.command`;
 * otherwise → a final text.
 
-Every request is recorded (path, headers with lower-case names, JSON body). :meth:`StubModel.fail_next`
-makes the next requests fail, :meth:`StubModel.fail_sessions` every request of chosen runs: with an HTTP
-status (429, 500, ...), ``"hang"`` (no answer), ``"close"`` (drop the connection) or ``"cut"`` (start a
-stream, then drop the connection before its end).
+Every request is recorded (path, headers with lower-case names, JSON body), and so is the most model calls it
+ever had in flight at once (:attr:`StubModel.peak`). :meth:`StubModel.fail_next` makes the next requests fail,
+:meth:`StubModel.fail_sessions` every request of chosen runs, :meth:`StubModel.fail_for` every request for a
+while: with an HTTP status (429, 500, ...; ``retry_after`` adds the header), ``"hang"`` (no answer),
+``"close"`` (drop the connection) or ``"cut"`` (start a stream, then drop the connection before its end).
+:attr:`StubModel.first_byte_delay` holds every answer back before its first byte, :attr:`StubModel.chunk_delay`
+spaces a stream's events out, and :attr:`StubModel.hold` keeps each model call in flight that long (so a
+test can see how many calls come at once).
 Run as a script to serve on a port or a unix socket.
 """
 
@@ -40,7 +44,18 @@ class StubModel:
         self.requests: list[dict[str, Any]] = []
         self._failures: list[int | str] = []
         self._session_rule: tuple[Callable[[str], bool], int | str] | None = None
+        self._until: tuple[float, int | str] | None = None
         self._lock = threading.Lock()
+        self.retry_after: float | None = None
+        """Sent as ``Retry-After`` with every failure status."""
+        self.first_byte_delay = 0.0
+        self.chunk_delay = 0.0
+        self.hold = 0.0
+        self.in_flight = 0
+        self.peak = 0
+        """The most model calls in flight at once so far."""
+        self.served_usage: list[dict[str, int]] = []
+        """The usage of every successful answer, in order."""
 
     def fail_next(self, behaviour: int | str, times: int = 1) -> None:
         """Answer the next ``times`` model requests with an HTTP status, ``"hang"`` or ``"close"``."""
@@ -52,11 +67,28 @@ class StubModel:
         with self._lock:
             self._session_rule = (predicate, behaviour)
 
+    def fail_for(self, seconds: float, behaviour: int | str, *, retry_after: float | None = None) -> None:
+        """Fail every model request for the next ``seconds``."""
+        with self._lock:
+            self._until = (time.monotonic() + seconds, behaviour)
+            self.retry_after = retry_after
+
     def take_failure(self, session: str = "") -> int | str | None:
         with self._lock:
             if self._session_rule is not None and self._session_rule[0](session):
                 return self._session_rule[1]
+            if self._until is not None and time.monotonic() < self._until[0]:
+                return self._until[1]
             return self._failures.pop(0) if self._failures else None
+
+    def enter(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
 
     def record(self, entry: dict[str, Any]) -> None:
         with self._lock:
@@ -151,11 +183,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
         return
 
-    def _json(self, status: int, value: Any) -> None:
+    def _json(self, status: int, value: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(value).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, header in (headers or {}).items():
+            self.send_header(name, header)
         self.end_headers()
         self.wfile.write(data)
 
@@ -175,6 +209,14 @@ class _Handler(BaseHTTPRequestHandler):
             body = {}
         model: StubModel = self.server.model
         model.record({"path": self.path, "method": "POST", "headers": _lower(self.headers), "body": body})
+        model.enter()
+        try:
+            time.sleep(model.hold)
+            self._post(body, model)
+        finally:
+            model.leave()
+
+    def _post(self, body: dict[str, Any], model: StubModel) -> None:
         failure = model.take_failure(self.headers.get("X-LiteLLM-Session-ID") or "")
         if failure == "hang":
             time.sleep(3600)
@@ -196,8 +238,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if isinstance(failure, int):
             error = {"error": {"message": f"stub failure {failure}", "type": "stub_error", "code": failure}}
-            self._json(failure, error)
+            extra = {"Retry-After": f"{model.retry_after:g}"} if model.retry_after is not None else {}
+            self._json(failure, error, extra)
             return
+        time.sleep(model.first_byte_delay)
         if self.path.endswith("/chat/completions"):
             self._chat(body, model)
         elif self.path.endswith("/responses"):
@@ -209,6 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
         message = chat_answer(body, model.command)
         finish = "tool_calls" if message.get("tool_calls") else "stop"
         ident = f"chatcmpl-stub-{uuid.uuid4().hex[:8]}"
+        model.served_usage.append(USAGE)
         if not body.get("stream"):
             self._json(
                 200,
@@ -235,6 +280,7 @@ class _Handler(BaseHTTPRequestHandler):
         item = responses_answer(body, model.command)
         ident = f"resp_{uuid.uuid4().hex[:12]}"
         usage = {"input_tokens": 100, "output_tokens": 10, "total_tokens": 110}
+        model.served_usage.append(usage)
         response = {
             "id": ident,
             "object": "response",
@@ -318,6 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
             prefix = f"event: {event['type']}\n" if named else ""
             self.wfile.write(f"{prefix}data: {json.dumps(event)}\n\n".encode())
             self.wfile.flush()
+            time.sleep(self.server.model.chunk_delay)
         if done:
             self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()

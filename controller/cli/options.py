@@ -59,7 +59,7 @@ class ModelOption:
         (``4g``, ``2h``), which the model reads back as the same value; else ``None`` when not given."""
         kind = _cli_type(self.field)
         flags = [self.flag] if self.flag else []
-        option = typer.Option(*flags, help=_help(self.field))
+        option = typer.Option(*flags, help=_help(self.field), metavar=_metavar(self.field))
         if self.required:
             annotation: Any = Annotated[kind, option]
             return inspect.Parameter(self.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation)
@@ -218,7 +218,18 @@ def _cli_type(field: FieldInfo) -> Any:
         return list[str]
     if annotation in (str, int, float, bool, Path):
         return annotation
+    pair = getattr(annotation, "cli_pair", None)  # a model given as two values (--model-cassette MODE DIR)
+    if pair is not None:
+        return pair
+    if isinstance(annotation, type) and hasattr(annotation, "model_validate"):
+        return str  # a model that reads its own compact form (--model-price input=3,output=15)
     raise TypeError(f"no command-line type for a field of type {annotation!r}")
+
+
+def _metavar(field: FieldInfo) -> str | None:
+    """What the help shows for the value of a model given as two values (``MODE DIR``); typer's own else."""
+    annotation = next((a for a in typing.get_args(field.annotation) if a is not type(None)), field.annotation)
+    return getattr(annotation, "cli_metavar", None)
 
 
 def _cli_default(field: FieldInfo) -> str | int | float | None:

@@ -286,6 +286,8 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
             highlight=False,
             soft_wrap=True,
         )
+    if summary.model is not None:
+        console.print(f"model: {summary.model.describe()}", highlight=False, soft_wrap=True)
     total = summary.timings.get("total", {})
     console.print(
         f"per item p50 {format_duration(total.get('p50', 0))}, p90 {format_duration(total.get('p90', 0))}; "
@@ -370,6 +372,8 @@ def comparison(console: Console, result: Comparison) -> None:
         console.print(table)
     counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in result.counts.items()) or "no changes"
     console.print(f"{result.matched} items matched, {result.unchanged} unchanged; {counts}", highlight=False)
+    if result.model is not None:
+        console.print(f"model: {result.model.describe}", highlight=False, soft_wrap=True)
 
 
 def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:

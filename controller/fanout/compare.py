@@ -12,6 +12,9 @@ one and new at the new one. For each pair it reports, regressions first:
   an image without one, its id) differs;
 * ``new`` and ``gone``.
 
+With live continuations it also says how the model's figures moved between the two runs, over every item of
+each (tokens in and out, errors, retries, cost): :attr:`Comparison.model`.
+
 Any change also says whether the image changed (``image_changed``), so a regression that came with a new
 task image shows it.
 
@@ -29,7 +32,7 @@ from pydantic import BaseModel
 
 from ..errors import UsageError
 from ..files.atomic import write_atomic
-from ..models.record import ReplayRecord, load_record
+from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
@@ -66,6 +69,8 @@ class ItemState(BaseModel):
     """The bytes it ran in: the image's registry digest (``repo@sha256:...``), else its id."""
     path: str
     """The item's directory, relative to its run directory."""
+    model: ModelTotals | None = None
+    """A live continuation's model figures (every attempt's)."""
 
 
 class ItemChange(BaseModel):
@@ -88,6 +93,31 @@ class ItemChange(BaseModel):
         return line
 
 
+class ModelMove(BaseModel):
+    """The model figures of each run, over all its items (see :class:`~pvisor_host.models.record.ModelTotals`)."""
+
+    old: ModelTotals
+    new: ModelTotals
+
+    @property
+    def describe(self) -> str:
+        """``tokens 12.0k → 9.8k (-18%), errors 3 → 0, retries 4 → 1[, cost 1.20 → 0.98]``."""
+
+        def move(name: str, was: float, now: float, digits: int = 0) -> str:
+            change = f" ({(now - was) / was:+.0%})" if was else ""
+            return f"{name} {was:.{digits}f} → {now:.{digits}f}{change}"
+
+        old, new = self.old, self.new
+        parts = [
+            move("tokens", old.input_tokens + old.output_tokens, new.input_tokens + new.output_tokens),
+            move("errors", old.errors, new.errors),
+            move("retries", old.retries, new.retries),
+        ]
+        if old.cost is not None and new.cost is not None:
+            parts.append(move("cost", old.cost, new.cost, 4))
+        return ", ".join(parts)
+
+
 class Comparison(BaseModel):
     """The result of ``compare`` (``--json`` prints it)."""
 
@@ -101,6 +131,8 @@ class Comparison(BaseModel):
     """Changes per kind."""
     changes: list[ItemChange]
     """Regressions first (see ``KIND_ORDER``), then by id."""
+    model: ModelMove | None = None
+    """How the model's figures moved, when either run continued live."""
 
     @property
     def regressions(self) -> list[ItemChange]:
@@ -134,7 +166,16 @@ def compare_runs(old: Path, new: Path) -> Comparison:
         unchanged=matched - sum(1 for c in changes if c.kind not in ("new", "gone")),
         counts={kind: n for kind, n in sorted(Counter(c.kind for c in changes).items())},
         changes=changes,
+        model=_model_move(before, after),
     )
+
+
+def _model_move(before: dict[tuple[str, int], ItemState], after: dict[tuple[str, int], ItemState]) -> ModelMove | None:
+    old = add_totals([s.model for s in before.values() if s.model is not None])
+    new = add_totals([s.model for s in after.values() if s.model is not None])
+    if old is None and new is None:
+        return None
+    return ModelMove(old=old or ModelTotals(), new=new or ModelTotals())
 
 
 def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
@@ -194,6 +235,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         ),
         image=record.image.digest or record.image.id,
         path=str(item_dir.relative_to(run_dir)),
+        model=record.model.totals if record.model is not None else None,
     )
 
 

@@ -58,6 +58,7 @@ def item_result(record: ReplayRecord, *, item_id: str, line: int, skipped: bool 
         attempts=max(1, len(record.attempts)),
         skipped=skipped,
         path=item_id,
+        model=record.model.totals if record.model is not None else None,
     )
 
 

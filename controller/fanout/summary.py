@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import ExitCode, UsageError
 from ..files.atomic import write_atomic
 from ..models.batch import PHASES, RESULTS_FILE, BatchSummary, ItemResult, percentile
+from ..models.record import add_totals
 
 #: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
 JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
@@ -56,6 +57,7 @@ def summarize(
         timings=timings,
         replays_per_minute=round(len(ran) / minutes, 2),
         failed=[r.id for r in results if r.status != "ok"],
+        model=add_totals([r.model for r in results if r.model is not None and not r.skipped]),
     )
 
 
@@ -111,6 +113,8 @@ def markdown(summary: BatchSummary, out: Path) -> str:
     if summary.categories:
         lines += ["", "| failure category | items |", "|---|---|"]
         lines += [f"| {category} | {count} |" for category, count in summary.categories.items()]
+    if summary.model is not None:
+        lines += ["", f"Model: {summary.model.describe()}."]
     run = summary.timings.get("total", {})
     lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. Results: `{out}`", ""]
     return "\n".join(lines)

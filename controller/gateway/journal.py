@@ -1,8 +1,9 @@
 """A run's model traffic, one JSON line per exchange (``model-traffic.jsonl``), and the token usage in it.
 
 An entry holds the time, run id, method, path, the session header, sizes, status, latency, whether it was a
-stream, the token usage the upstream reported and, up to the body limit, the bodies. Never an authorization
-header or a token: the journal is an artifact users share.
+stream, the token usage the upstream reported, the retries before the answer and the time spent waiting for a
+slot in the batch's limits, any cassette drift and, up to the body limit, the bodies. Never an authorization
+header or a token: the journal is an artifact users share. :func:`totals` adds a journal up for the record.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..models.gateway import ModelPrice
+from ..models.record import ModelTotals
+from ..units import percentile
+
+if TYPE_CHECKING:
+    from .upstream import Tries
 
 #: Bytes from the end of an answer kept to find its token usage (streams report it in their last events).
 USAGE_TAIL = 256 * 1024
@@ -21,6 +29,11 @@ class Exchange:
 
     def __init__(self, run_id: str, method: str, path: str, session: str | None, body: bytes, limit: int) -> None:
         self.limit = limit
+        self.body = body
+        self.call: int | None = None
+        """The call's number in its run (1-based), when the run has a tape."""
+        self.tokens = 0
+        """Tokens the answer reported (in and out), once finished."""
         self.entry: dict[str, Any] = {
             "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
             "run_id": run_id,
@@ -45,14 +58,23 @@ class Exchange:
         if len(self._tail) > USAGE_TAIL:
             del self._tail[: len(self._tail) - USAGE_TAIL]
 
+    def tried(self, tries: Tries) -> None:
+        """How the call went before its answer: its retries, and the time it waited for slots."""
+        if self.call is not None:
+            self.entry["call"] = self.call
+        self.entry["retries"] = tries.retries
+        self.entry["waited_ms"] = round(tries.waited * 1000, 1)
+
     def finish(self, status: int, *, stream: bool, latency: float, error: str | None = None) -> dict[str, Any]:
         """The entry, complete."""
+        found = usage(bytes(self._tail))
+        self.tokens = tokens(found).total
         self.entry |= {
             "status": status,
             "stream": stream,
             "response_bytes": self.sent,
             "latency_ms": round(latency * 1000, 1),
-            "usage": usage(bytes(self._tail)),
+            "usage": found,
         }
         if error is not None:
             self.entry["error"] = error
@@ -84,3 +106,50 @@ def usage(data: bytes) -> dict[str, Any] | None:
         if isinstance(found, dict):
             return found
     return None
+
+
+class Tokens:
+    """A usage report's tokens, whatever API reported it (chat completions, Responses, Anthropic)."""
+
+    def __init__(self, found: dict[str, Any] | None) -> None:
+        found = found or {}
+        details = found.get("prompt_tokens_details") or found.get("input_tokens_details") or {}
+        self.input = _count(found.get("prompt_tokens", found.get("input_tokens")))
+        self.output = _count(found.get("completion_tokens", found.get("output_tokens")))
+        self.cached = _count(details.get("cached_tokens", found.get("cache_read_input_tokens")))
+        self.total = _count(found.get("total_tokens")) or self.input + self.output
+
+
+def tokens(found: dict[str, Any] | None) -> Tokens:
+    """The tokens of a usage report (none: all zero)."""
+    return Tokens(found)
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, int | float) and value >= 0 else 0
+
+
+def totals(journal: Path, price: ModelPrice | None = None) -> ModelTotals:
+    """A run's model figures, added up from its journal (see :class:`~pvisor_host.models.record.ModelTotals`)."""
+    entries = [json.loads(line) for line in journal.read_text(encoding="utf-8").splitlines() if line.strip()]
+    entries = [e for e in entries if e.get("path", "").split("?")[0].endswith(("/chat/completions", "/responses"))]
+    counted = [tokens(e.get("usage")) for e in entries]
+    latencies = sorted(float(e.get("latency_ms", 0)) for e in entries)
+    drift = next((e["drift"] for e in entries if e.get("drift")), None)
+    found = ModelTotals(
+        calls=len(entries),
+        input_tokens=sum(t.input for t in counted),
+        output_tokens=sum(t.output for t in counted),
+        cached_tokens=sum(t.cached for t in counted),
+        retries=sum(len(e.get("retries") or []) for e in entries),
+        errors=sum(1 for e in entries if int(e.get("status", 0)) >= 400 or e.get("error")),
+        waited_seconds=round(sum(float(e.get("waited_ms") or 0) for e in entries) / 1000, 3),
+        latency_p50_ms=percentile(latencies, 0.5) if latencies else None,
+        latency_p90_ms=percentile(latencies, 0.9) if latencies else None,
+        drift=drift,
+    )
+    if price is not None:
+        found.cost = round(
+            price.cost(input_tokens=found.input_tokens, output_tokens=found.output_tokens,
+                       cached_tokens=found.cached_tokens), 6)  # fmt: skip
+    return found

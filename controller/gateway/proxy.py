@@ -4,9 +4,12 @@ A live continuation lets the agent call its model, and replayed tool calls of so
 environment variable. So the sandbox never gets the real key: it gets a random per-run token
 (:meth:`ModelProxy.grant`). The proxy accepts only granted tokens, swaps in the real key, forwards to the
 upstream, passes the answer back (a stream chunk by chunk, as it arrives), and journals the exchange in the
-run's ``model-traffic.jsonl`` (:mod:`.journal`). An upstream error is answered with the same status and a
-message that names it in words pvisor classifies (``status 429 (rate limit...)``, ``internal server
-error``), so the run ends in pvisor's retryable ``model_*`` categories.
+run's ``model-traffic.jsonl`` (:mod:`.journal`). Each upstream call takes a slot in the batch's limits
+(:mod:`.limits`) and is retried while the upstream says "not now" and nothing has reached the agent
+(:mod:`.upstream`). Only what outlasts the retry budget reaches the agent: the same status, with a message
+that names it in words pvisor classifies (``status 429 (rate limit...)``, ``internal server error``), so the
+run ends in pvisor's retryable ``model_*`` categories. A run given a tape (:mod:`.cassette`) has its calls
+kept on it, or answered from it with no upstream at all.
 
 HTTP is aiohttp's, on both sides, in one event loop on a thread of its own: request bodies of any framing
 (a length or chunks), keep-alive, answers that always say where they end (a length, or chunks ending in a
@@ -20,7 +23,6 @@ httpx, which has no server side: one library, one loop, for both.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import secrets
 import threading
@@ -34,8 +36,11 @@ from aiohttp import web
 
 from .._log import logger
 from ..models.spec import ModelUpstream
-from . import journal
+from . import journal, upstream
+from .cassette import Tape, TapeEntry, request_json
 from .journal import Exchange
+from .limits import Limits, local_limits
+from .upstream import Refused, Tries, reason
 
 T = TypeVar("T")
 
@@ -60,18 +65,21 @@ CONNECT_TIMEOUT = 10.0
 
 
 class _Run:
-    def __init__(self, run_id: str, journal_path: Path) -> None:
+    def __init__(self, run_id: str, journal_path: Path, tape: Tape | None) -> None:
         self.run_id = run_id
         self.journal = journal_path
+        self.tape = tape
 
 
 class ModelProxy:
     """The proxy for one ``replay`` (all its attempts) or one ``batch``: :meth:`start` it, make it listen
     (:meth:`listen_unix`, :meth:`listen_tcp`), :meth:`grant` each run a token, and :meth:`close` it."""
 
-    def __init__(self, upstream: ModelUpstream, api_key: str) -> None:
+    def __init__(self, upstream: ModelUpstream, api_key: str | None, *, limits: Limits | None = None) -> None:
         self.config = upstream
         self._api_key = api_key
+        self.limits = limits if limits is not None else local_limits(upstream)
+        """The limits every upstream call takes a slot in: this proxy's own, or a batch's (a cluster's)."""
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,11 +147,11 @@ class ModelProxy:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def grant(self, run_id: str, journal_path: Path) -> str:
-        """A fresh token for one run; its exchanges go to ``journal_path``."""
+    def grant(self, run_id: str, journal_path: Path, tape: Tape | None = None) -> str:
+        """A fresh token for one run; its exchanges go to ``journal_path``, and to ``tape`` (or come from it)."""
         token = f"pvhtok-{secrets.token_urlsafe(24)}"
         with self._lock:
-            self._runs[token] = _Run(run_id, journal_path)
+            self._runs[token] = _Run(run_id, journal_path, tape)
         return token
 
     def revoke(self, token: str | None) -> None:
@@ -172,34 +180,52 @@ class ModelProxy:
             run.run_id, request.method, request.path_qs, request.headers.get("X-LiteLLM-Session-ID"), body,
             self.config.body_limit,
         )  # fmt: skip
+        if run.tape is not None:
+            exchange.call = run.tape.next_call()
         suffix = request.path.removeprefix("/v1/").lstrip("/")
         if not suffix.startswith(ROUTES):
-            answer = _error(404, f"no model route {request.path}")
-            return self._done(run, exchange, answer, started)
+            return self._done(run, exchange, _error(404, f"no model route {request.path}"), started)
+        if run.tape is not None and run.tape.replaying:
+            return await self._serve_tape(request, run, exchange, body, started)
+        tries = Tries()
         try:
-            upstream = await self._forward(request, suffix, body)
+            call = await upstream.call(
+                lambda: self._forward(request, suffix, body), self.limits, self.config.retry_budget, tries
+            )
+        except Refused as refused:
+            exchange.tried(tries)
+            return self._done(run, exchange, _refusal(refused), started)
         except TimeoutError:
+            exchange.tried(tries)
             answer = _error(504, f"upstream connection timed out after {self.config.timeout:.0f}s")
             return self._done(run, exchange, answer, started)
         except aiohttp.ClientError as exc:
-            answer = _error(502, f"upstream connection error: {_reason(exc)}")
+            exchange.tried(tries)
+            return self._done(run, exchange, _error(502, f"upstream connection error: {reason(exc)}"), started)
+        exchange.tried(tries)
+        try:
+            return await self._answer(request, call.response, run, exchange, started)
+        finally:
+            await call.close(exchange.tokens)
+
+    async def _answer(
+        self, request: web.Request, response: aiohttp.ClientResponse, run: _Run, exchange: Exchange, started: float
+    ) -> web.StreamResponse:
+        if "text/event-stream" in response.headers.get("Content-Type", ""):
+            return await self._stream(request, response, run, exchange, started)
+        try:
+            content = await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            answer = _error(502, f"upstream failed while answering: {reason(exc)}")
             return self._done(run, exchange, answer, started)
-        async with upstream:
-            if "text/event-stream" in upstream.headers.get("Content-Type", ""):
-                return await self._stream(request, upstream, run, exchange, started)
-            try:
-                content = await upstream.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                answer = _error(502, f"upstream failed while answering: {_reason(exc)}")
-                return self._done(run, exchange, answer, started)
-            if upstream.status >= 400:
-                answer = _error(upstream.status, _upstream_failure(upstream.status, content))
-            else:
-                answer = web.Response(status=upstream.status, body=content, headers=_passed_back(upstream))
-            return self._done(run, exchange, answer, started)
+        if response.status >= 400:
+            answer = _error(response.status, _upstream_failure(response.status, content))
+        else:
+            answer = web.Response(status=response.status, body=content, headers=_passed_back(response))
+        return self._done(run, exchange, answer, started)
 
     async def _forward(self, request: web.Request, suffix: str, body: bytes) -> aiohttp.ClientResponse:
-        assert self._session is not None
+        assert self._session is not None and self.config.base_url is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         headers["Authorization"] = f"Bearer {self._api_key}"
         url = self.config.base_url.rstrip("/") + "/" + suffix
@@ -221,27 +247,81 @@ class ModelProxy:
         answer.enable_chunked_encoding()
         await answer.prepare(request)
         error = None
+        kept = bytearray() if run.tape is not None else None
         try:
             async for chunk in upstream.content.iter_any():
                 await answer.write(chunk)
                 exchange.answered(chunk)
+                if kept is not None:
+                    kept += chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
-            error = f"the upstream broke off the stream after {exchange.sent} bytes: {_reason(exc)}"
+            error = f"the upstream broke off the stream after {exchange.sent} bytes: {reason(exc)}"
         except ConnectionResetError:
             error = f"the sandbox went away after {exchange.sent} bytes of the stream"
         if error is None or not error.startswith("the sandbox"):
             await answer.write_eof()  # the last chunk: the agent sees a complete, if short, answer
         latency = time.monotonic() - started
-        journal.append(run.journal, exchange.finish(upstream.status, stream=True, latency=latency, error=error))
+        entry = exchange.finish(upstream.status, stream=True, latency=latency, error=error)
+        journal.append(run.journal, entry)
+        if kept is not None:
+            self._taped(run, exchange, answer, bytes(kept), stream=True)
         return answer
 
     def _done(self, run: _Run, exchange: Exchange, answer: web.Response, started: float) -> web.Response:
-        """Journal an answer of known length, then give it."""
-        if answer.body is not None:
-            exchange.answered(bytes(answer.body))  # type: ignore[arg-type]
+        """Journal an answer of known length (and tape it), then give it."""
+        content = bytes(answer.body) if isinstance(answer.body, bytes | bytearray) else b""
+        exchange.answered(content)
         entry = exchange.finish(answer.status, stream=False, latency=time.monotonic() - started)
         journal.append(run.journal, entry)
+        self._taped(run, exchange, answer, content, stream=False)
         return answer
+
+    # -- cassettes ----------------------------------------------------------------------------------------
+
+    def _taped(
+        self, run: _Run, exchange: Exchange, answer: web.StreamResponse, content: bytes, *, stream: bool
+    ) -> None:
+        """Keep an answered call on the run's tape (when it records one)."""
+        if run.tape is None or run.tape.replaying:
+            return
+        run.tape.record(
+            TapeEntry(
+                call=exchange.call or 0,
+                method=exchange.entry["method"],
+                path=exchange.entry["path"],
+                request=request_json(exchange.body),
+                status=answer.status,
+                content_type=answer.content_type,
+                stream=stream,
+                answer=content.decode("utf-8", errors="replace"),
+            )
+        )
+
+    async def _serve_tape(
+        self, request: web.Request, run: _Run, exchange: Exchange, body: bytes, started: float
+    ) -> web.StreamResponse:
+        """Answer from the run's tape: call *n* gets answer *n*; a request that differs is drift."""
+        assert run.tape is not None and exchange.call is not None
+        entry, drift = run.tape.serve(exchange.call, request_json(body))
+        if drift is not None:
+            exchange.entry["drift"] = drift.model_dump()
+        if drift is not None and (entry is None or self.config.on_drift == "fail"):
+            where = drift.field + (f" message {drift.message}" if drift.message is not None else "")
+            message = f"cassette drift at call {exchange.call}: {where} differs from the recording"
+            return self._done(run, exchange, _error(400, message), started)
+        assert entry is not None  # no recorded answer is drift
+        if not entry.stream:
+            answer = web.Response(status=entry.status, body=entry.answer.encode(), content_type=entry.content_type)
+            return self._done(run, exchange, answer, started)
+        stream = web.StreamResponse(status=entry.status, headers={"Content-Type": entry.content_type})
+        stream.enable_chunked_encoding()
+        await stream.prepare(request)
+        data = entry.answer.encode()
+        await stream.write(data)
+        await stream.write_eof()
+        exchange.answered(data)
+        journal.append(run.journal, exchange.finish(entry.status, stream=True, latency=time.monotonic() - started))
+        return stream
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -263,21 +343,11 @@ def _upstream_failure(status: int, body: bytes) -> str:
     return f"upstream returned status {status} ({words}): {str(detail)[:300]}".rstrip(": ")
 
 
-_ERRNO_WORDS = {
-    errno.ECONNREFUSED: "connection refused",
-    errno.EHOSTUNREACH: "no route to host",
-    errno.ENETUNREACH: "network is unreachable",
-    errno.ECONNRESET: "connection reset",
-}
-
-
-def _reason(exc: BaseException) -> str:
-    """A short reason in words (pvisor and people both read it)."""
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return f"name or service not known ({exc.host})"
-    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno in _ERRNO_WORDS:
-        return _ERRNO_WORDS[exc.os_error.errno]
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    text = str(exc) or type(exc).__name__
-    return text.split("\n")[0][:200]
+def _refusal(refused: Refused) -> web.Response:
+    """What the agent gets once the upstream's refusals outlasted the retry budget: its status and words, or
+    the connection's failure."""
+    if refused.status is not None:
+        return _error(refused.status, _upstream_failure(refused.status, refused.body))
+    if isinstance(refused.error, TimeoutError):
+        return _error(504, "upstream connection timed out")
+    return _error(502, f"upstream connection error: {reason(refused.error or Exception('failed'))}")

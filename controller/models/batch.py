@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 
 from pydantic import BaseModel
+
+from ..units import percentile
+from .record import ModelTotals
+
+__all__ = ["FINAL_STATUSES", "PHASES", "RESULTS_FILE", "BatchSummary", "ImageStats", "ItemResult", "percentile"]
 
 SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
 #: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
@@ -32,6 +36,8 @@ class ItemResult(BaseModel):
     skipped: bool = False
     """Finished in an earlier run with the same content key, so not run again."""
     path: str | None = None
+    model: ModelTotals | None = None
+    """A live continuation's model figures, every attempt's calls included."""
 
     @property
     def ran(self) -> bool:
@@ -84,11 +90,6 @@ class BatchSummary(BaseModel):
     """Why the batch stopped starting items before the end (the run directory's filesystem is full)."""
     images: ImageStats | None = None
     """The task images it pulled, when it named any by reference."""
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+    model: ModelTotals | None = None
+    """Live continuations' model figures over every item of this run that has them (latency: the median of the
+    items' medians, and the 90th percentile of their 90th percentiles)."""

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from ..files.archive import Skipped
 from ..files.atomic import write_atomic
 from ..files.trees import WorkspaceChanges
+from ..units import percentile
 from .image import ImageRef
 from .result import ReplayResult
 
@@ -127,18 +128,106 @@ class Failure(BaseModel):
         return self.category == DISK_FULL
 
 
+class ModelDrift(BaseModel):
+    """Where a continuation's requests stopped matching the cassette it was served from."""
+
+    call: int
+    """The model call (1-based) whose request differed."""
+    field: str
+    """``messages``, ``input``, ... or ``calls`` when the run made more calls than the tape holds."""
+    message: int | None = None
+    """The first message of ``field`` (0-based) that differs."""
+    diff: str
+    """A unified diff of that message, as recorded and as sent (cut at a few lines)."""
+
+
+class ModelTotals(BaseModel):
+    """A run's model calls, added up from its journal."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    """Input tokens, the cached ones included (as the APIs count them)."""
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    retries: int = 0
+    """Upstream refusals the gateway retried before an answer reached the agent."""
+    errors: int = 0
+    """Calls whose answer to the agent was an error, or a stream that broke off."""
+    waited_seconds: float = 0.0
+    """Time calls waited for a slot in the batch's limits (--model-concurrency, --model-rpm, --model-tpm)."""
+    latency_p50_ms: float | None = None
+    latency_p90_ms: float | None = None
+    cost: float | None = None
+    """What the tokens cost at --model-price (None without prices)."""
+    drift: ModelDrift | None = None
+    """With a cassette served back: the first request that differed from the recording."""
+
+    def describe(self) -> str:
+        """One line for people: ``12 calls, 48.2k tokens in (40.0k cached), 1.3k out, 2 retries, ...``."""
+        parts = [
+            f"{self.calls} calls",
+            f"{_count(self.input_tokens)} tokens in"
+            + (f" ({_count(self.cached_tokens)} cached)" if self.cached_tokens else ""),
+            f"{_count(self.output_tokens)} out",
+            f"{self.retries} retries",
+            f"{self.errors} errors",
+        ]
+        if self.waited_seconds:
+            parts.append(f"waited {self.waited_seconds:.1f}s for a slot")
+        if self.latency_p50_ms is not None:
+            parts.append(f"latency p50 {self.latency_p50_ms:.0f} ms, p90 {self.latency_p90_ms or 0:.0f} ms")
+        if self.cost is not None:
+            parts.append(f"cost {self.cost:.4f}")
+        if self.drift is not None:
+            parts.append(f"drift at call {self.drift.call}")
+        return ", ".join(parts)
+
+
+def _count(tokens: int) -> str:
+    return f"{tokens / 1000:.1f}k" if tokens >= 10_000 else str(tokens)
+
+
+def add_totals(parts: list[ModelTotals]) -> ModelTotals | None:
+    """Several runs' model figures as one: counts, tokens, waits and costs added up; latency as the median of
+    their medians and the 90th percentile of their 90th percentiles; the first drift (None: no parts)."""
+    if not parts:
+        return None
+    medians = [p.latency_p50_ms for p in parts if p.latency_p50_ms is not None]
+    nineties = [p.latency_p90_ms for p in parts if p.latency_p90_ms is not None]
+    costs = [p.cost for p in parts if p.cost is not None]
+    return ModelTotals(
+        calls=sum(p.calls for p in parts),
+        input_tokens=sum(p.input_tokens for p in parts),
+        output_tokens=sum(p.output_tokens for p in parts),
+        cached_tokens=sum(p.cached_tokens for p in parts),
+        retries=sum(p.retries for p in parts),
+        errors=sum(p.errors for p in parts),
+        waited_seconds=round(sum(p.waited_seconds for p in parts), 3),
+        latency_p50_ms=percentile(medians, 0.5) if medians else None,
+        latency_p90_ms=percentile(nineties, 0.9) if nineties else None,
+        cost=round(sum(costs), 6) if costs else None,
+        drift=next((p.drift for p in parts if p.drift is not None), None),
+    )
+
+
 class ModelInfo(BaseModel):
     """The live continuation's model, as the gateway saw it (never the key)."""
 
-    upstream: str
+    upstream: str | None
+    """The endpoint the gateway forwarded to (None: a cassette served every answer)."""
     model: str
     network: str
     """``unix``, ``internal`` or ``pass-through``."""
-    api_key_env: str
+    api_key_env: str | None
     """The name of the host variable the key came from."""
     journal: str | None = None
     """``model-traffic.jsonl`` (relative to the run directory); none with ``pass-through``."""
     requests: int = 0
+    totals: ModelTotals | None = None
+    """Calls, tokens, retries, errors, waits, latency and cost, from the journal (none with ``pass-through``);
+    in the record of a replay that took several attempts, every attempt's calls."""
+    cassette: str | None = None
+    """``record`` or ``replay``, with a cassette."""
 
 
 class AttemptSummary(BaseModel):

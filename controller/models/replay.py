@@ -74,6 +74,8 @@ class PreparedReplay(BaseModel):
     """The first attempt's run id (later attempts add ``-a<n>``)."""
     out_dir: Path
     """The run directory on the host."""
+    name: str = ""
+    """The run's name: its run directory's (a batch item's id). A cassette's tapes are named after it."""
     workspace_path: str
     """The workspace's absolute path inside the sandbox."""
     user: str

@@ -27,6 +27,7 @@ from pydantic import (
 
 from ..errors import UsageError
 from ..units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, parse_size
+from .gateway import Cassette, DriftAction, ModelPrice
 
 Mode = Literal["continue", "replay-only", "prepare-only"]
 Network = Literal["none", "bridge"]
@@ -62,6 +63,10 @@ Bytes = Annotated[int, BeforeValidator(size_value), Field(gt=0), WithJsonSchema(
 Seconds = Annotated[
     float, BeforeValidator(duration_value), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
 ]
+#: Seconds, where 0 means none at all.
+SecondsOrNone = Annotated[
+    float, BeforeValidator(duration_value), Field(ge=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
+]
 
 #: The flat ``--model-*`` options (and manifest keys) and the :class:`ModelUpstream` field each one sets.
 MODEL_OPTIONS = {
@@ -71,8 +76,17 @@ MODEL_OPTIONS = {
     "model_network": "network",
     "model_body_limit": "body_limit",
     "model_timeout": "timeout",
+    "model_retry_budget": "retry_budget",
+    "model_concurrency": "concurrency",
+    "model_rpm": "requests_per_minute",
+    "model_tpm": "tokens_per_minute",
+    "model_price": "price",
+    "model_cassette": "cassette",
+    "on_drift": "on_drift",
 }
 _MODEL_REQUIRED = ("model_base_url", "model", "model_api_key_env")
+#: Without an upstream (a cassette served back), the model's name is all a continuation needs.
+_REPLAYING_REQUIRED: tuple[str, ...] = ("model",)
 #: ``--no-model-bodies`` (a manifest's ``no_model_bodies``), which is ``--model-body-limit 0``.
 NO_MODEL_BODIES_HELP = "Keep no bodies in model-traffic.jsonl (the same as a body limit of 0)."
 
@@ -83,13 +97,14 @@ class ModelUpstream(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, defer_build=True)
 
-    base_url: str
+    base_url: str | None = None
     """The real OpenAI-compatible endpoint, e.g. ``https://api.example.com/v1``; a host-side gateway forwards
-    the agent's calls to it."""
+    the agent's calls to it (none when a cassette is served back)."""
     model: str
     """Model name given to the agent (as ``MODEL_NAME``)."""
-    api_key_env: str
-    """Name of the host variable holding the real key; the key itself is never taken from a flag."""
+    api_key_env: str | None = None
+    """Name of the host variable holding the real key; the key itself is never taken from a flag (none when a
+    cassette is served back)."""
     network: ModelNetwork = "unix"
     """How the sandbox reaches the gateway: ``unix`` (no network, a mounted socket), ``internal`` (a Docker
     network of its own) or ``pass-through`` (straight to the upstream, with the real key)."""
@@ -97,21 +112,55 @@ class ModelUpstream(BaseModel):
     """Bytes of each request and response body kept in ``model-traffic.jsonl``; 0 keeps none."""
     timeout: Seconds = 300.0
     """How long the gateway waits for the upstream before answering 504."""
+    retry_budget: SecondsOrNone = 120.0
+    """How long the gateway keeps retrying a model call the upstream refused before its first byte (429, 5xx,
+    a refused or reset connection), with backoff and jitter, honouring Retry-After; only what outlasts it
+    reaches the agent (0: none). A stream that broke off after its first bytes is never retried."""
+    concurrency: int | None = Field(default=None, ge=1)
+    """Model calls in flight at once across the whole batch (every node of a cluster); the others wait."""
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    """Model calls started per minute across the whole batch; the others wait."""
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    """Tokens (in and out, as the upstream reports them) per minute across the whole batch; a call waits while
+    the last minute's tokens reach it."""
+    price: ModelPrice | None = None
+    """Prices per million tokens, ``input=3,output=15[,cached=0.3]``: records, summary and report show costs."""
+    cassette: Cassette | None = None
+    """``record DIR``: keep every item's model exchanges in DIR; ``replay DIR``: serve them back with no upstream
+    and no key (drift is reported: see on-drift)."""
+    on_drift: DriftAction = "fail"
+    """With a cassette served back, a request that differs from the recorded one: ``fail`` answers an error
+    (the item fails as model_drift), ``serve`` answers the recorded answer all the same. Both record where."""
 
     @field_validator("base_url")
     @classmethod
-    def _url(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", value):
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
             raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 
+    @model_validator(mode="after")
+    def _upstream_or_cassette(self) -> ModelUpstream:
+        replaying = self.cassette is not None and self.cassette.replaying
+        if not replaying and (self.base_url is None or self.api_key_env is None):
+            raise ValueError("a model gateway needs --model-base-url and --model-api-key-env (or a cassette to replay)")
+        if replaying and not self.gateway:
+            raise ValueError("a cassette is served by the gateway: --model-network pass-through has none")
+        return self
+
     @field_validator("api_key_env")
     @classmethod
-    def _key_env(cls, value: str) -> str:
+    def _key_env(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if not _ENV_NAME.match(value):
             # not echoed: a value that is no variable name may well be the key itself
             raise ValueError("not a variable name (pass the name of the variable that holds the key, not the key)")
         return value
+
+    def api_key(self) -> str | None:
+        """The real key, from this process's environment (None: a cassette served back needs none)."""
+        return os.environ[self.api_key_env] if self.api_key_env is not None else None
 
     @property
     def gateway(self) -> bool:
@@ -269,8 +318,9 @@ class ReplaySpec(BaseModel):
         present = [name for name in _MODEL_REQUIRED if given.get(name) is not None]
         if not present:
             return fields  # tuning options alone (batch-wide defaults, say) change nothing without a model
-        if len(present) != len(_MODEL_REQUIRED):
-            missing = ", ".join(flag_name(name) for name in _MODEL_REQUIRED if name not in present)
+        required = _REPLAYING_REQUIRED if _replaying(given.get("model_cassette")) else _MODEL_REQUIRED
+        if any(given.get(name) is None for name in required):
+            missing = ", ".join(flag_name(name) for name in required if name not in present)
             raise ValueError(
                 f"a model gateway needs --model-base-url, --model and --model-api-key-env; missing {missing}"
             )
@@ -294,6 +344,15 @@ class ReplaySpec(BaseModel):
     def continuation(self) -> ModelUpstream | None:
         """The upstream of a live continuation (``--mode continue`` with ``--model-base-url``), else None."""
         return self.upstream if self.mode == "continue" else None
+
+
+def _replaying(cassette: Any) -> bool:
+    """Whether a ``--model-cassette`` value (``[MODE, DIR]``, a mapping or a :class:`Cassette`) serves back."""
+    if isinstance(cassette, Cassette):
+        return cassette.replaying
+    if isinstance(cassette, list | tuple) and cassette:
+        return bool(cassette[0] == "replay")
+    return isinstance(cassette, dict) and bool(cassette.get("mode") == "replay")
 
 
 def check_workspace_path(value: str) -> str:

@@ -94,6 +94,7 @@ def check_inputs(
     user = _user(spec)
     run_id = run_id or spec.run_id or new_run_id()
     out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
+    _cassette(spec, out_dir.name)
     checked = CheckedInputs(
         spec=spec,
         trajectory=trajectory,
@@ -186,6 +187,22 @@ def _env_values(spec: ReplaySpec) -> None:
         raise UsageError(f"--env {missing[0]}: {missing[0]} is not set in this environment")
 
 
+def _cassette(spec: ReplaySpec, name: str) -> None:
+    """A cassette served back must hold this run's tape; one to record into must be a directory we can make."""
+    cassette = spec.continuation.cassette if spec.continuation is not None else None
+    if cassette is None:
+        return
+    flag = f"--model-cassette {cassette.mode} {cassette.dir}"
+    if cassette.replaying:
+        if not cassette.tape(name).is_file():
+            raise UsageError(f"{flag}: no tape {name}.jsonl there", hint="record one with --model-cassette record DIR")
+        return
+    try:
+        cassette.dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot make the directory ({exc.strerror})") from None
+
+
 def _continuation(spec: ReplaySpec, profile: AgentProfile) -> None:
     if spec.mode != "continue":
         return
@@ -206,7 +223,7 @@ def _continuation(spec: ReplaySpec, profile: AgentProfile) -> None:
 
 
 def _gateway_inputs(spec: ReplaySpec, upstream: ModelUpstream, profile: AgentProfile) -> None:
-    if not os.environ.get(upstream.api_key_env):
+    if upstream.api_key_env is not None and not os.environ.get(upstream.api_key_env):
         raise UsageError(f"--model-api-key-env {upstream.api_key_env}: {upstream.api_key_env} is not set or empty")
     if upstream.gateway and spec.network != "none":
         raise UsageError(

@@ -82,6 +82,7 @@ def assemble(
         trajectory=checked.trajectory,
         run_id=checked.run_id,
         out_dir=checked.out_dir,
+        name=checked.out_dir.name,
         workspace_path=agent.workspace_path,
         user=checked.user,
         image=image,

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from ..errors import UsageError
 from ..models.batch import PHASES, RESULTS_FILE, ItemResult, percentile
-from ..models.record import ReplayRecord, load_record
+from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
 from .budget import PAGE_BUDGET, base_size, fit
 from .model import (
     REPORT_SCHEMA,
@@ -63,12 +63,17 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
         by_command=_groups(items, by_command=True),
         diffs_dropped=0,
         exact_hidden=0,
+        model=_model_line(add_totals([r.model for r in ran if r.model is not None])),
         defaults=field_defaults(),
     )
     fixed, base = len(data.page_json()) + 64, base_size(items)
     unread = _add_diffs([(v, source) for v, source in read if source is not None], budget - fixed - base)
     dropped, hidden = fit(items, fixed=fixed, base=base, budget=budget)
     return data.model_copy(update={"items": items, "diffs_dropped": unread + dropped, "exact_hidden": hidden})
+
+
+def _model_line(totals: ModelTotals | None) -> str | None:
+    return totals.describe() if totals is not None else None
 
 
 def _stats(values: list[float]) -> PhaseStats:
@@ -137,6 +142,8 @@ def _item(out: Path, result: ItemResult) -> tuple[ItemView, _Observations | None
         attempts=result.attempts,
         skipped=result.skipped,
         dir=result.path,
+        tokens=result.model.input_tokens + result.model.output_tokens if result.model is not None else None,
+        model=_model_line(result.model),
     )
     item_dir = out / result.path if result.path is not None else None
     if item_dir is None or not item_dir.is_dir():

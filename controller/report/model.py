@@ -83,6 +83,10 @@ class ItemView(BaseModel):
     exact_listed: bool = True
     """False when the exact calls were left out of ``calls`` to keep the page small."""
     next_action: NextActionView | None = None
+    tokens: int | None = None
+    """A live continuation's model tokens, in and out (every attempt's)."""
+    model: str | None = None
+    """Its model figures in one line: calls, tokens, retries, errors, waits, latency, cost."""
 
 
 class PhaseStats(BaseModel):
@@ -124,6 +128,8 @@ class ReportData(BaseModel):
     """Calls that did not reproduce and have no diff because the page had no room for one."""
     exact_hidden: int
     """Items whose exact calls were left out to keep the page small."""
+    model: str | None = None
+    """The batch's model figures in one line (live continuations only)."""
     defaults: dict[str, dict[str, Any]]
     """The defaults of ``item`` and ``call`` fields, which the page's JSON leaves out."""
 

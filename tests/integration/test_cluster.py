@@ -122,6 +122,32 @@ def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_pat
     assert len(heads) == 1 and heads[0]["engine"] is None  # the head has no engine: nothing ran there
 
 
+def test_the_model_concurrency_holds_across_the_nodes(cluster, tmp_path):
+    """Six continuations on two nodes of two slots, each node's sandboxes behind their own gateways, one call in
+    flight at a time: the batch's limit, held by one actor, not a node's or a sandbox's."""
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "live.jsonl", claude_files_session())
+    lines = [{"id": f"live{n}", "trajectory": "live.jsonl", "after_step": 4, "mode": "continue", "max_steps": 8}
+             for n in range(6)]  # fmt: skip
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    with StubServer(host=cluster.host) as stub:
+        stub.model.hold = 1.0  # each call stays in flight a while: without the limit, calls would overlap
+        done = batch(manifest, out, "--cluster", cluster.address, "--model-base-url", stub.base_url, "--model",
+                     "stub-model", "--model-api-key-env", "PVH_TEST_MODEL_KEY", "--model-concurrency", "1",
+                     env=cluster.env)  # fmt: skip
+        peak, calls = stub.model.peak, len(stub.model.model_requests())
+    assert done.code == 0, done.stderr[-3000:]
+    ran = records(out)
+    assert {r["status"] for r in ran.values()} == {"ok"}
+    assert {r["host"]["node"] for r in ran.values()} == set(cluster.nodes)
+    assert peak == 1
+    assert sum(r["model"]["totals"]["calls"] for r in ran.values()) == calls
+    assert sum(r["model"]["totals"]["waited_seconds"] for r in ran.values()) > 1  # calls did queue for the slot
+
+
 @contextlib.contextmanager
 def running_batch(manifest: Path, out: Path, cluster: Cluster, grace: int = 3) -> Iterator[subprocess.Popen[str]]:
     """A cluster batch in the background; one still running when the test ends is interrupted like a user would."""

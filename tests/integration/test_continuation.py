@@ -99,6 +99,7 @@ def test_continuation_through_the_gateway_keeps_the_key_on_the_host(tmp_path, do
     assert all(e["status"] == 200 and e["session_id"] == run_id and e["usage"] for e in journal)
     assert all(not any("authorization" in key.lower() for key in e) for e in journal)
     assert "pvhtok-" not in (out / "model-traffic.jsonl").read_text()
+    figures = record["model"].pop("totals")
     assert record["model"] == {
         "upstream": stub.base_url,
         "model": "stub-model",
@@ -106,7 +107,13 @@ def test_continuation_through_the_gateway_keeps_the_key_on_the_host(tmp_path, do
         "api_key_env": "PVH_TEST_MODEL_KEY",
         "journal": "model-traffic.jsonl",
         "requests": len(requests),
+        "cassette": None,
     }
+    served = stub.model.served_usage
+    tokens_in = sum(u.get("prompt_tokens", u.get("input_tokens", 0)) for u in served)
+    assert (figures["calls"], figures["input_tokens"], figures["output_tokens"]) == (
+        len(requests), tokens_in, 10 * len(served))  # fmt: skip
+    assert (figures["retries"], figures["errors"], figures["cost"]) == (0, 0, None)
 
 
 PROBE = (
@@ -158,6 +165,8 @@ def test_retryable_upstream_failures_are_retried_in_a_fresh_sandbox(tmp_path, cl
                 "3",
                 "--retry-backoff",
                 "1s",
+                "--model-retry-budget",
+                "0",  # the gateway passes the failure on at once: the retry here is a fresh sandbox's
             ),
             env=KEY_ENV,
         )
@@ -196,7 +205,17 @@ def test_a_refused_upstream_is_retried_until_it_comes_back(tmp_path, claude_imag
     try:
         result = run_cli(
             *_continue(
-                base_url, "claude-code", tmp_path, "--out", str(out), "--attempts", "3", "--retry-backoff", "2s"
+                base_url,
+                "claude-code",
+                tmp_path,
+                "--out",
+                str(out),
+                "--attempts",
+                "3",
+                "--retry-backoff",
+                "2s",
+                "--model-retry-budget",
+                "0",
             ),
             env=KEY_ENV,
         )

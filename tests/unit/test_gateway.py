@@ -5,6 +5,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -95,7 +97,7 @@ def test_streams_pass_through_and_usage_is_read_from_the_last_event(stub, tmp_pa
 
 
 def test_upstream_failures_become_gateway_answers(tmp_path):
-    config = ModelUpstream(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="X", network="unix")
+    config = ModelUpstream(base_url="http://127.0.0.1:9/v1", model="m", api_key_env="X", network="unix", retry_budget=0)
     journal = tmp_path / "j.jsonl"
     with Gateway(config, REAL_KEY) as gateway:
         access = gateway.access("run-3", journal)
@@ -158,9 +160,9 @@ def test_a_chunked_request_body_is_forwarded_whole_and_the_connection_stays_in_s
     assert chat["body"] == body and listing["method"] == "GET"
 
 
-def test_upstream_errors_pass_through_with_their_status(stub, tmp_path):
+def test_upstream_errors_pass_through_with_their_status_once_the_budget_is_spent(stub, tmp_path):
     stub.model.fail_next(429)
-    with gateway_for(stub, body_limit=0) as gateway:
+    with gateway_for(stub, body_limit=0, retry_budget=0) as gateway:
         access = gateway.access("run-4", tmp_path / "j.jsonl")
         status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
     assert status == 429
@@ -191,3 +193,108 @@ def test_the_gateway_address_does_not_depend_on_the_engine_filling_it_in(ipam, a
 def test_a_network_without_an_ipv4_subnet_is_refused_in_words(ipam):
     with pytest.raises(ValueError, match="network n has no IPv4 subnet"):
         network_gateway({"Name": "n", "IPAM": ipam})
+
+
+def journal_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_rate_limit_is_waited_out_as_retry_after_says_before_the_agent_sees_anything(stub, tmp_path):
+    stub.model.fail_for(1.5, 429, retry_after=1)
+    with gateway_for(stub) as gateway:
+        access = gateway.access("run-7", tmp_path / "j.jsonl")
+        started = time.monotonic()
+        status, _ = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+        took = time.monotonic() - started
+    assert status == 200 and 1.5 <= took < 5
+    (entry,) = journal_of(tmp_path / "j.jsonl")
+    assert entry["status"] == 200
+    assert [(r["status"], r["retry_after"], r["wait_ms"]) for r in entry["retries"]] == [(429, 1.0, 1000.0)] * 2
+    assert len(stub.model.model_requests()) == 3
+
+
+def test_failures_beyond_the_budget_reach_the_agent_with_their_status_and_every_retry_is_journaled(stub, tmp_path):
+    stub.model.fail_for(60, 500)
+    with gateway_for(stub, retry_budget=3) as gateway:
+        access = gateway.access("run-8", tmp_path / "j.jsonl")
+        started = time.monotonic()
+        status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+        took = time.monotonic() - started
+    assert status == 500 and took < 3.5  # no sleep is begun that would end past the budget
+    assert "upstream returned status 500 (internal server error)" in json.loads(answer)["error"]["message"]
+    (entry,) = journal_of(tmp_path / "j.jsonl")
+    assert len(entry["retries"]) == len(stub.model.model_requests()) - 1 >= 1
+    assert all(r["status"] == 500 and "retry_after" not in r for r in entry["retries"])
+
+
+def test_a_refused_connection_is_retried_until_the_upstream_comes_back(tmp_path):
+    with StubServer() as probe:  # a free port, free again
+        port = probe.httpd.server_address[1]
+    config = ModelUpstream(base_url=f"http://127.0.0.1:{port}/v1", model="m", api_key_env="X", network="unix")
+    started: list[StubServer] = []
+    later = threading.Timer(1.0, lambda: started.append(StubServer(port=port).__enter__()))
+    with Gateway(config, REAL_KEY) as gateway:
+        access = gateway.access("run-9", tmp_path / "j.jsonl")
+        later.start()
+        try:
+            status, _ = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+        finally:
+            later.join()
+            for server in started:
+                server.__exit__()
+    assert status == 200
+    (entry,) = journal_of(tmp_path / "j.jsonl")
+    assert entry["retries"] and {r["error"] for r in entry["retries"]} == {"connection refused"}
+
+
+def test_calls_in_flight_never_exceed_the_concurrency_and_the_wait_is_journaled(stub, tmp_path):
+    stub.model.hold = 0.3
+    with gateway_for(stub, concurrency=2) as gateway:
+        accesses = [gateway.access(f"run-c{n}", tmp_path / f"j{n}.jsonl") for n in range(6)]
+        answers: list[int] = []
+        threads = [
+            threading.Thread(target=lambda a=a: answers.append(post(gateway, "/v1/chat/completions", {}, a.api_key)[0]))
+            for a in accesses
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert answers == [200] * 6 and stub.model.peak == 2
+    waits = sorted(journal_of(tmp_path / f"j{n}.jsonl")[0]["waited_ms"] for n in range(6))
+    assert waits[:2] == [0.0, 0.0] or waits[0] < 50  # the first two went at once
+    assert waits[-1] >= 500  # the last two waited for two rounds of 0.3 s
+
+
+def test_a_cassette_records_then_serves_with_no_upstream_and_names_the_first_drifting_message(stub, tmp_path):
+    from pvisor_host.gateway.cassette import Tape
+    from pvisor_host.models.gateway import Cassette
+
+    tape = tmp_path / "t.jsonl"
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "tools": []}
+    with gateway_for(stub, cassette=Cassette(mode="record", dir=tmp_path)) as gateway:
+        access = gateway.access("rec", tmp_path / "rec.jsonl", Tape(tape, replaying=False))
+        first = post(gateway, "/v1/chat/completions", chat, access.api_key)
+        streamed = post(gateway, "/v1/responses", {"stream": True, "input": [{"role": "user", "content": "x"}]},
+                        access.api_key)  # fmt: skip
+    assert [json.loads(line)["call"] for line in tape.read_text().splitlines()] == [1, 2]
+    assert REAL_KEY not in tape.read_text() and access.api_key not in tape.read_text()
+    offline = ModelUpstream(model="stub-model", network="unix", cassette=Cassette(mode="replay", dir=tmp_path))
+    with Gateway(offline, None) as gateway:
+        access = gateway.access("rep", tmp_path / "rep.jsonl", Tape(tape, replaying=True))
+        assert post(gateway, "/v1/chat/completions", chat, access.api_key) == first
+        assert post(gateway, "/v1/responses", {"stream": True, "input": [{"role": "user", "content": "x"}]},
+                    access.api_key) == streamed  # fmt: skip
+        drifted = Tape(tape, replaying=True)
+        access = gateway.access("drift", tmp_path / "drift.jsonl", drifted)
+        changed = dict(chat, messages=[{"role": "user", "content": "hello"}])
+        status, answer = post(gateway, "/v1/chat/completions", changed, access.api_key)
+    assert status == 400
+    assert json.loads(answer)["error"]["message"].endswith("cassette drift at call 1: messages message 0 differs "
+                                                           "from the recording")  # fmt: skip
+    assert drifted.drift is not None and (drifted.drift.call, drifted.drift.field, drifted.drift.message) == (
+        1, "messages", 0)  # fmt: skip
+    assert '- "content": "hi",' in drifted.drift.diff.splitlines() and '+ "content": "hello",' in drifted.drift.diff
+    assert len(stub.model.model_requests()) == 2  # nothing reached the upstream while serving
+    (entry,) = journal_of(tmp_path / "drift.jsonl")
+    assert entry["drift"]["message"] == 0 and entry["status"] == 400

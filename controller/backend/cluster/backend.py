@@ -34,6 +34,7 @@ from ...errors import InfrastructureError, PrerequisiteError, UsageError
 from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
+from .limits import ClusterLimits
 from .node import tasks as on_node
 from .ship import Shipper
 
@@ -66,14 +67,26 @@ GRACE_ENV = "PVISOR_HOST_CLUSTER_GRACE"
 
 class ClusterGateway:
     """A continuation's model, for sandboxes on nodes: each copy's node starts its own gateway with the key,
-    which travels to it only over the cluster's authenticated channel."""
+    which travels to it only over the cluster's authenticated channel. The batch's model limits are one
+    :class:`~.limits.ClusterLimits` actor on the driver's node, which every node's gateway takes its slots in."""
 
-    def __init__(self, upstream: ModelUpstream) -> None:
+    def __init__(self, upstream: ModelUpstream, ray: Any = None, node_id: str = "") -> None:
         self.upstream = upstream
-        self.key = os.environ[upstream.api_key_env]
+        self.key = upstream.api_key()
+        self.limits: Any = None
+        self._ray = ray
+        if ray is not None and any(
+            (upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
+        ):  # fmt: skip
+            actor = ray.remote(ClusterLimits).options(num_cpus=0, scheduling_strategy=pinned_to(node_id))
+            self.limits = actor.remote(upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
 
     def close(self) -> None:
-        """Nothing runs here; each node's gateway closes with its copy."""
+        """Each node's gateway closes with its copy; the batch's limits go with the batch."""
+        if self.limits is not None and self._ray is not None:
+            with contextlib.suppress(Exception):
+                self._ray.kill(self.limits)
+            self.limits = None
 
 
 class ClusterBackend:
@@ -211,7 +224,7 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.open_gateway`: each node runs its own gateway."""
         if not upstream.gateway:
             raise UsageError("--model-network pass-through does not run on a cluster (the key would enter a sandbox)")
-        return ClusterGateway(upstream)
+        return ClusterGateway(upstream, self.ray, self.ray.get_runtime_context().get_node_id())
 
     def run_attempt(
         self,
@@ -222,7 +235,7 @@ class ClusterBackend:
         cancel: threading.Event | None = None,
     ) -> ReplayRecord:
         """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: as Ray tasks (see :mod:`.copies`)."""
-        run = AttemptRun(self, prepared, attempt, gateway.key if gateway is not None else None)
+        run = AttemptRun(self, prepared, attempt, gateway)
         return run.follow(cancel)
 
     def cancel(self) -> None:

@@ -153,8 +153,11 @@ class Copy:
 class AttemptRun:
     """One attempt on the cluster: its copies, followed until the first finishes (see the module docstring)."""
 
-    def __init__(self, backend: Cluster, prepared: PreparedReplay, attempt: Attempt, key: str | None) -> None:
-        self.backend, self.prepared, self.attempt, self.key = backend, prepared, attempt, key
+    def __init__(self, backend: Cluster, prepared: PreparedReplay, attempt: Attempt, gateway: Any = None) -> None:
+        self.backend, self.prepared, self.attempt = backend, prepared, attempt
+        self.key: str | None = gateway.key if gateway is not None else None
+        self.model_limits = gateway.limits if gateway is not None else None
+        """The batch's model limits (a Ray actor), or None."""
         self.ray = backend.ray
         self.copies: list[Copy] = []
         self.reasons: dict[str, str] = {}
@@ -166,6 +169,10 @@ class AttemptRun:
         self.trajectory = prepared.trajectory.path.read_bytes()
         workspace = prepared.spec.workspace_dir
         self.workspace = backend.workspace_ref(workspace.absolute()) if workspace is not None else None
+        upstream = prepared.spec.continuation
+        cassette = upstream.cassette if upstream is not None else None
+        self.tape = cassette.tape(prepared.name).read_bytes() if cassette is not None and cassette.replaying else None
+        """With a cassette served back: the run's tape, for the node's gateway."""
 
     def submit(self) -> Copy:
         request = {
@@ -174,6 +181,8 @@ class AttemptRun:
             "attempt": self.attempt.number,
             "run_id": self.attempt.run_id,
             "image": self.backend.image_manifest(self.prepared, chunks=self.chunks),
+            "model_limits": self.model_limits,
+            "tape": self.tape,
         }
         copy_id = f"{self.attempt.run_id}/{uuid.uuid4().hex[:8]}"
         ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     import docker
     from docker.models.containers import Container
 
+    from ...gateway.limits import Limits
     from ...models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
     from ...models.image import (
         BuildOptions,
@@ -243,14 +244,17 @@ class DockerBackend:
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
         return launch.describe(prepared, cspec)
 
-    def open_gateway(self, upstream: ModelUpstream, *, user: str, api_key: str | None = None) -> Gateway:
+    def open_gateway(
+        self, upstream: ModelUpstream, *, user: str, api_key: str | None = None, limits: Limits | None = None
+    ) -> Gateway:
         """See :meth:`pvisor_host.backend.base.Backend.open_gateway`; ``api_key`` is the real key when it did not
-        come from this process's environment (a cluster node gets it from the driver)."""
+        come from this process's environment, and ``limits`` the batch's when they are not this gateway's own
+        (a cluster node gets both from the driver)."""
         from .gateway import Gateway
 
         uid, _ = parse_user(user)
-        key = api_key if api_key is not None else os.environ[upstream.api_key_env]
-        gateway = Gateway(upstream, key, client=self.client, ownership=self._ownership, sandbox_uid=uid)
+        key = api_key if api_key is not None else upstream.api_key()
+        gateway = Gateway(upstream, key, client=self.client, ownership=self._ownership, sandbox_uid=uid, limits=limits)
         return gateway.start()
 
     def run_attempt(

@@ -1,7 +1,7 @@
 """The model gateway on this engine: where the proxy listens, and how a sandbox reaches it.
 
 The proxy itself (tokens, forwarding with the real key, streams, the journal) is engine-neutral:
-:class:`~pvisor_host.gateway.ModelProxy`. This module puts it where ``--model-network`` says:
+:class:`~pvisor_host.gateway.proxy.ModelProxy`. This module puts it where ``--model-network`` says:
 
 * ``unix`` (default): a unix socket in a short-lived host directory, bind-mounted read-only into a sandbox
   that has no network at all; a static relay started in the sandbox before pvisor listens on
@@ -32,7 +32,9 @@ from pydantic import BaseModel
 
 from ..._log import logger
 from ...errors import InfrastructureError
-from ...gateway import ModelProxy
+from ...gateway.cassette import Tape
+from ...gateway.limits import Limits
+from ...gateway.proxy import ModelProxy
 from ...models.ownership import Ownership
 from ...models.spec import ModelUpstream
 from . import labels as L
@@ -61,23 +63,25 @@ class ModelAccess(BaseModel):
 
 class Gateway:
     """The model gateway of one ``replay`` (all its attempts) or one ``batch`` on this engine: the proxy
-    (:class:`~pvisor_host.gateway.ModelProxy`), listening where ``--model-network`` says. :meth:`start` it,
+    (:class:`~pvisor_host.gateway.proxy.ModelProxy`), listening where ``--model-network`` says. :meth:`start` it,
     :meth:`close` it (or use it as a context manager)."""
 
     def __init__(
         self,
         upstream: ModelUpstream,
-        api_key: str,
+        api_key: str | None,
         *,
         client: docker.DockerClient | None = None,
         ownership: Ownership | None = None,
         sandbox_uid: int | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.config = upstream
         self._api_key = api_key
         self._client = client
         self._ownership = ownership
         self._uid = sandbox_uid
+        self._limits = limits
         self._proxy: ModelProxy | None = None
         self._socket_dir: Path | None = None
         self._network: Any = None
@@ -91,7 +95,7 @@ class Gateway:
         if not self.config.gateway:
             return self
         try:
-            self._proxy = ModelProxy(self.config, self._api_key).start()
+            self._proxy = ModelProxy(self.config, self._api_key, limits=self._limits).start()
             if self.config.network == "unix":
                 self._start_unix(self._proxy)
             else:
@@ -151,8 +155,9 @@ class Gateway:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def access(self, run_id: str, journal: Path) -> ModelAccess:
-        """Register a run (a fresh token, its journal) and say how its sandbox reaches the model."""
+    def access(self, run_id: str, journal: Path, tape: Tape | None = None) -> ModelAccess:
+        """Register a run (a fresh token, its journal, its cassette tape) and say how its sandbox reaches the
+        model."""
         model = self.config.model
         if self._proxy is None:  # pass-through
             logger.warning(
@@ -160,8 +165,9 @@ class Gateway:
                 "where replayed tool calls can read it",
                 self.config.api_key_env,
             )
+            assert self.config.base_url is not None and self._api_key is not None  # pass-through needs both
             return ModelAccess(base_url=self.config.base_url, api_key=self._api_key, model=model, network="bridge")
-        token = self._proxy.grant(run_id, journal)
+        token = self._proxy.grant(run_id, journal, tape)
         if self.config.network == "unix":
             return ModelAccess(
                 base_url=f"http://127.0.0.1:{RELAY_PORT}/v1",

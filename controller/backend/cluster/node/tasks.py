@@ -38,6 +38,7 @@ from ...._version import __version__
 from ....errors import InfrastructureError, Interrupted, PvisorHostError
 from ....models.replay import Attempt, PreparedReplay
 from ...docker.images import Reference
+from ..limits import RemoteLimits
 
 if TYPE_CHECKING:
     from ...docker import DockerBackend
@@ -203,8 +204,9 @@ def run_copy(
             return {"need_image": True}
         prepared, attempt = _materialize(base, request, trajectory, workspace)
         backend = backend_for(session)
-        if prepared.spec.continuation is not None and key is not None:
-            gateway = backend.open_gateway(prepared.spec.continuation, user=prepared.user, api_key=key)
+        if prepared.spec.continuation is not None:
+            limits = RemoteLimits(request["model_limits"], _node_id()) if request.get("model_limits") else None
+            gateway = backend.open_gateway(prepared.spec.continuation, user=prepared.user, api_key=key, limits=limits)
         backend.run_attempt(prepared, attempt, gateway=gateway, cancel=stop.event)
         interrupted = False
     except (Interrupted, KeyboardInterrupt):
@@ -240,6 +242,11 @@ def _materialize(
     source = base / "input" / prepared.trajectory.path.name
     source.write_bytes(trajectory)
     spec = prepared.spec
+    if request.get("tape") is not None and spec.upstream is not None and spec.upstream.cassette is not None:
+        cassette = spec.upstream.cassette.model_copy(update={"dir": base / "cassette"})  # the driver's tape, here
+        cassette.dir.mkdir()
+        cassette.tape(prepared.name).write_bytes(request["tape"])
+        spec = spec.model_copy(update={"upstream": spec.upstream.model_copy(update={"cassette": cassette})})
     if workspace is not None:
         with tarfile.open(fileobj=io.BytesIO(workspace), mode="r:") as archive:
             archive.extractall(base / "workspace", filter="data")

@@ -15,6 +15,8 @@ from pathlib import Path
 from ...._version import __version__
 from ....files.digest import hash_file
 from ....files.trees import diff_trees
+from ....gateway.journal import totals
+from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
 from ....models.record import (
     DISK_FULL,
@@ -23,6 +25,7 @@ from ....models.record import (
     ContainerInfo,
     Failure,
     Inputs,
+    ModelDrift,
     ModelInfo,
     ReplayRecord,
     ReplayStatus,
@@ -144,6 +147,11 @@ def build_record(
         memory=prepared.spec.memory,
         gvisor=prepared.runtime.gvisor,
     )
+    model = _model_info(state)
+    drift = model.totals.drift if model is not None and model.totals is not None else None
+    upstream = prepared.spec.continuation
+    if drift is not None and status != "ok" and upstream is not None and upstream.on_drift == "fail":
+        status, failure = "replay_failed", _drift_failure(drift, failure)
     info.exit_code = state.outcome.exit_code
     info.oom_killed = state.outcome.oom_killed
     info.timed_out = state.outcome.timed_out
@@ -174,7 +182,7 @@ def build_record(
             skipped=[s for r in reports.values() for s in r.skipped],
             logs_truncated=state.logs_truncated,
         ),
-        model=_model_info(state),
+        model=model,
         attempt=state.attempt.number,
         host={"hostname": socket.gethostname(), "owner": ownership.owner},
     )
@@ -209,7 +217,7 @@ def _artifacts(state: AttemptState) -> list[Artifact]:
     out = state.attempt.run_dir
     roles = _result_roles(state.result)
     artifacts: list[Artifact] = []
-    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", MODEL_JOURNAL):
+    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", MODEL_JOURNAL, MODEL_CASSETTE):
         path = out / name
         if path.is_file():
             size, digest = hash_file(path)
@@ -247,11 +255,25 @@ def _model_info(state: AttemptState) -> ModelInfo | None:
         return None
     journal: Path = state.attempt.run_dir / MODEL_JOURNAL
     requests_seen = len(journal.read_text(encoding="utf-8").splitlines()) if journal.is_file() else 0
+    replaying = upstream.cassette is not None and upstream.cassette.replaying
     return ModelInfo(
-        upstream=upstream.base_url,
+        upstream=None if replaying else upstream.base_url,
         model=upstream.model,
         network=upstream.network,
         api_key_env=upstream.api_key_env,
         journal=MODEL_JOURNAL if upstream.gateway else None,
         requests=requests_seen,
+        totals=totals(journal, upstream.price) if upstream.gateway and journal.is_file() else None,
+        cassette=upstream.cassette.mode if upstream.cassette is not None else None,
     )
+
+
+def _drift_failure(drift: ModelDrift, failure: Failure | None) -> Failure:
+    """A continuation served from a cassette that failed after its requests drifted from the recording: the
+    drift is the failure (the agent got an error, or answers to other questions)."""
+    where = drift.field + (f" message {drift.message}" if drift.message is not None else "")
+    cause = f" ({failure.category}: {failure.message[:200]})" if failure is not None else ""
+    return Failure(
+        category="model_drift", message=f"the request of model call {drift.call} differs from the cassette at "
+        f"{where}{cause}", retryable=False,
+    )  # fmt: skip

@@ -22,6 +22,8 @@ from ....files.archive import Budget
 from ....files.atomic import write_atomic
 from ....files.space import full_disk_raises
 from ....files.trees import Entry
+from ....gateway.cassette import Tape
+from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
 from ....models.record import ContainerInfo, ReplayRecord, save_record
 from ....models.replay import Attempt, PreparedReplay
@@ -58,13 +60,25 @@ def run_attempt(
     Raises:
         DiskFull: the run directory's filesystem has no space left (no record could be written).
     """
-    model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL) if gateway is not None else None
+    model = None
+    if gateway is not None:
+        model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL, _tape(prepared, attempt))
     try:
         with full_disk_raises(attempt.run_dir):
             return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds())
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
+
+
+def _tape(prepared: PreparedReplay, attempt: Attempt) -> Tape | None:
+    """The attempt's cassette tape: recorded into its run directory, or served from the cassette's."""
+    upstream = prepared.spec.continuation
+    if upstream is None or upstream.cassette is None:
+        return None
+    if upstream.cassette.replaying:
+        return Tape(upstream.cassette.tape(prepared.name), replaying=True)
+    return Tape(attempt.run_dir / MODEL_CASSETTE, replaying=False)
 
 
 def _run(

@@ -1,0 +1,140 @@
+"""The model gateway's own logic, without a sandbox: the batch's limits, a journal added up into a record's
+figures, prices, and how a cassette tells a request that drifted from its recording."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from pvisor_host.gateway.cassette import compare
+from pvisor_host.gateway.journal import totals
+from pvisor_host.gateway.limits import LocalLimits
+from pvisor_host.models.gateway import ModelPrice
+from pvisor_host.models.record import ModelTotals, add_totals
+from pvisor_host.models.spec import ReplaySpec
+
+
+def test_requests_per_minute_hold_a_call_until_the_window_moves_on():
+    async def run() -> list[float]:
+        limits = LocalLimits(requests_per_minute=2, window=0.4)
+        waits = []
+        for _ in range(3):
+            waits.append(await limits.acquire())
+            await limits.release(0)
+        return waits
+
+    first, second, third = asyncio.run(run())
+    assert first < 0.05 and second < 0.05 and 0.3 < third < 0.6
+
+
+def test_tokens_per_minute_hold_calls_while_the_last_window_used_them_up():
+    async def run() -> tuple[float, float]:
+        limits = LocalLimits(tokens_per_minute=100, window=0.4)
+        await limits.acquire()
+        await limits.release(60)
+        quick = await limits.acquire()  # 60 < 100: goes
+        await limits.release(60)
+        return quick, await limits.acquire()  # 120 >= 100: waits for the first 60 to leave the window
+
+    quick, held = asyncio.run(run())
+    assert quick < 0.05 and 0.25 < held < 0.6
+
+
+def test_concurrency_lets_the_next_call_in_as_one_ends():
+    async def run() -> tuple[int, float]:
+        limits = LocalLimits(concurrency=1)
+
+        async def call() -> float:
+            async with limits.slot() as slot:
+                await asyncio.sleep(0.2)
+                return slot.waited
+
+        waits = await asyncio.gather(call(), call(), call())
+        return limits.peak, max(waits)
+
+    peak, longest = asyncio.run(run())
+    assert peak == 1 and 0.35 < longest < 0.6
+
+
+def _entry(status: int, usage: dict | None, latency: float, **extra) -> str:
+    return json.dumps(
+        {"path": "/v1/chat/completions", "status": status, "usage": usage, "latency_ms": latency, **extra}
+    )
+
+
+def test_a_journal_adds_up_to_the_records_model_figures_whatever_api_reported_the_usage(tmp_path):
+    journal = tmp_path / "model-traffic.jsonl"
+    journal.write_text("\n".join([
+        _entry(200, {"prompt_tokens": 1000, "completion_tokens": 50, "total_tokens": 1050,
+                     "prompt_tokens_details": {"cached_tokens": 800}}, 100.0, waited_ms=250.0),
+        _entry(200, {"input_tokens": 2000, "output_tokens": 100, "input_tokens_details": {"cached_tokens": 0}},
+               300.0, retries=[{"status": 429}, {"status": 429}]),
+        _entry(429, None, 50.0, retries=[{"status": 429}]),
+        json.dumps({"path": "/v1/models", "status": 200, "latency_ms": 1.0}),  # not a model call
+    ]) + "\n")  # fmt: skip
+    found = totals(journal, ModelPrice.model_validate("input=3,output=15,cached=0.3"))
+    assert found.model_dump(exclude={"drift"}) == {
+        "calls": 3, "input_tokens": 3000, "output_tokens": 150, "cached_tokens": 800, "retries": 3, "errors": 1,
+        "waited_seconds": 0.25, "latency_p50_ms": 100.0, "latency_p90_ms": 300.0,
+        "cost": round((2200 * 3 + 800 * 0.3 + 150 * 15) / 1e6, 6),
+    }  # fmt: skip
+    assert totals(journal).cost is None
+
+
+def test_figures_of_several_runs_add_up():
+    a = ModelTotals(calls=2, input_tokens=10, output_tokens=1, retries=1, latency_p50_ms=10, latency_p90_ms=20, cost=1)
+    b = ModelTotals(calls=3, input_tokens=5, output_tokens=2, errors=2, latency_p50_ms=30, latency_p90_ms=90)
+    both = add_totals([a, b])
+    assert both is not None and (both.calls, both.input_tokens, both.output_tokens, both.retries, both.errors) == (
+        5, 15, 3, 1, 2)  # fmt: skip
+    assert (both.latency_p50_ms, both.latency_p90_ms, both.cost) == (10, 90, 1)
+    assert add_totals([]) is None
+
+
+@pytest.mark.parametrize("text", ["input=3", "input=3,output=x", "in=3,output=1", "input=-1,output=1"])
+def test_a_price_that_cannot_be_read_is_refused(text):
+    with pytest.raises(ValidationError):
+        ModelPrice.model_validate(text)
+
+
+BASE = {"trajectory": "/t.jsonl", "agent": "codex", "after_step": 1, "model": "m"}
+
+
+def test_a_cassette_served_back_needs_no_upstream_and_no_key(tmp_path):
+    spec = ReplaySpec.model_validate(BASE | {"model_cassette": ("replay", tmp_path)})
+    assert spec.upstream is not None and spec.upstream.base_url is None and spec.upstream.api_key() is None
+    with pytest.raises(ValidationError, match="missing --model-base-url, --model-api-key-env"):
+        ReplaySpec.model_validate(BASE | {"model_cassette": ("record", tmp_path)})
+    with pytest.raises(ValidationError, match="pass-through has none"):
+        ReplaySpec.model_validate(BASE | {"model_cassette": ["replay", tmp_path], "model_network": "pass-through"})
+
+
+def test_drift_is_the_first_differing_message_of_the_conversation():
+    recorded = {"model": "m", "prompt_cache_key": "run-1", "input": [{"role": "user", "content": "a"},
+                {"type": "function_call_output", "call_id": "c1", "output": "old"}]}  # fmt: skip
+    same_but_ids = dict(recorded, prompt_cache_key="run-2")
+    assert compare(recorded, same_but_ids) is None  # per-run settings are not the conversation
+    changed = dict(recorded, input=[recorded["input"][0], dict(recorded["input"][1], output="new")])
+    drift = compare(recorded, changed)
+    assert drift is not None and (drift.field, drift.message) == ("input", 1)
+    assert '- "output": "old",' in drift.diff.splitlines() and '+ "output": "new",' in drift.diff.splitlines()
+    longer = dict(recorded, input=[*recorded["input"], {"role": "user", "content": "more"}])
+    assert compare(recorded, longer).message == 2  # type: ignore[union-attr]
+
+
+def test_waiting_costs_no_cpu():
+    async def run() -> float:
+        limits = LocalLimits(concurrency=1)
+        await limits.acquire()
+        began = time.process_time()
+        waiter = asyncio.ensure_future(limits.acquire())
+        await asyncio.sleep(0.3)
+        await limits.release(0)
+        await waiter
+        return time.process_time() - began
+
+    assert asyncio.run(run()) < 0.05
