@@ -36,8 +36,8 @@ SIZE_JSON_SCHEMA = {
 }
 
 
-def parse_duration(text: str, *, flag: str | None = None) -> float:
-    """Parse ``30``, ``30s``, ``5m``, ``1h30m`` or ``250ms`` into seconds (> 0).
+def parse_duration(text: str, *, flag: str | None = None, zero: bool = False) -> float:
+    """Parse ``30``, ``30s``, ``5m``, ``1h30m`` or ``250ms`` into seconds (> 0; or 0 too, with ``zero``).
 
     A bare number means seconds.
     """
@@ -53,7 +53,7 @@ def parse_duration(text: str, *, flag: str | None = None) -> float:
                 hint="use a number of seconds or units like 90s, 5m, 1h30m",
             )
         seconds = sum(float(n) * _DURATION_SECONDS[u] for n, u in parts)
-    if seconds <= 0:
+    if seconds < 0 or (seconds == 0 and not zero):
         raise UsageError(f"{where}{text!r} must be greater than zero")
     return seconds
 

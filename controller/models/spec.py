@@ -63,9 +63,14 @@ Bytes = Annotated[int, BeforeValidator(size_value), Field(gt=0), WithJsonSchema(
 Seconds = Annotated[
     float, BeforeValidator(duration_value), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
 ]
+def duration_or_zero(value: Any) -> Any:
+    """A duration field's value where 0 means none: ``0``, or the CLI's durations."""
+    return parse_duration(value, zero=True) if isinstance(value, str) else value
+
+
 #: Seconds, where 0 means none at all.
 SecondsOrNone = Annotated[
-    float, BeforeValidator(duration_value), Field(ge=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
+    float, BeforeValidator(duration_or_zero), Field(ge=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
 ]
 
 #: The flat ``--model-*`` options (and manifest keys) and the :class:`ModelUpstream` field each one sets.

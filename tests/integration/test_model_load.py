@@ -151,7 +151,7 @@ def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_me
     assert sorted(p.name for p in tapes.iterdir()) == sorted(f"{r}.jsonl" for r in records(tmp_path / "recorded"))
     for tape in tapes.iterdir():
         text = tape.read_text()
-        assert KEY not in text and "pvhtok-" not in text and "authorization" not in text.lower()
+        assert KEY not in text and "pvhtok-" not in text and "Bearer " not in text
 
     # No upstream at all (the stub is gone), and no key in the environment.
     replayed = batch(data, tmp_path / "replayed", "--model-cassette", "replay", str(tapes), workers=4)

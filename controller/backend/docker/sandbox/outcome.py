@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -152,6 +153,8 @@ def build_record(
     upstream = prepared.spec.continuation
     if drift is not None and status != "ok" and upstream is not None and upstream.on_drift == "fail":
         status, failure = "replay_failed", _drift_failure(drift, failure)
+    elif failure is not None and failure.category == "continuation_error" and model is not None:
+        failure = _model_failure(state.attempt.run_dir / MODEL_JOURNAL, failure)
     info.exit_code = state.outcome.exit_code
     info.oom_killed = state.outcome.oom_killed
     info.timed_out = state.outcome.timed_out
@@ -265,6 +268,34 @@ def _model_info(state: AttemptState) -> ModelInfo | None:
         requests=requests_seen,
         totals=totals(journal, upstream.price) if upstream.gateway and journal.is_file() else None,
         cassette=upstream.cassette.mode if upstream.cassette is not None else None,
+    )
+
+
+#: What the gateway answered the agent, in pvisor's model categories (all retryable).
+_MODEL_CATEGORIES = {429: "model_rate_limit", 529: "model_rate_limit", 502: "model_connection_error",
+                     504: "model_connection_error"}  # fmt: skip
+
+
+def _model_failure(journal: Path, failure: Failure) -> Failure:
+    """pvisor names a model failure from the agent's output; an agent that words it otherwise (Codex, on 5xx)
+    ends as ``continuation_error``. When the run's last model call was answered with an error the upstream gave
+    beyond the gateway's retry budget, that is the failure: a model category, retryable."""
+    try:
+        last = json.loads(journal.read_text(encoding="utf-8").splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return failure
+    status = int(last.get("status", 0))
+    if status < 429 or status in (501, 505) or last.get("drift"):
+        return failure
+    category = _MODEL_CATEGORIES.get(status, "model_internal_error" if status >= 500 else None)
+    if category is None:
+        return failure
+    retries = len(last.get("retries") or [])
+    return Failure(
+        category=category,
+        message=f"{failure.message}; its last model call was answered {status} after {retries} retries "
+        "(the gateway's retry budget was spent)",
+        retryable=True,
     )
 
 
