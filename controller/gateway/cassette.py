@@ -7,14 +7,16 @@ directory (a batch item's id): ``DIR/<item>.jsonl``.
 
 Served back, call *n* of a run gets the tape's answer *n*. Its request is compared with the recorded one,
 conversation only (``messages``, or ``input`` and ``instructions``: the rest carries per-run ids and
-settings): the first message that differs is drift, named with a compact diff. ``--on-drift fail`` answers
+settings), with what differs from run to run by itself masked: the run's own id (agents put it in paths of
+their prompts), dates, and ``id`` fields (items the agent names afresh). The first message that still differs
+is drift, shown as the few words around its first differing character. ``--on-drift fail`` answers
 it with an error, so the agent stops and the item fails as ``model_drift``; ``serve`` answers all the same.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,16 @@ from ..models.record import ModelDrift
 
 #: Request fields that hold the conversation, compared when a tape is served back.
 CONVERSATION = ("system", "instructions", "messages", "input")
-#: Lines of a drift's diff kept in the record.
-DIFF_LINES = 24
+#: Characters of each side a drift shows before and after the first that differs.
+DIFF_BEFORE, DIFF_AFTER = 80, 160
 
 
 class TapeEntry(BaseModel):
     """One recorded call."""
 
     call: int
+    run_id: str = ""
+    """The recording run's id."""
     method: str
     path: str
     request: Any
@@ -67,15 +71,16 @@ class Tape:
         with self._lock, self.path.open("a", encoding="utf-8") as handle:
             handle.write(entry.model_dump_json() + "\n")
 
-    def serve(self, call: int, request: Any) -> tuple[TapeEntry | None, ModelDrift | None]:
-        """The recorded answer to call ``call`` and, when ``request`` differs from the recorded one, where."""
+    def serve(self, call: int, request: Any, run: str = "") -> tuple[TapeEntry | None, ModelDrift | None]:
+        """The recorded answer to call ``call`` of the run ``run`` and, when ``request`` differs from the recorded
+        one, where."""
         if call > len(self.entries):
             drift = ModelDrift(
                 call=call, field="calls", diff=f"the tape holds {len(self.entries)} calls; this is call {call}"
             )
             return None, self._first(drift)
         entry = self.entries[call - 1]
-        found = compare(entry.request, request)
+        found = compare(entry.request, request, recorded_run=entry.run_id, run=run)
         return entry, self._first(found.model_copy(update={"call": call})) if found else None
 
     def _first(self, drift: ModelDrift) -> ModelDrift:
@@ -85,31 +90,57 @@ class Tape:
         return drift
 
 
-def compare(recorded: Any, sent: Any) -> ModelDrift | None:
-    """The first difference between two requests' conversations, or None (see the module docstring)."""
-    if not isinstance(recorded, dict) or not isinstance(sent, dict):
-        return None if recorded == sent else ModelDrift(call=0, field="body", diff=_diff(recorded, sent))
+def compare(recorded: Any, sent: Any, *, recorded_run: str = "", run: str = "") -> ModelDrift | None:
+    """The first difference between two requests' conversations, or None (see the module docstring).
+    ``recorded_run`` and ``run`` are the two runs' ids: where a prompt names its own run, that is no drift."""
+    old, new = _normal(recorded, recorded_run), _normal(sent, run)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None if old == new else ModelDrift(call=0, field="body", diff=_diff(old, new))
     for field in CONVERSATION:
-        old, new = recorded.get(field), sent.get(field)
-        if old == new:
+        was, now = old.get(field), new.get(field)
+        if was == now:
             continue
-        if isinstance(old, list) and isinstance(new, list):
-            index = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
-            before = old[index] if index < len(old) else None
-            after = new[index] if index < len(new) else None
+        if isinstance(was, list) and isinstance(now, list):
+            index = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now)))
+            before = was[index] if index < len(was) else None
+            after = now[index] if index < len(now) else None
             return ModelDrift(call=0, field=field, message=index, diff=_diff(before, after))
-        return ModelDrift(call=0, field=field, diff=_diff(old, new))
+        return ModelDrift(call=0, field=field, diff=_diff(was, now))
     return None
 
 
-def _diff(recorded: Any, sent: Any) -> str:
-    def lines(value: Any) -> list[str]:
-        return [] if value is None else json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False).splitlines()
+_DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 
-    found = list(difflib.unified_diff(lines(recorded), lines(sent), "recorded", "sent", n=1, lineterm=""))
-    if len(found) > DIFF_LINES:
-        found = [*found[:DIFF_LINES], f"... ({len(found) - DIFF_LINES} more lines)"]
-    return "\n".join(line[:300] for line in found)
+
+def _normal(request: Any, run: str) -> Any:
+    """A request as compared: its run's id and the dates in it masked, and no ``id`` (an item's own name, made
+    afresh by the agent each run)."""
+    text = json.dumps(request, ensure_ascii=False)
+    if run:
+        text = text.replace(run, "<run>")
+    return _without_ids(json.loads(_DATE.sub("<date>", text)))
+
+
+def _without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k != "id"}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def _diff(recorded: Any, sent: Any) -> str:
+    """Where two messages part: a few words of each around the first character that differs."""
+    old = "" if recorded is None else json.dumps(recorded, ensure_ascii=False, sort_keys=True)
+    new = "" if sent is None else json.dumps(sent, ensure_ascii=False, sort_keys=True)
+    at = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    start = max(0, at - DIFF_BEFORE)
+
+    def around(text: str) -> str:
+        cut = text[start : at + DIFF_AFTER]
+        return ("…" if start else "") + cut + ("…" if len(text) > at + DIFF_AFTER else "")
+
+    return f"- {around(old) if recorded is not None else '(none)'}\n+ {around(new) if sent is not None else '(none)'}"
 
 
 def request_json(body: bytes) -> Any:

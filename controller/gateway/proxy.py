@@ -287,6 +287,7 @@ class ModelProxy:
         run.tape.record(
             TapeEntry(
                 call=exchange.call or 0,
+                run_id=run.run_id,
                 method=exchange.entry["method"],
                 path=exchange.entry["path"],
                 request=request_json(exchange.body),
@@ -302,7 +303,7 @@ class ModelProxy:
     ) -> web.StreamResponse:
         """Answer from the run's tape: call *n* gets answer *n*; a request that differs is drift."""
         assert run.tape is not None and exchange.call is not None
-        entry, drift = run.tape.serve(exchange.call, request_json(body))
+        entry, drift = run.tape.serve(exchange.call, request_json(body), run.run_id)
         if drift is not None:
             exchange.entry["drift"] = drift.model_dump()
         if drift is not None and (entry is None or self.config.on_drift == "fail"):

@@ -63,6 +63,8 @@ Bytes = Annotated[int, BeforeValidator(size_value), Field(gt=0), WithJsonSchema(
 Seconds = Annotated[
     float, BeforeValidator(duration_value), Field(gt=0), WithJsonSchema(DURATION_JSON_SCHEMA, mode="validation")
 ]
+
+
 def duration_or_zero(value: Any) -> Any:
     """A duration field's value where 0 means none: ``0``, or the CLI's durations."""
     return parse_duration(value, zero=True) if isinstance(value, str) else value

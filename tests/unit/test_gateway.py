@@ -294,7 +294,7 @@ def test_a_cassette_records_then_serves_with_no_upstream_and_names_the_first_dri
                                                            "from the recording")  # fmt: skip
     assert drifted.drift is not None and (drifted.drift.call, drifted.drift.field, drifted.drift.message) == (
         1, "messages", 0)  # fmt: skip
-    assert '- "content": "hi",' in drifted.drift.diff.splitlines() and '+ "content": "hello",' in drifted.drift.diff
+    assert drifted.drift.diff == '- {"content": "hi", "role": "user"}\n+ {"content": "hello", "role": "user"}'
     assert len(stub.model.model_requests()) == 2  # nothing reached the upstream while serving
     (entry,) = journal_of(tmp_path / "drift.jsonl")
     assert entry["drift"]["message"] == 0 and entry["status"] == 400

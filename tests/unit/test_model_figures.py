@@ -121,7 +121,8 @@ def test_drift_is_the_first_differing_message_of_the_conversation():
     changed = dict(recorded, input=[recorded["input"][0], dict(recorded["input"][1], output="new")])
     drift = compare(recorded, changed)
     assert drift is not None and (drift.field, drift.message) == ("input", 1)
-    assert '- "output": "old",' in drift.diff.splitlines() and '+ "output": "new",' in drift.diff.splitlines()
+    assert drift.diff == ('- {"call_id": "c1", "output": "old", "type": "function_call_output"}\n'
+                          '+ {"call_id": "c1", "output": "new", "type": "function_call_output"}')  # fmt: skip
     longer = dict(recorded, input=[*recorded["input"], {"role": "user", "content": "more"}])
     assert compare(recorded, longer).message == 2  # type: ignore[union-attr]
 
@@ -138,3 +139,21 @@ def test_waiting_costs_no_cpu():
         return time.process_time() - began
 
     assert asyncio.run(run()) < 0.05
+
+
+def test_what_changes_from_run_to_run_by_itself_is_not_drift():
+    recorded = {"messages": [{"role": "system", "content": "memory at /run/state/item-0-f91aa7/m; today is 2026-12-03",
+                              "id": "msg_1"}]}  # fmt: skip
+    sent = {"messages": [{"role": "system", "content": "memory at /run/state/item-0-0b7c2e/m; today is 2026-12-04",
+                          "id": "msg_2"}]}  # fmt: skip
+    assert compare(recorded, sent, recorded_run="item-0-f91aa7", run="item-0-0b7c2e") is None
+    assert compare(recorded, sent) is not None  # without the two run ids, the paths differ
+
+
+def test_a_long_message_shows_where_it_differs():
+    base = "x" * 500
+    drift = compare({"input": [{"text": base + "old" + base}]}, {"input": [{"text": base + "new" + base}]})
+    assert drift is not None and drift.message == 0
+    recorded, sent = drift.diff.splitlines()
+    assert recorded.startswith("- …") and "old" in recorded and recorded.endswith("…") and len(recorded) < 260
+    assert sent.startswith("+ …") and "new" in sent
