@@ -49,9 +49,11 @@ class TapeEntry(BaseModel):
 class Tape:
     """One run's tape: written as calls are answered (``record``), or read whole and served (``replay``)."""
 
-    def __init__(self, path: Path, *, replaying: bool) -> None:
+    def __init__(self, path: Path, *, replaying: bool, volatile: list[str] | None = None) -> None:
         self.path = path
         self.replaying = replaying
+        self.volatile = [re.compile(pattern) for pattern in volatile or []]
+        """What the agent writes afresh each run (its profile's ``volatile`` patterns), masked when comparing."""
         self.entries: list[TapeEntry] = []
         self.calls = 0
         self.drift: ModelDrift | None = None
@@ -80,7 +82,7 @@ class Tape:
             )
             return None, self._first(drift)
         entry = self.entries[call - 1]
-        found = compare(entry.request, request, recorded_run=entry.run_id, run=run)
+        found = compare(entry.request, request, recorded_run=entry.run_id, run=run, volatile=self.volatile)
         return entry, self._first(found.model_copy(update={"call": call})) if found else None
 
     def _first(self, drift: ModelDrift) -> ModelDrift:
@@ -90,10 +92,14 @@ class Tape:
         return drift
 
 
-def compare(recorded: Any, sent: Any, *, recorded_run: str = "", run: str = "") -> ModelDrift | None:
+def compare(
+    recorded: Any, sent: Any, *, recorded_run: str = "", run: str = "", volatile: list[re.Pattern[str]] | None = None
+) -> ModelDrift | None:
     """The first difference between two requests' conversations, or None (see the module docstring).
-    ``recorded_run`` and ``run`` are the two runs' ids: where a prompt names its own run, that is no drift."""
-    old, new = _normal(recorded, recorded_run), _normal(sent, run)
+    ``recorded_run`` and ``run`` are the two runs' ids: where a prompt names its own run, that is no drift;
+    nor is what matches one of the agent's ``volatile`` patterns."""
+    masks = [_DATE, *(volatile or [])]
+    old, new = _normal(recorded, recorded_run, masks), _normal(sent, run, masks)
     if not isinstance(old, dict) or not isinstance(new, dict):
         return None if old == new else ModelDrift(call=0, field="body", diff=_diff(old, new))
     for field in CONVERSATION:
@@ -112,13 +118,27 @@ def compare(recorded: Any, sent: Any, *, recorded_run: str = "", run: str = "") 
 _DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 
 
-def _normal(request: Any, run: str) -> Any:
-    """A request as compared: its run's id and the dates in it masked, and no ``id`` (an item's own name, made
-    afresh by the agent each run)."""
-    text = json.dumps(request, ensure_ascii=False)
+def _normal(request: Any, run: str, masks: list[re.Pattern[str]]) -> Any:
+    """A request as compared: its run's id and what ``masks`` match masked in its strings, and no ``id`` (an
+    item's own name, made afresh by the agent each run)."""
+    value = _without_ids(request)
+    text = json.dumps(value, ensure_ascii=False)
     if run:
         text = text.replace(run, "<run>")
-    return _without_ids(json.loads(_DATE.sub("<date>", text)))
+    value = json.loads(text)
+    return _masked(value, masks)
+
+
+def _masked(value: Any, masks: list[re.Pattern[str]]) -> Any:
+    if isinstance(value, str):
+        for mask in masks:
+            value = mask.sub("<…>", value)
+        return value
+    if isinstance(value, dict):
+        return {k: _masked(v, masks) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, masks) for v in value]
+    return value
 
 
 def _without_ids(value: Any) -> Any:

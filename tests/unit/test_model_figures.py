@@ -157,3 +157,19 @@ def test_a_long_message_shows_where_it_differs():
     recorded, sent = drift.diff.splitlines()
     assert recorded.startswith("- …") and "old" in recorded and recorded.endswith("…") and len(recorded) < 260
     assert sent.startswith("+ …") and "new" in sent
+
+
+def test_an_agents_own_fresh_text_is_masked_by_its_profile():
+    import re
+
+    from pvisor_host.models.profiles import get_profile
+
+    volatile = [re.compile(p) for p in get_profile("codex").continuation.volatile]
+    recorded = {
+        "input": [{"type": "function_call_output", "output": "Chunk ID: c811bc\nWall time: 0.0000 seconds\nok"}]
+    }
+    sent = {"input": [{"type": "function_call_output", "output": "Chunk ID: 705a36\nWall time: 0.0021 seconds\nok"}]}
+    assert compare(recorded, sent, volatile=volatile) is None
+    assert compare(recorded, sent) is not None
+    changed = {"input": [{"type": "function_call_output", "output": "Chunk ID: 705a36\nWall time: 0.1 seconds\nno"}]}
+    assert compare(recorded, changed, volatile=volatile) is not None

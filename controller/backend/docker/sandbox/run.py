@@ -77,7 +77,8 @@ def _tape(prepared: PreparedReplay, attempt: Attempt) -> Tape | None:
     if upstream is None or upstream.cassette is None:
         return None
     if upstream.cassette.replaying:
-        return Tape(upstream.cassette.tape(prepared.name), replaying=True)
+        volatile = prepared.profile.continuation.volatile
+        return Tape(upstream.cassette.tape(prepared.name), replaying=True, volatile=volatile)
     return Tape(attempt.run_dir / MODEL_CASSETTE, replaying=False)
 
 
