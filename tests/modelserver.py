@@ -51,6 +51,8 @@ class StubModel:
         self.first_byte_delay = 0.0
         self.chunk_delay = 0.0
         self.hold = 0.0
+        self.stream_bytes = 0
+        """Pad every streamed chat answer to about this many bytes (filler events before the last)."""
         self.in_flight = 0
         self.peak = 0
         """The most model calls in flight at once so far."""
@@ -270,8 +272,11 @@ class _Handler(BaseHTTPRequestHandler):
         delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
         if message.get("tool_calls"):
             delta["tool_calls"] = [dict(call, index=0) for call in message["tool_calls"]]
+        filler = [{"choices": [{"index": 0, "delta": {"content": "x" * 65536}, "finish_reason": None}]}
+                  for _ in range(model.stream_bytes // 65600)]  # fmt: skip
         chunks = [
             {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            *filler,
             {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": USAGE},
         ]
         self._sse([dict(c, id=ident, object="chat.completion.chunk", model="stub-model") for c in chunks], done=True)
@@ -413,7 +418,9 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=18931)
     parser.add_argument("--unix")
+    parser.add_argument("--stream-bytes", type=int, default=0, help="pad streamed chat answers to this size")
     args = parser.parse_args()
     with StubServer(host=args.host, port=args.port, unix=args.unix) as server:
+        server.model.stream_bytes = args.stream_bytes
         print(f"serving on {args.unix or server.base_url}", flush=True)
         server.thread.join()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ BLOCKS = runnable_blocks()
 
 
 def test_the_docs_mark_blocks_to_run():
-    assert [name for name, _ in BLOCKS] == ["index.md#1", "recipes.md#1", "report.md#1"]
+    assert [name for name, _ in BLOCKS] == ["continuation.md#1", "index.md#1", "recipes.md#1", "report.md#1"]
 
 
 @pytest.mark.parametrize(("name", "block"), BLOCKS, ids=[name for name, _ in BLOCKS])
@@ -43,6 +44,10 @@ def test_a_runnable_block_runs_as_written(name, block, tmp_path, claude_image):
     if name == "index.md#1":
         assert done.stdout.endswith("Hello, Ada\nHello, Grace\n")
         assert (tmp_path / "runs" / "demo" / "record.json").is_file()
+    if name == "continuation.md#1":  # a cassette served back: no upstream, no key
+        assert done.stdout == "ok 2 calls\n"
+        record = json.loads((tmp_path / "demo" / "record.json").read_text())
+        assert record["model"]["upstream"] is None and record["model"]["totals"]["cost"] > 0
     if name == "report.md#1":
         assert done.stdout.startswith("4 items: 4 ran, 0 skipped (finished earlier); ok 4;")
         assert done.stdout.splitlines()[-1].startswith(f"wrote {tmp_path / 'demo-batch' / 'report.html'} (")
