@@ -359,24 +359,31 @@ class _Handler(BaseHTTPRequestHandler):
         self._sse(events, done=False, named=True)
 
     def _sse(self, events: list[dict[str, Any]], *, done: bool, named: bool = False) -> None:
+        """A stream as the model APIs send it: chunked, an event a chunk, the connection kept alive."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
+        self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.close_connection = True
-        for event in events:
-            prefix = f"event: {event['type']}\n" if named else ""
-            self.wfile.write(f"{prefix}data: {json.dumps(event)}\n\n".encode())
+        lines = [(f"event: {e['type']}\n" if named else "") + f"data: {json.dumps(e)}\n\n" for e in events]
+        for n, line in enumerate([*lines, "data: [DONE]\n\n"] if done else lines):
+            data = line.encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.flush()
-            time.sleep(self.server.model.chunk_delay)
-        if done:
-            self.wfile.write(b"data: [DONE]\n\n")
+            if n < len(lines) - 1:
+                time.sleep(self.server.model.chunk_delay)
+        self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 128
+
+
+class _TCPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # dozens of sandboxes connect at once
 
     def get_request(self) -> tuple[Any, Any]:
         connection, _ = super().get_request()
@@ -394,8 +401,7 @@ class StubServer:
             self.httpd: Any = _UnixServer(unix, _Handler)
             os.chmod(unix, 0o666)
         else:
-            self.httpd = ThreadingHTTPServer((host, port), _Handler)
-            self.httpd.daemon_threads = True
+            self.httpd = _TCPServer((host, port), _Handler)
         self.httpd.model = self.model
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -96,6 +96,8 @@ def usage(data: bytes) -> dict[str, Any] | None:
     candidates = [text]
     candidates += [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
     for candidate in reversed(candidates):
+        if '"usage"' not in candidate:
+            continue  # nothing to find there: not worth a parse
         try:
             value = json.loads(candidate)
         except ValueError:
