@@ -1,6 +1,7 @@
 """A cassette: a run's model exchanges kept in order (``record``), then served back with no upstream (``replay``).
 
-A tape is one JSON line per model call: the call's number, method and path, the request body, and the answer
+A tape is one JSON line per model call, numbered in the order the calls came (written as each answer ends):
+the call's number, the recording run's id, method and path, the request body, and the answer
 (status, content type, whether it was a stream, the body as sent). It holds no header, so no authorization
 and no token: what it holds is the prompts and the answers. A tape is one run's, named after the run
 directory (a batch item's id): ``DIR/<item>.jsonl``.
@@ -23,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from ..errors import UsageError
 from ..models.record import ModelDrift
 
 #: Request fields that hold the conversation, compared when a tape is served back.
@@ -58,9 +60,15 @@ class Tape:
         self.calls = 0
         self.drift: ModelDrift | None = None
         self._lock = threading.Lock()
+        self._served: set[int] = set()
         if replaying:
-            with path.open(encoding="utf-8") as lines:
-                self.entries = [TapeEntry.model_validate_json(line) for line in lines if line.strip()]
+            try:
+                with path.open(encoding="utf-8") as lines:
+                    self.entries = [TapeEntry.model_validate_json(line) for line in lines if line.strip()]
+            except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+                problem = str(exc).splitlines()[0][:200]
+                raise UsageError(f"--model-cassette replay: {path} is not a readable tape ({problem})") from None
+            self.entries.sort(key=lambda entry: entry.call)
 
     def next_call(self) -> int:
         """The number of the call that just came in (1-based)."""
@@ -75,15 +83,26 @@ class Tape:
 
     def serve(self, call: int, request: Any, run: str = "") -> tuple[TapeEntry | None, ModelDrift | None]:
         """The recorded answer to call ``call`` of the run ``run`` and, when ``request`` differs from the recorded
-        one, where."""
-        if call > len(self.entries):
-            drift = ModelDrift(
-                call=call, field="calls", diff=f"the tape holds {len(self.entries)} calls; this is call {call}"
-            )
-            return None, self._first(drift)
-        entry = self.entries[call - 1]
-        found = compare(entry.request, request, recorded_run=entry.run_id, run=run, volatile=self.volatile)
-        return entry, self._first(found.model_copy(update={"call": call})) if found else None
+        one, where. Calls a run makes at once may arrive in another order than they were recorded: a request
+        that matches another call not served yet gets that call's answer."""
+        with self._lock:
+            waiting = [entry for entry in self.entries if entry.call not in self._served]
+        own = next((entry for entry in waiting if entry.call == call), None)
+
+        def differs(entry: TapeEntry) -> ModelDrift | None:
+            return compare(entry.request, request, recorded_run=entry.run_id, run=run, volatile=self.volatile)
+
+        found = differs(own) if own is not None else None
+        if own is None or found is not None:
+            matching = next((entry for entry in waiting if differs(entry) is None), None)
+            if matching is not None:
+                own, found = matching, None
+        if own is None:
+            held = f"the tape holds {len(self.entries)} calls; this is call {call}"
+            return None, self._first(ModelDrift(call=call, field="calls", diff=held))
+        with self._lock:
+            self._served.add(own.call)
+        return own, self._first(found.model_copy(update={"call": call})) if found else None
 
     def _first(self, drift: ModelDrift) -> ModelDrift:
         with self._lock:

@@ -47,10 +47,13 @@ class Exchange:
             self.entry["request_body_truncated"] = len(body) > limit
         self._head = bytearray()
         self._tail = bytearray()
+        self._whole: bytes | None = None
         self.sent = 0
 
-    def answered(self, chunk: bytes) -> None:
-        """Part of the answer went to the sandbox."""
+    def answered(self, chunk: bytes, *, whole: bool = False) -> None:
+        """Part of the answer went to the sandbox (``whole``: all of it, whose usage is read from all of it)."""
+        if whole:
+            self._whole = chunk
         self.sent += len(chunk)
         if len(self._head) < self.limit:
             self._head += chunk[: self.limit - len(self._head)]
@@ -60,14 +63,12 @@ class Exchange:
 
     def tried(self, tries: Tries) -> None:
         """How the call went before its answer: its retries, and the time it waited for slots."""
-        if self.call is not None:
-            self.entry["call"] = self.call
         self.entry["retries"] = tries.retries
         self.entry["waited_ms"] = round(tries.waited * 1000, 1)
 
     def finish(self, status: int, *, stream: bool, latency: float, error: str | None = None) -> dict[str, Any]:
         """The entry, complete."""
-        found = usage(bytes(self._tail))
+        found = usage(self._whole if self._whole is not None else bytes(self._tail))
         self.tokens = tokens(found).total
         self.entry |= {
             "status": status,
@@ -111,14 +112,18 @@ def usage(data: bytes) -> dict[str, Any] | None:
 
 
 class Tokens:
-    """A usage report's tokens, whatever API reported it (chat completions, Responses, Anthropic)."""
+    """A usage report's tokens, whatever API reported it (chat completions, Responses, Anthropic): input
+    counts the cached tokens too, as OpenAI's APIs count them (Anthropic's reports them beside its input)."""
 
     def __init__(self, found: dict[str, Any] | None) -> None:
         found = found or {}
         details = found.get("prompt_tokens_details") or found.get("input_tokens_details") or {}
         self.input = _count(found.get("prompt_tokens", found.get("input_tokens")))
         self.output = _count(found.get("completion_tokens", found.get("output_tokens")))
-        self.cached = _count(details.get("cached_tokens", found.get("cache_read_input_tokens")))
+        self.cached = _count(details.get("cached_tokens"))
+        if "cache_read_input_tokens" in found or "cache_creation_input_tokens" in found:  # Anthropic's shape
+            self.cached = _count(found.get("cache_read_input_tokens"))
+            self.input += self.cached + _count(found.get("cache_creation_input_tokens"))
         self.total = _count(found.get("total_tokens")) or self.input + self.output
 
 

@@ -23,6 +23,7 @@ httpx, which has no server side: one library, one loop, for both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import threading
@@ -33,6 +34,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from .._log import logger
 from ..models.spec import ModelUpstream
@@ -86,6 +89,8 @@ class ModelProxy:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._proxy: URL | None = None
+        self._proxy_auth: aiohttp.BasicAuth | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -101,11 +106,15 @@ class ModelProxy:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             skip_auto_headers=("Accept-Encoding",),  # answers arrive as sent, so their usage can be read
-            trust_env=True,  # HTTPS_PROXY and friends, as for any other client on this host
+            # Not aiohttp's trust_env: it would also take credentials from ~/.netrc, which clash with the key.
+            # HTTPS_PROXY and friends are read once instead, as for any other client on this host.
         )
+        if self.config.base_url is not None:
+            with contextlib.suppress(LookupError):
+                self._proxy, self._proxy_auth = get_env_proxy_for_url(URL(self.config.base_url))
         app = web.Application(client_max_size=256 * 1024**2)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5)
         await self._runner.setup()
 
     def listen_unix(self, path: str) -> None:
@@ -140,6 +149,11 @@ class ModelProxy:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        # Requests still in flight (a sandbox that never hung up) end now, their slots and journals with them.
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         assert self._loop is not None
@@ -182,8 +196,9 @@ class ModelProxy:
         )  # fmt: skip
         if run.tape is not None:
             exchange.call = run.tape.next_call()
-        suffix = request.path.removeprefix("/v1/").lstrip("/")
-        if not suffix.startswith(ROUTES):
+            exchange.entry["call"] = exchange.call
+        suffix = _route(request)
+        if suffix is None:
             return self._done(run, exchange, _error(404, f"no model route {request.path}"), started)
         if run.tape is not None and run.tape.replaying:
             return await self._serve_tape(request, run, exchange, body, started)
@@ -231,8 +246,9 @@ class ModelProxy:
         url = self.config.base_url.rstrip("/") + "/" + suffix
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT, sock_read=self.config.timeout)
         return await self._session.request(
-            request.method, url, params=request.query, data=body or None, headers=headers, timeout=timeout
-        )
+            request.method, url, params=request.query, data=body or None, headers=headers, timeout=timeout,
+            proxy=self._proxy, proxy_auth=self._proxy_auth,
+        )  # fmt: skip
 
     async def _stream(
         self,
@@ -250,27 +266,31 @@ class ModelProxy:
         kept = bytearray() if run.tape is not None else None
         try:
             async for chunk in upstream.content.iter_any():
-                await answer.write(chunk)
+                try:
+                    await answer.write(chunk)
+                except ConnectionResetError:  # aiohttp's ClientConnectionResetError is a ClientError too
+                    error = f"the sandbox went away after {exchange.sent} bytes of the stream"
+                    break
                 exchange.answered(chunk)
                 if kept is not None:
                     kept += chunk
         except (TimeoutError, aiohttp.ClientError) as exc:
             error = f"the upstream broke off the stream after {exchange.sent} bytes: {reason(exc)}"
-        except ConnectionResetError:
-            error = f"the sandbox went away after {exchange.sent} bytes of the stream"
-        if error is None or not error.startswith("the sandbox"):
-            await answer.write_eof()  # the last chunk: the agent sees a complete, if short, answer
-        latency = time.monotonic() - started
-        entry = exchange.finish(upstream.status, stream=True, latency=latency, error=error)
-        journal.append(run.journal, entry)
-        if kept is not None:
-            self._taped(run, exchange, answer, bytes(kept), stream=True)
+        finally:
+            if error is None or not error.startswith("the sandbox"):
+                with contextlib.suppress(ConnectionResetError):
+                    await answer.write_eof()  # the last chunk: the agent sees a complete, if short, answer
+            latency = time.monotonic() - started
+            entry = exchange.finish(upstream.status, stream=True, latency=latency, error=error)
+            journal.append(run.journal, entry)
+            if kept is not None:
+                self._taped(run, exchange, answer, bytes(kept), stream=True)
         return answer
 
     def _done(self, run: _Run, exchange: Exchange, answer: web.Response, started: float) -> web.Response:
         """Journal an answer of known length (and tape it), then give it."""
         content = bytes(answer.body) if isinstance(answer.body, bytes | bytearray) else b""
-        exchange.answered(content)
+        exchange.answered(content, whole=True)
         entry = exchange.finish(answer.status, stream=False, latency=time.monotonic() - started)
         journal.append(run.journal, entry)
         self._taped(run, exchange, answer, content, stream=False)
@@ -342,6 +362,22 @@ def _upstream_failure(status: int, body: bytes) -> str:
         detail = body.decode("utf-8", errors="replace")
     words = _STATUS_WORDS.get(status, "error")
     return f"upstream returned status {status} ({words}): {str(detail)[:300]}".rstrip(": ")
+
+
+def _route(request: web.Request) -> str | None:
+    """The model API path a sandbox asked for, under ``/v1/`` (``chat/completions``, ``responses/<id>``, ...),
+    or None when it is not one: the real key is never sent anywhere else on the upstream. Dot segments and
+    encoded slashes or dots are refused (``responses/%2e%2e/admin`` would leave the API's path)."""
+    raw = request.raw_path.split("?", 1)[0].lower()
+    if "%2e" in raw or "%2f" in raw or "%5c" in raw:
+        return None
+    suffix = request.path.removeprefix("/v1/").lstrip("/")
+    segments = suffix.split("/")
+    if any(segment in ("", ".", "..") or "\\" in segment for segment in segments):
+        return None
+    if not any(suffix == route or suffix.startswith(route + "/") for route in ROUTES):
+        return None
+    return suffix
 
 
 def _refusal(refused: Refused) -> web.Response:

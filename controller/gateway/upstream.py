@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_before_delay
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_exponential_jitter
 
 from .limits import Limits, Slot
@@ -25,9 +25,11 @@ from .limits import Limits, Slot
 #: Answers that mean "not now": retried within the budget.
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504, 529})
 #: Connection failures before an answer: refused, reset, or a connect that timed out. (A read that timed out
-#: waiting for the first byte is not among them: the upstream may still be working on it.)
+#: waiting for the first byte is not among them: the upstream may still be working on it; nor is a TLS
+#: failure, which another try would meet again.)
 RETRYABLE_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ConnectionTimeoutError)  # fmt: skip
+PERMANENT_ERRORS = (aiohttp.ClientSSLError, aiohttp.ClientConnectorCertificateError)
 #: Backoff without Retry-After: exponential from half a second, capped, with jitter.
 BACKOFF = wait_exponential_jitter(multiplier=0.5, max=20, jitter=1)
 
@@ -90,7 +92,7 @@ async def call(send: Callable[[], Awaitable[aiohttp.ClientResponse]], limits: Li
         Refused: the last try's refusal, once retrying is over (its status and body go to the agent).
     """
     retrying = AsyncRetrying(
-        stop=stop_before_delay(budget) if budget > 0 else stop_after_attempt(1),
+        stop=_within(budget, tries) if budget > 0 else stop_after_attempt(1),
         wait=_wait,
         retry=retry_if_exception_type(Refused),
         before_sleep=tries.note,
@@ -106,31 +108,45 @@ async def _try(send: Callable[[], Awaitable[aiohttp.ClientResponse]], limits: Li
     stack = contextlib.AsyncExitStack()
     slot = await stack.enter_async_context(limits.slot())
     tries.waited += slot.waited
-    try:
-        response = await send()
-    except RETRYABLE_ERRORS as exc:
-        await stack.aclose()
-        raise Refused(status=None, error=exc) from exc
+    try:  # from here on, whatever ends this try (a refusal, a cancel) gives the slot back
+        try:
+            response = await send()
+        except PERMANENT_ERRORS:
+            raise
+        except RETRYABLE_ERRORS as exc:
+            raise Refused(status=None, error=exc) from exc
+        if response.status in RETRYABLE_STATUS:
+            try:
+                body = await response.read()
+            except (aiohttp.ClientError, TimeoutError):
+                body = b""
+            response.release()
+            raise Refused(status=response.status, body=body, retry_after=retry_after(response.headers))
     except BaseException:
         await stack.aclose()
         raise
-    if response.status in RETRYABLE_STATUS:
-        try:
-            body = await response.read()
-        except (aiohttp.ClientError, TimeoutError):
-            body = b""
-        response.release()
-        await stack.aclose()
-        raise Refused(status=response.status, body=body, retry_after=retry_after(response.headers))
     return Call(response, slot, stack)
 
 
+def _within(budget: float, tries: Tries) -> Callable[[RetryCallState], bool]:
+    """tenacity's stop: no sleep begins that would end past ``budget`` seconds of trying, the time spent
+    waiting for slots in the batch's limits not counted (a call that queued has not been refused for it)."""
+
+    def stop(state: RetryCallState) -> bool:
+        trying = (state.seconds_since_start or 0.0) - tries.waited
+        return trying + state.upcoming_sleep >= budget
+
+    return stop
+
+
 def _wait(state: RetryCallState) -> float:
-    """The upstream's Retry-After when it gave one, else exponential backoff with jitter."""
+    """The upstream's Retry-After when it gave one (never less than the backoff: a Retry-After of 0 must not
+    make a tight loop), else exponential backoff with jitter."""
     refused = state.outcome.exception() if state.outcome is not None else None
+    backoff = float(BACKOFF(state))
     if isinstance(refused, Refused) and refused.retry_after is not None:
-        return refused.retry_after
-    return float(BACKOFF(state))
+        return max(refused.retry_after, backoff)
+    return backoff
 
 
 def retry_after(headers: Any) -> float | None:

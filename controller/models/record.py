@@ -138,7 +138,8 @@ class ModelDrift(BaseModel):
     message: int | None = None
     """The first message of ``field`` (0-based) that differs."""
     diff: str
-    """A unified diff of that message, as recorded and as sent (cut at a few lines)."""
+    """Where that message parts from the recording: the words around its first differing character, as
+    recorded (``- ``) and as sent (``+ ``)."""
 
 
 class ModelTotals(BaseModel):

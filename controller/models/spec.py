@@ -151,8 +151,13 @@ class ModelUpstream(BaseModel):
         replaying = self.cassette is not None and self.cassette.replaying
         if not replaying and (self.base_url is None or self.api_key_env is None):
             raise ValueError("a model gateway needs --model-base-url and --model-api-key-env (or a cassette to replay)")
-        if replaying and not self.gateway:
-            raise ValueError("a cassette is served by the gateway: --model-network pass-through has none")
+        if not self.gateway and (
+            self.cassette or self.concurrency or self.requests_per_minute or self.tokens_per_minute
+        ):
+            raise ValueError(
+                "--model-cassette and the --model-concurrency/rpm/tpm limits work in the gateway: "
+                "--model-network pass-through has none"
+            )
         return self
 
     @field_validator("api_key_env")

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,29 +27,45 @@ REAP_EVERY = 5.0
 
 
 class ClusterLimits:
-    """The batch's limits (made an async Ray actor by the driver; see the module docstring)."""
+    """The batch's limits (made an async Ray actor by the driver; see the module docstring). Its ``release``
+    calls run in a concurrency group of their own, so that a thousand waiting ``acquire`` calls cannot keep
+    the slot they wait for from being given back."""
 
     def __init__(self, concurrency: int | None, requests_per_minute: int | None, tokens_per_minute: int | None) -> None:
         self._limits = LocalLimits(
             concurrency=concurrency, requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute
         )
-        self._leases: dict[int, str] = {}
+        self._leases: dict[int, tuple[str, str]] = {}
+        """Lease → (node, owner): the gateway that holds it."""
+        self._gone: set[str] = set()
+        """Owners (gateways) that closed: a slot that reaches one of them is given back at once."""
         self._numbers = itertools.count(1)
         self._reaper: asyncio.Task[None] | None = None
 
-    async def acquire(self, node_id: str) -> tuple[int, float]:
-        """Wait for a slot for a call on ``node_id``; returns its lease and the seconds waited."""
+    async def acquire(self, node_id: str, owner: str) -> tuple[int, float]:
+        """Wait for a slot for a call of the gateway ``owner`` on ``node_id``; returns its lease and the seconds
+        waited (lease 0: the gateway closed meanwhile, and holds nothing)."""
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
         waited = await self._limits.acquire()
+        if owner in self._gone:
+            await self._limits.release(0)
+            return 0, waited
         lease = next(self._numbers)
-        self._leases[lease] = node_id
+        self._leases[lease] = (node_id, owner)
         return lease, waited
 
     async def release(self, lease: int, tokens: int) -> None:
         """The call of ``lease`` ended, having used ``tokens`` (a lease already given back is ignored)."""
         if self._leases.pop(lease, None) is not None:
             await self._limits.release(tokens)
+
+    async def release_owner(self, owner: str) -> None:
+        """The gateway ``owner`` closed: every slot it holds, or is still waiting for, is given back."""
+        self._gone.add(owner)
+        for lease, (_, holder) in list(self._leases.items()):
+            if holder == owner:
+                await self.release(lease, 0)
 
     def peak(self) -> int:
         """The most calls in flight at once so far, across the cluster."""
@@ -59,26 +76,59 @@ class ClusterLimits:
 
         while True:
             await asyncio.sleep(REAP_EVERY)
-            with contextlib.suppress(Exception):  # a busy control plane: look again next time
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}  # type: ignore[no-untyped-call]
-                for lease, node in list(self._leases.items()):
-                    if node not in alive:
-                        await self.release(lease, 0)
+            try:  # a busy control plane: look again next time
+                nodes = await asyncio.to_thread(ray.nodes)
+            except Exception:  # noqa: BLE001
+                continue
+            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
+            for lease, (node, _) in list(self._leases.items()):
+                if node not in alive:
+                    await self.release(lease, 0)
+
+
+#: The actor's concurrency groups (see :class:`ClusterLimits`).
+GROUPS = {"acquire": 100_000, "release": 64}
+
+
+def limits_actor(ray: Any, node_id: str, upstream: Any, pinned: Any) -> Any:
+    """Start the batch's :class:`ClusterLimits` actor on the driver's node."""
+    actor = ray.remote(ClusterLimits).options(
+        num_cpus=0, scheduling_strategy=pinned, concurrency_groups=GROUPS, max_concurrency=100_000
+    )
+    return actor.remote(upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
 
 
 class RemoteLimits:
-    """A node gateway's way to the batch's :class:`ClusterLimits` (see the module docstring)."""
+    """A node gateway's way to the batch's :class:`ClusterLimits` (see the module docstring): its slots carry the
+    gateway's own name, and :meth:`close` gives back whatever it still holds or waits for."""
 
     def __init__(self, actor: Any, node_id: str) -> None:
         self._actor = actor
         self._node_id = node_id
+        self._owner = uuid.uuid4().hex
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[Slot]:
         began = time.monotonic()
-        lease, _ = await self._actor.acquire.remote(self._node_id)
+        pending = self._actor.acquire.options(concurrency_group="acquire").remote(self._node_id, self._owner)
+        try:
+            lease, _ = await pending
+        except asyncio.CancelledError:
+            # The wait is over for us, not for the actor: release what it hands out later.
+            pending.future().add_done_callback(lambda done: self._release_later(done))
+            raise
         slot = Slot(time.monotonic() - began)
         try:
             yield slot
         finally:
-            await self._actor.release.remote(lease, slot.tokens)
+            await self._actor.release.options(concurrency_group="release").remote(lease, slot.tokens)
+
+    def _release_later(self, done: Any) -> None:
+        with contextlib.suppress(Exception):
+            lease, _ = done.result()
+            self._actor.release.options(concurrency_group="release").remote(lease, 0)
+
+    def close(self) -> None:
+        """The gateway closes: its slots go back to the batch."""
+        with contextlib.suppress(Exception):
+            self._actor.release_owner.options(concurrency_group="release").remote(self._owner)

@@ -151,7 +151,7 @@ def build_record(
     model = _model_info(state)
     drift = model.totals.drift if model is not None and model.totals is not None else None
     upstream = prepared.spec.continuation
-    if drift is not None and status != "ok" and upstream is not None and upstream.on_drift == "fail":
+    if drift is not None and status == "replay_failed" and upstream is not None and upstream.on_drift == "fail":
         status, failure = "replay_failed", _drift_failure(drift, failure)
     elif failure is not None and failure.category == "continuation_error" and model is not None:
         failure = _model_failure(state.attempt.run_dir / MODEL_JOURNAL, failure)
