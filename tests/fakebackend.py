@@ -163,8 +163,19 @@ class FakeBackend:
             self.events.append(("remove", image.ref))
         return True
 
-    def image_budget(self) -> int | None:
+    def keep_image(self, image: PulledImage) -> None:
+        with self._lock:
+            self.events.append(("keep", image.ref))
+
+    def node_pulls(self) -> int | None:
         return None
+
+    def image_done(self, image: PulledImage) -> None:
+        with self._lock:
+            self.events.append(("done", image.ref))
+
+    def image_budget(self, given: int | None = None) -> int | None:
+        return given
 
     def runtime(self, name: str | None) -> Runtime:
         return Runtime(name=name or "runc")

@@ -202,6 +202,8 @@ class FakeCluster:
         self.watch = Watch(ray, self.ledger)
         self.submitted: list[dict[str, Any]] = []
         self.manifests: list[bool] = []
+        self.ends: list[tuple[str | None, str | None]] = []
+        """What the driver heard of each copy that ended: the node it was placed on, the image it pulled."""
         self.stopped: dict[str, str] = {}
         """Why each copy that was told to stop stopped (``cancelled``, ``superseded``), by copy id."""
         self._cancelled = threading.Event()
@@ -222,6 +224,15 @@ class FakeCluster:
         self.manifests.append(chunks)
         return {"id": prepared.image.id, "ref": prepared.image.ref, **({"chunks": ["c0"]} if chunks else {})}
 
+    def task_manifest(self, prepared: Any) -> dict[str, Any] | None:
+        return None
+
+    def place(self, prepared: Any) -> str | None:
+        return None
+
+    def ended(self, node: str | None, pulled: str | None) -> None:
+        self.ends.append((node, pulled))
+
     def workspace_ref(self, path: Path) -> Any:
         return resolved(b"")
 
@@ -233,7 +244,13 @@ class FakeCluster:
         self.ledger.stop_all.remote()
 
     def submit_copy(
-        self, copy_id: str, request: dict[str, Any], trajectory: bytes, workspace: Any, key: str | None
+        self,
+        copy_id: str,
+        request: dict[str, Any],
+        trajectory: bytes,
+        workspace: Any,
+        key: str | None,
+        node: str | None = None,
     ) -> ObjectRef:
         n = len(self.submitted)
         node, behaviour = self.script[min(n, len(self.script) - 1)]

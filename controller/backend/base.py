@@ -115,6 +115,17 @@ class Backend(Protocol[GatewayT]):
         """Remove an image pulled on a batch's behalf. False when the engine keeps it because something still
         uses it (a container, another name); never an error."""
 
+    def keep_image(self, image: PulledImage) -> None:
+        """The batch leaves ``image`` where it is for good (``--keep-images``): no longer its to remove, nor
+        ``gc``'s once the batch has ended."""
+
+    def node_pulls(self) -> int | None:
+        """On a cluster, the pulls of task images its nodes made so far, summed over nodes (None: one engine)."""
+
+    def image_done(self, image: PulledImage) -> None:
+        """Every item that asked for ``image`` has ended (a cluster's nodes may then let it go; one engine's
+        batch removes its images itself)."""
+
     def push_image(self, ref: str, registry: str) -> str:
         """Push the image ``ref`` (built here) to ``registry`` (``HOST[:PORT][/PATH]``) under its own name and
         tag, and return the digest reference it can be pulled by (``registry/name@sha256:...``).
@@ -123,9 +134,10 @@ class Backend(Protocol[GatewayT]):
             InfrastructureError: the push failed, or the registry gave no digest.
         """
 
-    def image_budget(self) -> int | None:
-        """A batch's default budget for the images it pulls: half the free space of the engine's storage when
-        it can be read (None: it cannot)."""
+    def image_budget(self, given: int | None = None) -> int | None:
+        """The budget the batch keeps to for the images it pulls, ``--image-budget`` being ``given``: that, or by
+        default half the free space of the engine's storage when it can be read (None: no budget here; a
+        cluster's nodes keep ``given`` each, on their own disks)."""
 
     # -- sandboxes ------------------------------------------------------------------------------------------
 

@@ -279,13 +279,13 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
         console.print("failures: " + _counts(summary.categories), highlight=False, soft_wrap=True)
     images = summary.images
     if images is not None and (images.pulled or images.failed):
-        budget = f" of a {format_size(images.budget)} budget" if images.budget else ""
-        console.print(
-            f"task images: {images.pulled} pulled ({format_size(images.downloaded)}), {images.removed} removed, "
-            f"{images.failed} could not be had; peak {format_size(images.peak)}{budget}",
-            highlight=False,
-            soft_wrap=True,
-        )
+        if images.node_pulls is not None:  # a cluster: the nodes pulled, each within its own budget
+            line = f"task images: {images.pulled} resolved, {images.node_pulls} pulls by the nodes"
+        else:
+            budget = f" of a {format_size(images.budget)} budget" if images.budget else ""
+            line = (f"task images: {images.pulled} pulled ({format_size(images.downloaded)}), {images.removed} "
+                    f"removed, {images.failed} could not be had; peak {format_size(images.peak)}{budget}")  # fmt: skip
+        console.print(line, highlight=False, soft_wrap=True)
     if summary.model is not None:
         console.print(f"model: {summary.model.describe()}", highlight=False, soft_wrap=True)
     total = summary.timings.get("total", {})
@@ -395,13 +395,18 @@ def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:
 def cluster_status(console: Console, nodes: list[NodeStatus]) -> None:
     """``cluster status``: a row per node, then the totals."""
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-    for column in ("node", "address", "state", "engine", "slots", "running", "free", "images"):
+    for column in ("node", "address", "state", "engine", "slots", "running", "free", "images", "task images"):
         table.add_column(column, justify="right" if column in ("slots", "running", "free") else "left")
     for node in nodes:
         state = "[green]alive[/green]" if node.alive else "[red]dead[/red]"
         images = ", ".join(tag.rsplit("/", 1)[-1] for tag in node.images) or "-"
         counts = (str(node.slots), str(node.running), str(node.free))
-        table.add_row(node.node, node.address, state, node.engine or "-", *counts, images)
+        tasks = "-"
+        if node.task_images or node.task_image_budget is not None:
+            budget = f" of {format_size(node.task_image_budget)}" if node.task_image_budget else ""
+            tasks = (f"{node.task_images}: {format_size(node.task_image_bytes)}{budget}, "
+                     f"peak {format_size(node.task_image_peak)}")  # fmt: skip
+        table.add_row(node.node, node.address, state, node.engine or "-", *counts, images, tasks)
     console.print(table)
     alive = [n for n in nodes if n.alive and n.slots]
     slots, running, free = sum(n.slots for n in alive), sum(n.running for n in alive), sum(n.free for n in alive)

@@ -67,6 +67,8 @@ class ItemState(BaseModel):
     first_divergence: CallRef | None = None
     image: str | None = None
     """The bytes it ran in: the image's registry digest (``repo@sha256:...``), else its id."""
+    image_id: str | None = None
+    """The engine's id of that image."""
     path: str
     """The item's directory, relative to its run directory."""
     model: ModelTotals | None = None
@@ -152,7 +154,7 @@ def compare_runs(old: Path, new: Path) -> Comparison:
             changes.append(ItemChange(id=key[0], after_step=key[1], kind=kind, old=was, new=now))
             continue
         matched += 1
-        image_changed = was.image != now.image
+        image_changed = _other_bytes(was, now)
         change = _change(was, now) or ("image_changed" if image_changed else None)
         if change is not None:
             changes.append(
@@ -176,6 +178,15 @@ def _model_move(before: dict[tuple[str, int], ItemState], after: dict[tuple[str,
     if old is None and new is None:
         return None
     return ModelMove(old=old or ModelTotals(), new=new or ModelTotals())
+
+
+def _other_bytes(was: ItemState, now: ItemState) -> bool:
+    """Whether two runs of an item ran in other images: other ids, or other registry digests when both have
+    one (an image loaded with ``docker load`` has an id and no digest: the same bytes all the same)."""
+    if was.image_id is not None and now.image_id is not None and was.image_id != now.image_id:
+        return True
+    both = was.image is not None and now.image is not None and "@" in was.image and "@" in now.image
+    return both and was.image != now.image
 
 
 def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
@@ -234,6 +245,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
             else None
         ),
         image=record.image.digest or record.image.id,
+        image_id=record.image.id,
         path=str(item_dir.relative_to(run_dir)),
         model=record.model.totals if record.model is not None else None,
     )

@@ -62,6 +62,8 @@ class _Image:
     removed: bool = False
     stuck: bool = False
     """The engine would not remove it (something else uses it): it stays, and counts."""
+    unpriced: bool = False
+    """Its registry could not say what it weighs."""
     identity: str | None = None
     """Its id as known before a pull ("" once asked and unknown)."""
     wanted: bool = False
@@ -166,13 +168,17 @@ class ImageWindow:
             return image.pulled
 
     def release(self, ref: str) -> None:
-        """The item that held the image has ended."""
+        """The item that held the image has ended (the last one to: the backend hears the image is done)."""
         with self._lock:
             image = self._images[ref]
             image.in_use -= 1
             image.items_left -= 1
             image.last_used = time.monotonic()
+            done = image.items_left <= 0 and image.in_use == 0 and image.pulled is not None
             self._lock.notify_all()
+        if done:
+            assert image.pulled is not None
+            self._backend.image_done(image.pulled)
 
     def identity(self, ref: str) -> str | None:
         """The image's id without pulling it: the engine's, or its registry's (its configuration's digest);
@@ -183,7 +189,7 @@ class ImageWindow:
         if image.identity is None:  # asked once (two items asking at once may both ask: no harm)
             try:
                 image.identity = self._backend.image_cost(ref).id or ""
-            except PvisorHostError:
+            except Exception:  # noqa: BLE001 - unknown: the item asks for the image, as any other
                 image.identity = ""
         return image.identity or None
 
@@ -202,10 +208,11 @@ class ImageWindow:
             self._coordinator.join()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        if not self._keep:
-            for image in self._order:
-                if image.ours and image.in_use == 0:
-                    self._remove(image)
+        for image in self._order:
+            if image.ours and image.pulled is not None and self._keep:
+                self._backend.keep_image(image.pulled)
+            elif image.ours and image.in_use == 0:
+                self._remove(image)
         return self.stats
 
     # -- the pulls ----------------------------------------------------------------------------------------
@@ -254,24 +261,42 @@ class ImageWindow:
         if budget is None:
             return True
         image.estimate = self._estimate(image)
-        if image.estimate > budget:
+        if (image.compressed or 0) > budget:
             return True  # refused in its own pull, in one line
+        retried = False
         while self._used() + image.estimate > budget:
             victim = min((i for i in self._order if i.evictable), key=lambda i: i.last_used, default=None)
-            if victim is None:
+            if victim is not None:
+                self._remove(victim)
+                continue
+            if pulling or any(i.in_use or (i.ours and i.items_left > 0) for i in self._order):
                 return False  # wait until an image's items end
-            self._remove(victim)
+            if not retried:  # nothing of ours holds anything: try again what would not go before
+                retried = True
+                for stuck in (i for i in self._order if i.stuck):
+                    stuck.stuck = False
+                continue
+            logger.warning(
+                "the --image-budget is taken by images the engine will not remove (something else uses them); "
+                "pulling {} over it", image.ref,
+            )  # fmt: skip
+            return True
         return True
 
     def _estimate(self, image: _Image) -> int:
         """Unpacked bytes the image will take: the manifest's compressed bytes times the largest unpacking
-        ratio seen in this batch (0 when it is present already, or the registry cannot say)."""
+        ratio seen in this batch (0 when it is present already); when the registry cannot say, the largest
+        image the batch pulled so far (the budget errs on its own side)."""
         if image.compressed is None:
             try:
-                image.compressed = self._backend.image_cost(image.ref).pull_bytes
-            except PvisorHostError as exc:
-                logger.debug("could not price {}: {}", image.ref, exc.message)
-                image.compressed = 0
+                cost = self._backend.image_cost(image.ref)
+                image.compressed = cost.pull_bytes
+                image.unpriced = not cost.present and not cost.layers
+            except Exception as exc:  # noqa: BLE001 - a registry's odd answer: the pull will say what is wrong
+                logger.debug("could not price {}: {!r}", image.ref, exc)
+                image.compressed, image.unpriced = 0, True
+        if image.unpriced:
+            return max((i.pulled.size for i in self._order if i.pulled is not None and i.pulled.pulled), default=0)
         return int(image.compressed * self._ratio)
 
     def _used(self) -> int:
@@ -286,10 +311,10 @@ class ImageWindow:
             return
         budget = self.stats.budget
         try:
-            if budget is not None and image.estimate > budget:
+            if budget is not None and (image.compressed or 0) > budget:
                 raise UsageError(
-                    f"image {image.ref} takes about {format_size(image.estimate)}, more than the whole "
-                    f"--image-budget {format_size(budget)}",
+                    f"image {image.ref} downloads {format_size(image.compressed or 0)} (more unpacked), more than "
+                    f"the whole --image-budget {format_size(budget)}",
                     hint="raise --image-budget, or run its items on a host with more room",
                 )
             pulled = self._backend.pull_image(image.ref, progress=self._progress, cancel=self._cancel)

@@ -213,7 +213,7 @@ class BatchRun:
         self._total = total
         window = None
         if task_images:
-            budget = options.image_budget if options.image_budget is not None else backend.image_budget()
+            budget = backend.image_budget(options.image_budget)
             window = ImageWindow(
                 backend, task_images, budget=budget, workers=options.pull_workers, keep=options.keep_images,
                 progress=on_pull,
@@ -274,6 +274,8 @@ class BatchRun:
                     interrupted=interrupt is not None and not self._every_item_ended,
                     deadline=remaining is not None and remaining <= 0,
                 )
+                if pulls is not None:
+                    pulls.node_pulls = self._batch.backend.node_pulls()
                 summary.images = pulls
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
@@ -468,6 +470,9 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
                 earlier = finished_result(run_dir, key, batch.options.rerun_failed)
                 if earlier is not None:
                     return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
+                remaining = batch.remaining()  # again: the wait for its image may have taken the rest
+                if remaining is not None and remaining <= 0:
+                    return base.model_copy(update={"status": "not_run", "path": None})
                 set_aside(batch.options.out, item.id)
                 if remaining is not None:
                     spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})

@@ -105,9 +105,11 @@ def test_with_room_for_one_image_only_one_is_ever_there(tmp_path):
     outcome = run(backend, tmp_path, refs, 3, workers=3, image_budget=150 * MB)
     assert outcome.summary.counts == {"ok": 9}
     assert backend.peak == 100 * MB
-    pulls_and_removals = [event for event in backend.events if event[0] != "run"]
+    pulls_and_removals = [event for event in backend.events if event[0] in ("pull", "remove")]
     assert pulls_and_removals == [("pull", refs[0]), ("remove", refs[0]), ("pull", refs[1]), ("remove", refs[1]),
                                   ("pull", refs[2]), ("remove", refs[2])]  # fmt: skip
+    # the backend heard of each image once every item that asked for it had ended (a cluster's nodes use it)
+    assert [event for event in backend.events if event[0] == "done"] == [("done", ref) for ref in refs]
 
 
 def test_an_image_larger_than_the_budget_is_refused_for_its_items_in_one_line(tmp_path):
@@ -119,8 +121,8 @@ def test_an_image_larger_than_the_budget_is_refused_for_its_items_in_one_line(tm
     refused = [r for r in outcome.results if r.status == "rejected"]
     assert {r.id for r in refused} == {"t1-0", "t1-1"}
     assert refused[0].message == (
-        "image reg:5000/task/huge:1 takes about 1.3 GiB, more than the whole --image-budget 400.0 MiB "
-        "(raise --image-budget, or run its items on a host with more room)"
+        "image reg:5000/task/huge:1 downloads 450.0 MiB (more unpacked), more than the whole --image-budget "
+        "400.0 MiB (raise --image-budget, or run its items on a host with more room)"
     )
     assert "reg:5000/task/huge:1" not in backend.pulls
 

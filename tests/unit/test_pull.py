@@ -26,6 +26,10 @@ REF = "127.0.0.1:5000/task/t1:v1"
         ('Get "http://127.0.0.1:5000/v2/": dial tcp 127.0.0.1:5000: connect: connection refused', 500, "passing"),
         ("unexpected EOF", None, "passing"),
         ("invalid reference format", 400, "final"),
+        # the engine's 500 says nothing of the registry: a certificate stays wrong, a digest is not a status
+        ('Get "https://reg:5000/v2/": x509: certificate signed by unknown authority', 500, "final"),
+        ('Get "https://reg:5000/v2/": http: server gave HTTP response to HTTPS client', 500, "final"),
+        ("failed to register layer: sha256:50450c7d1e9f apply: invalid tar header", 500, "final"),
     ],
 )  # fmt: skip
 def test_what_a_failed_pull_means(text, status, kind):

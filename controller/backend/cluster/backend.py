@@ -9,7 +9,10 @@ over to it). :meth:`ClusterBackend.run_attempt` runs the attempt on the cluster 
 * Ray schedules each copy of the attempt (:func:`.node.tasks.run_copy`) by resources, on a node that
   advertises a free ``docker_engine`` slot (``node join --slots``), never on a node without an engine;
 * the copy makes the image present (:mod:`.ship`: by digest from a registry, or chunks through the cluster,
-  once per node), runs the same single-host pipeline as a local run against the node's own engine, and
+  once per node); a task image (``--image`` with ``--inject``) the node pulls itself from its registry, by
+  the digest the driver resolved, within the node's own disk budget (:mod:`.task_images`,
+  :mod:`.node.images`), and the items of one task image are sent to one node where Ray can; it then runs
+  the same single-host pipeline as a local run against the node's own engine, and
   leaves the run directory on the node; a pinned streaming task (:func:`.node.tasks.fetch_run`) brings it
   back in chunks, through the same safe extractor and byte cap as a local collection;
 * a lost or hung node's copy runs again elsewhere (:mod:`.copies`).
@@ -31,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 from ..._log import logger
 from ..._version import __version__
 from ...errors import InfrastructureError, PrerequisiteError, UsageError
-from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to
+from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
-from .limits import ClusterLimits
+from .limits import limits_actor
 from .node import tasks as on_node
 from .ship import Shipper
+from .task_images import Placement, TaskImages
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -78,8 +82,7 @@ class ClusterGateway:
         if ray is not None and any(
             (upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
         ):  # fmt: skip
-            actor = ray.remote(ClusterLimits).options(num_cpus=0, scheduling_strategy=pinned_to(node_id))
-            self.limits = actor.remote(upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
+            self.limits = limits_actor(ray, node_id, upstream, pinned_to(node_id))
 
     def close(self) -> None:
         """Each node's gateway closes with its copy; the batch's limits go with the batch."""
@@ -110,6 +113,11 @@ class ClusterBackend:
             self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
             self.watch = Watch(self.ray, self.ledger)
             self.shipper = Shipper(local.images, self.ray, registry)
+            self.task_images = TaskImages(local.registries)
+            self.placement = Placement()
+            self.node_budget: int | None = None
+            self.node_pulls_by_image: dict[str, int] = {}
+            """Task image pulls the nodes made, by image id."""
         except BaseException:
             self._connection.close()
             raise
@@ -171,14 +179,24 @@ class ClusterBackend:
     # -- images (made here, on the driver's engine) -----------------------------------------------------------
 
     def plan_image(self, request: ImageRequest) -> ImagePlan:
-        """See :meth:`pvisor_host.backend.base.Backend.plan_image` (``--inject`` is refused on a cluster)."""
-        if request.inject:
-            raise UsageError("--inject does not run on a cluster yet; run it without --cluster")
+        """See :meth:`pvisor_host.backend.base.Backend.plan_image`; a task image to inject into is planned from
+        its registry's manifest and configuration, not pulled here (:mod:`.task_images`)."""
+        if request.inject and request.image is not None:
+            return self.task_images.plan(request.image, request.profile)
         return self.local.plan_image(request)
 
     def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
-        """See :meth:`pvisor_host.backend.base.Backend.ensure_image`: built here, shipped to nodes when used."""
-        return self.local.ensure_image(plan, build)
+        """See :meth:`pvisor_host.backend.base.Backend.ensure_image`: built here, shipped to nodes when used; for
+        a task image, only the agent image its runtime comes from (each node fills its own runtime volume)."""
+        from ...models.image import BuildPlan, InjectPlan, ResolvedImage
+        from ..docker.build.resolve import injected_image
+
+        if not isinstance(plan, InjectPlan):
+            return self.local.ensure_image(plan, build)
+        agent = self.local.ensure_image(BuildPlan(profile=plan.profile), build)
+        assert agent.built is not None
+        image = injected_image(plan, agent.built.id, agent.built.tag)
+        return ResolvedImage(profile=plan.profile, image=image, built=agent.built)
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
@@ -195,20 +213,39 @@ class ClusterBackend:
         progress: Callable[[PullProgress], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> PulledImage:
-        """See :meth:`pvisor_host.backend.base.Backend.pull_image` (onto the driver's engine, which ships it)."""
-        return self.local.pull_image(ref, progress=progress, cancel=cancel)
+        """See :meth:`pvisor_host.backend.base.Backend.pull_image`: on a cluster the image is resolved to its
+        digest in its registry, and the nodes pull it (nothing comes to the driver's engine)."""
+        return self.task_images.resolve(ref).model_copy(update={"pulled": True})
 
     def remove_image(self, image: PulledImage) -> bool:
-        """See :meth:`pvisor_host.backend.base.Backend.remove_image`."""
-        return self.local.remove_image(image)
+        """See :meth:`pvisor_host.backend.base.Backend.remove_image`: the nodes may let it go."""
+        self.image_done(image)
+        return True
+
+    def keep_image(self, image: PulledImage) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.keep_image` (the nodes keep what they pulled within their
+        budgets)."""
+
+    def node_pulls(self) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.node_pulls`."""
+        with self._inputs_lock:
+            return sum(self.node_pulls_by_image.values())
+
+    def image_done(self, image: PulledImage) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_done`: the nodes hear it through the ledger and
+        remove their copies as their budgets need."""
+        with contextlib.suppress(Exception):  # the ledger lives on this node; if it is gone, so is the batch
+            self.ledger.image_done.remote(image.id)
 
     def push_image(self, ref: str, registry: str) -> str:
         """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
         return self.local.push_image(ref, registry)
 
-    def image_budget(self) -> int | None:
-        """See :meth:`pvisor_host.backend.base.Backend.image_budget`."""
-        return self.local.image_budget()
+    def image_budget(self, given: int | None = None) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_budget`: none on the driver, which pulls nothing;
+        ``given`` is each node's budget (a node without one takes half its engine's free space)."""
+        self.node_budget = given
+        return None
 
     def runtime(self, name: str | None) -> Runtime:
         """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes)."""
@@ -249,18 +286,55 @@ class ClusterBackend:
         return self._cancelled.is_set() or (cancel is not None and cancel.is_set())
 
     def submit_copy(
-        self, copy_id: str, request: dict[str, Any], trajectory: bytes, workspace: Any, key: str | None
+        self,
+        copy_id: str,
+        request: dict[str, Any],
+        trajectory: bytes,
+        workspace: Any,
+        key: str | None,
+        node: str | None = None,
     ) -> Any:
-        """Start one copy of an attempt as a Ray task (see :class:`~.copies.Cluster`)."""
-        return self._run_copy.remote(copy_id, request, self.ledger, trajectory, workspace, key)
+        """Start one copy of an attempt as a Ray task (see :class:`~.copies.Cluster`), preferably on ``node``."""
+        run_copy = self._run_copy
+        if node is not None:  # where its task image is (or will be); Ray runs it elsewhere if that node is gone
+            run_copy = run_copy.options(scheduling_strategy=preferring(node))
+        return run_copy.remote(copy_id, request, self.ledger, trajectory, workspace, key)
 
     def fetch_from(self, node_id: str, token: str) -> Any:
         """Stream a copy's run directory back from its node (see :class:`~.copies.Cluster`)."""
         return self._on_node("fetch", node_id).remote(self.session, token)
 
     def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
-        """What a node gets to make the image present (see :class:`~.copies.Cluster`)."""
-        return self.shipper.manifest(prepared.image, chunks=chunks)
+        """What a node gets to make the image present (see :class:`~.copies.Cluster`): the sandbox image, or for
+        a task image the agent image its runtime volume is filled from (the node pulls the task image)."""
+        if prepared.image.runtime_volume is not None and prepared.built is not None:
+            return self.shipper.manifest(prepared.built.id, prepared.built.tag, chunks=chunks)
+        return self.shipper.manifest(prepared.image.id, prepared.image.ref, chunks=chunks)
+
+    def task_manifest(self, prepared: PreparedReplay) -> dict[str, Any] | None:
+        """What a node needs to pull an injected task image itself (see :class:`~.copies.Cluster`), or None."""
+        image = prepared.image
+        if image.runtime_volume is None:
+            return None
+        if image.digest is None:
+            raise UsageError(f"task image {image.ref}: its registry gave no digest; the nodes pull task images by one")
+        size = self.task_images.resolve(image.ref).size
+        return {"id": image.id, "ref": image.ref, "pull": image.digest, "size": size, "budget": self.node_budget}
+
+    def place(self, prepared: PreparedReplay) -> str | None:
+        """The node the items of the attempt's task image go to (None: no task image, or no engine node)."""
+        if prepared.image.runtime_volume is None:
+            return None
+        nodes = sorted(str(n["NodeID"]) for n in engine_nodes(self.ray))
+        return self.placement.place(prepared.image.id, nodes)
+
+    def ended(self, node: str | None, pulled: str | None) -> None:
+        """A copy placed on ``node`` ended; the node pulled the task image ``pulled`` for it (None: it had it)."""
+        if node is not None:
+            self.placement.ended(node)
+        if pulled is not None:
+            with self._inputs_lock:
+                self.node_pulls_by_image[pulled] = self.node_pulls_by_image.get(pulled, 0) + 1
 
     def workspace_ref(self, path: Path) -> Any:
         """The workspace directory as a tar in the object store, once per directory for the whole batch."""

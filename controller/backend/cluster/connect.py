@@ -194,3 +194,10 @@ def pinned_to(node_id: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def preferring(node_id: str) -> Any:
+    """Ray's scheduling strategy for "on this node, or anywhere when it is gone"."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=True)

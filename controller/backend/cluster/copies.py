@@ -60,15 +60,30 @@ class Cluster(Protocol):
     def session(self) -> str: ...
 
     def submit_copy(
-        self, copy_id: str, request: dict[str, Any], trajectory: bytes, workspace: Any, key: str | None
+        self,
+        copy_id: str,
+        request: dict[str, Any],
+        trajectory: bytes,
+        workspace: Any,
+        key: str | None,
+        node: str | None = None,
     ) -> Any:
-        """Start :func:`.node.tasks.run_copy` as a Ray task; its object ref."""
+        """Start :func:`.node.tasks.run_copy` as a Ray task, preferably on ``node``; its object ref."""
 
     def fetch_from(self, node_id: str, token: str) -> Any:
         """Start :func:`.node.tasks.fetch_run` pinned to ``node_id``; its streaming generator."""
 
     def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
         """What a node gets to make the attempt's image present (see :class:`~.ship.Shipper`)."""
+
+    def task_manifest(self, prepared: PreparedReplay) -> dict[str, Any] | None:
+        """What a node needs to pull the attempt's task image itself (None: it has none)."""
+
+    def place(self, prepared: PreparedReplay) -> str | None:
+        """The node the attempt's task image's items go to (None: anywhere)."""
+
+    def ended(self, node: str | None, pulled: str | None) -> None:
+        """A copy placed on ``node`` ended, having pulled the task image ``pulled`` (or none)."""
 
     def workspace_ref(self, path: Path) -> Any:
         """The workspace directory in the object store (once per directory)."""
@@ -138,8 +153,10 @@ class Watch:
 class Copy:
     """One copy of an attempt: a Ray task, and what the driver decided about it."""
 
-    def __init__(self, ref: Any, copy_id: str) -> None:
+    def __init__(self, ref: Any, copy_id: str, node: str | None = None) -> None:
         self.ref, self.id = ref, copy_id
+        self.placed = node
+        """The node the driver asked Ray to prefer for it (its task image's)."""
         self.submitted = time.monotonic()
         self.given_up = False
         """The driver runs another copy instead (this one may still finish first)."""
@@ -183,10 +200,12 @@ class AttemptRun:
             "image": self.backend.image_manifest(self.prepared, chunks=self.chunks),
             "model_limits": self.model_limits,
             "tape": self.tape,
+            "task": self.backend.task_manifest(self.prepared),
         }
         copy_id = f"{self.attempt.run_id}/{uuid.uuid4().hex[:8]}"
-        ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key)
-        copy = Copy(ref, copy_id)
+        node = self.backend.place(self.prepared)
+        ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key, node)
+        copy = Copy(ref, copy_id, node)
         self.copies.append(copy)
         return copy
 
@@ -230,6 +249,7 @@ class AttemptRun:
         """A copy's task ended: its record (fetched), or None when it gave none (and what to do next is done)."""
         ray = self.ray
         ref, copy.ref = copy.ref, None
+        reply: dict[str, Any] = {}
         try:
             reply = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
@@ -239,6 +259,8 @@ class AttemptRun:
             return None
         except ray.exceptions.RayTaskError as exc:  # a bug on the node: its last line says what
             raise InfrastructureError(f"a node failed running {self.attempt.run_id}: {_last_line(exc)}") from None
+        finally:
+            self.backend.ended(copy.placed, reply.get("pulled"))
         if reply.get("superseded"):
             return None
         if reply.get("need_image"):

@@ -4,7 +4,8 @@ One :class:`Ledger` per batch runs as a Ray actor on the driver's own node, so i
 the batch. Copies write to it (:meth:`Ledger.started`, before their sandbox starts) and ask it
 (:meth:`Ledger.should_stop`, while it runs); the driver reads it (:meth:`Ledger.snapshot`) to see on which
 node every copy runs, including the copy Ray ran again after its first node died, and writes to it
-(:meth:`Ledger.stop`, :meth:`Ledger.stop_all`, :meth:`Ledger.forget`).
+(:meth:`Ledger.stop`, :meth:`Ledger.stop_all`, :meth:`Ledger.forget`). It also tells the nodes which task
+images the batch is done with (:meth:`Ledger.image_done`), so that a node's budget may let them go.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Ledger:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._stop: set[str] = set()
         self._stop_all = False
+        self._done_images: set[str] = set()
 
     def started(self, copy_id: str, node_id: str, node: str, at: str, token: str) -> None:
         """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it; a copy already told to stop is not
@@ -55,6 +57,14 @@ class Ledger:
     def forget(self, copy_id: str) -> None:
         """The driver is done with this copy (if it was told to stop, it still is: Ray may run it again)."""
         self._starts.pop(copy_id, None)
+
+    def image_done(self, image_id: str) -> None:
+        """Every item of the task image ``image_id`` has ended: nodes may remove their copies of it."""
+        self._done_images.add(image_id)
+
+    def done_images(self) -> list[str]:
+        """The task images whose items have all ended."""
+        return sorted(self._done_images)
 
     def snapshot(self) -> dict[str, list[dict[str, str]]]:
         """Every start of every copy not yet forgotten."""

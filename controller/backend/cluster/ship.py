@@ -21,7 +21,6 @@ from ..docker.images import push_target
 from .node.tasks import CHUNK
 
 if TYPE_CHECKING:
-    from ...models.image import ImageRef
     from ..docker.images import ImageStore
 
 
@@ -36,41 +35,41 @@ class Shipper:
         self._pushed: dict[str, str] = {}
         self._chunks: dict[str, list[Any]] = {}
 
-    def manifest(self, image: ImageRef, *, chunks: bool = False) -> dict[str, Any]:
-        """What a node gets to make ``image`` present: its id and ref, and a digest to pull, or (``chunks``,
-        once a node turned out not to have it) the chunks of its ``docker save``."""
-        found: dict[str, Any] = {"id": image.id, "ref": image.ref}
+    def manifest(self, image_id: str, ref: str, *, chunks: bool = False) -> dict[str, Any]:
+        """What a node gets to make the image ``image_id`` (built here as ``ref``) present: its id and ref, and a
+        digest to pull, or (``chunks``, once a node turned out not to have it) the chunks of its ``docker save``."""
+        found: dict[str, Any] = {"id": image_id, "ref": ref}
         if self.registry is not None:
-            found["pull"] = self._push(image)
+            found["pull"] = self._push(image_id, ref)
         elif chunks:
-            found["chunks"] = self._save(image)
+            found["chunks"] = self._save(image_id, ref)
         return found
 
-    def _push(self, image: ImageRef) -> str:
+    def _push(self, image_id: str, ref: str) -> str:
         with self._lock:
-            if image.id in self._pushed:
-                return self._pushed[image.id]
+            if image_id in self._pushed:
+                return self._pushed[image_id]
             assert self.registry is not None
             started = time.monotonic()
-            pushed = self._images.push(image.id, *push_target(self.registry, image.ref, image.id))
-            logger.info("pushed {} as {} in {:.1f}s", image.ref, pushed, time.monotonic() - started)
-            self._pushed[image.id] = pushed
+            pushed = self._images.push(image_id, *push_target(self.registry, ref, image_id))
+            logger.info("pushed {} as {} in {:.1f}s", ref, pushed, time.monotonic() - started)
+            self._pushed[image_id] = pushed
             return pushed
 
-    def _save(self, image: ImageRef) -> list[Any]:
+    def _save(self, image_id: str, ref: str) -> list[Any]:
         with self._lock:
-            if image.id in self._chunks:
-                return self._chunks[image.id]
+            if image_id in self._chunks:
+                return self._chunks[image_id]
             started = time.monotonic()
-            pieces = self._images.save(image.id, name=image.ref, chunk=CHUNK)  # the node knows it by its tag
+            pieces = self._images.save(image_id, name=ref, chunk=CHUNK)  # the node knows it by its tag
             refs = [self._ray.put(chunk) for chunk in rechunk(pieces, CHUNK)]
             logger.info(
                 "{} is in the cluster's object store for the nodes that lack it ({} chunks, {:.1f}s)",
-                image.ref,
+                ref,
                 len(refs),
                 time.monotonic() - started,
             )
-            self._chunks[image.id] = refs
+            self._chunks[image_id] = refs
             return refs
 
     def close(self) -> None:

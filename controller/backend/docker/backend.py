@@ -45,6 +45,7 @@ LEFTOVER_PATIENCE = 60.0
 
 if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pvisor-host gc` loads no build)
     from collections.abc import Callable
+    from pathlib import Path
 
     import docker
     from docker.models.containers import Container
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ..base import Backend
     from .gateway import Gateway
     from .pull import Puller
+    from .registry import Registries
 
 
 class DockerBackend:
@@ -131,6 +133,29 @@ class DockerBackend:
         with engine_errors("make the image ready"):
             return resolve.materialize(self.client, self._ownership, self._injector, plan, build)
 
+    def keep_seeds_in(self, root: Path) -> None:
+        """Keep the copies out of images (``--image-workspace``) in ``root`` rather than beside each run's
+        directory (a cluster's node, whose run directories go with their copies)."""
+        self._seeds.root = root
+
+    def image_in_use(self, image_id: str) -> bool:
+        """Whether a container of this engine (running or not, anyone's) was made from the image."""
+        with engine_errors(f"list the containers of image {image_id[:19]}"):
+            return bool(self.client.containers.list(all=True, filters={"ancestor": image_id}, sparse=True))
+
+    def inject_into(self, prepared: PreparedReplay, agent_image_id: str) -> None:
+        """Make an injected replay's runtime ready on this engine: its runtime volume filled from the agent
+        image ``agent_image_id`` (unless a complete one is there), and its task image probed (a cluster's node
+        does this for the task images it pulls; a local batch does it when it resolves the image).
+
+        Raises:
+            UsageError: the task image cannot take the runtime (musl, missing libraries).
+            ImageBuildError: filling the volume failed.
+        """
+        with engine_errors("make the injected runtime ready"):
+            self._injector.ensure_runtime_volume(prepared.profile, agent_image_id)
+            self._injector.check_task_image(prepared.image.id, prepared.image.ref, prepared.profile)
+
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
         from .build import resolve
@@ -139,6 +164,11 @@ class DockerBackend:
             return resolve.preview(self.client, plan)
 
     # -- images named by reference ----------------------------------------------------------------------------
+
+    @property
+    def registries(self) -> Registries:
+        """This backend's registry client (manifests, configurations, credentials)."""
+        return self._puller.registries
 
     @property
     def _puller(self) -> Puller:
@@ -176,7 +206,10 @@ class DockerBackend:
 
         image = self._puller.pull(ref, progress=progress, cancel=cancel)
         if image.pulled:
-            ledger.note(image.id, ref, owner=self._ownership.owner, session=self._ownership.session)
+            try:
+                ledger.note(image.id, ref, owner=self._ownership.owner, session=self._ownership.session)
+            except OSError as exc:  # the batch still removes it; `gc` would not know it after a kill -9
+                logger.warning("pulled {}, but could not note it for gc: {}", ref, exc)
         return image
 
     def remove_image(self, image: PulledImage) -> bool:
@@ -201,8 +234,11 @@ class DockerBackend:
             logger.warning("could not remove {}: {}", image.ref, exc.message)
             return False
         if gone:
-            ledger.forget(image.id)
-            self._seeds.drop(image.id)
+            try:
+                ledger.forget(image.id)
+                self._seeds.drop(image.id)
+            except OSError as exc:  # the state directory or the copies' folder: worth a line, not the batch
+                logger.warning("removed {}, but could not forget it: {}", image.ref, exc)
         return gone
 
     def push_image(self, ref: str, registry: str) -> str:
@@ -213,9 +249,27 @@ class DockerBackend:
             image_id = str(self.client.images.get(ref).id)
         return self.images.push(image_id, *push_target(registry, ref, image_id))
 
-    def image_budget(self) -> int | None:
-        """See :meth:`pvisor_host.backend.base.Backend.image_budget`: half of what the engine's data root has free,
-        when that directory is on this machine."""
+    def keep_image(self, image: PulledImage) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.keep_image`."""
+        from .cleanup import pulled as ledger
+
+        try:
+            ledger.forget(image.id)
+        except OSError as exc:
+            logger.warning("could not note that {} is kept: {}", image.ref, exc)
+
+    def node_pulls(self) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.node_pulls`: one engine has no nodes."""
+        return None
+
+    def image_done(self, image: PulledImage) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_done` (the batch removes what it pulled itself)."""
+
+    def image_budget(self, given: int | None = None) -> int | None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_budget`: by default half of what the engine's data
+        root has free, when that directory is on this machine."""
+        if given is not None:
+            return given
         with engine_errors("read the engine's information"):
             root = self.client.info().get("DockerRootDir")
         try:

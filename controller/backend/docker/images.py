@@ -29,6 +29,8 @@ class Reference:
 
     def __init__(self, text: str) -> None:
         repository, suffix = parse_repository_tag(text)
+        if suffix and suffix.startswith("sha256:") and ":" in repository.rsplit("/", 1)[-1]:
+            repository = repository.rsplit(":", 1)[0]  # repo:tag@sha256:...: the digest is what counts
         registry, path = split_repo_name(repository)
         self.text = text
         self.repository: str = repository

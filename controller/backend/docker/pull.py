@@ -16,6 +16,7 @@ all, so an interrupted pull (Ctrl-C, ``kill -9``) leaves nothing half-made that 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -44,9 +45,13 @@ MAX_BACKOFF = 60.0
 
 _NOT_FOUND = ("not found", "manifest unknown", "does not exist", "no such image", "name unknown")
 _UNAUTHORIZED = ("unauthorized", "authentication required", "no basic auth credentials", "denied", "forbidden")
-_RATE_LIMITED = ("toomanyrequests", "too many requests", "429", "rate limit")
+_RATE_LIMITED = ("toomanyrequests", "too many requests", "rate limit")
+#: Failures another try would meet again, whatever else the text says (a certificate, a plain-HTTP registry).
+_FINAL = ("x509", "certificate", "http response to https client")
+#: An HTTP status the registry answered, named as a number of its own (not inside a digest).
+_STATUS = re.compile(r"(?<![0-9a-f])(429|500|502|503|504)(?![0-9a-f])")
 _PASSING = (
-    "500", "502", "503", "504", "internal server error", "bad gateway", "service unavailable", "gateway timeout",
+    "internal server error", "bad gateway", "service unavailable", "gateway timeout",
     "connection reset", "connection refused", "eof", "broken pipe", "i/o timeout", "timeout", "tls handshake",
     "no such host", "network is unreachable", "temporary failure", "dial tcp", "context deadline exceeded",
 )  # fmt: skip
@@ -88,6 +93,8 @@ class Gates:
 def classify(reference: str, text: str, status: int | None = None) -> Exception:
     """What a failed pull means: :class:`ImageUnavailable` (final), a passing failure, or RegistryError."""
     lowered = text.lower()
+    if any(marker in lowered for marker in _FINAL):
+        return RegistryError(f"pulling {reference} failed: {text[:300]}")
     if status == 404 or any(marker in lowered for marker in _NOT_FOUND):
         return ImageUnavailable("image_not_found", f"image {reference} was not found in its registry ({text[:200]})")
     if status in (401, 403) or any(marker in lowered for marker in _UNAUTHORIZED):
@@ -96,7 +103,12 @@ def classify(reference: str, text: str, status: int | None = None) -> Exception:
             f"the registry refused to give {reference} ({text[:200]})",
             hint="log in to it as the docker CLI would (docker login): its credentials are used",
         )
-    if status in (429, 500, 502, 503, 504) or any(m in lowered for m in (*_RATE_LIMITED, *_PASSING)):
+    # The engine answers 500 for any failed pull: its status says nothing of the registry's, the text does.
+    if (
+        status in (429, 502, 503, 504)
+        or _STATUS.search(lowered)
+        or any(m in lowered for m in (*_RATE_LIMITED, *_PASSING))
+    ):
         return _Passing(text)
     return RegistryError(f"pulling {reference} failed: {text[:300]}")
 
@@ -147,13 +159,16 @@ class Puller:
         retrying = Retrying(
             retry=retry_if_exception_type(_Passing),
             stop=stop_after_delay(PATIENCE) | stop_after_attempt(ATTEMPTS),
-            wait=self._backoff,
+            wait=lambda state: min(self._backoff(state), max(0.0, PATIENCE - (time.monotonic() - started))),
             before_sleep=lambda state: self._before_retry(reference, host, state),
+            sleep=lambda seconds: _sleep(seconds, cancel, reference),
             reraise=True,
         )
         try:
             for attempt in retrying:
                 with attempt:
+                    if cancel is not None and cancel.is_set():
+                        raise Interrupted(f"interrupted while pulling {reference}")
                     self.gates.wait(host, cancel)
                     downloaded = self._once(ref, progress, cancel, started)
         except _Passing as exc:
@@ -221,6 +236,14 @@ class Puller:
         if isinstance(exc, _Passing) and exc.wait is not None:
             return exc.wait
         return random.uniform(0, min(MAX_BACKOFF, 2.0**state.attempt_number))
+
+
+def _sleep(seconds: float, cancel: threading.Event | None, reference: str) -> None:
+    """tenacity's sleep between tries, which ``cancel`` (Ctrl-C, the batch's end) cuts short."""
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise Interrupted(f"interrupted while waiting to pull {reference} again")
 
 
 def _progress(reference: str, layers: dict[str, tuple[int, int | None]], seconds: float) -> PullProgress:

@@ -74,6 +74,16 @@ class Registries:
         Raises:
             ManifestError: the registry cannot be reached, refuses, or has no such image.
         """
+        try:
+            return self._manifest(reference, platform)
+        except ManifestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an answer that is no manifest, a failing credential helper
+            raise ManifestError(
+                f"{reference}: the registry's answer could not be read ({type(exc).__name__})"
+            ) from None
+
+    def _manifest(self, reference: str, platform: tuple[str, str]) -> ManifestInfo:
         ref = Reference(reference)
         answer = self._get(ref, ref.digest or ref.tag or "latest")
         digest = answer.headers.get("Docker-Content-Digest") or ref.digest
@@ -91,6 +101,25 @@ class Registries:
         config = body.get("config", {})
         return ManifestInfo(digest, layers, int(config.get("size", 0)), config.get("digest"))
 
+    def config(self, reference: str, manifest: ManifestInfo) -> dict[str, Any]:
+        """The image configuration ``manifest`` names (its labels, OS and architecture), read from the registry
+        without pulling the image.
+
+        Raises:
+            ManifestError: the registry cannot be reached, refuses, or has no such blob.
+        """
+        if manifest.config_digest is None:
+            raise ManifestError(f"{reference}: the registry lists no image configuration")
+        try:
+            found = self._get(Reference(reference), manifest.config_digest, kind="blobs").json()
+        except ManifestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - not JSON, a failing credential helper
+            raise ManifestError(
+                f"{reference}: the image configuration could not be read ({type(exc).__name__})"
+            ) from None
+        return found if isinstance(found, dict) else {}
+
     def retry_after(self, reference: str) -> float | None:
         """Seconds the registry asks to wait now (its ``Retry-After`` on a 429), or None when it asks none."""
         ref = Reference(reference)
@@ -104,8 +133,8 @@ class Registries:
 
     # -- HTTP ---------------------------------------------------------------------------------------------
 
-    def _get(self, ref: Reference, what: str) -> requests.Response:
-        answer = self._request("GET", ref, what)
+    def _get(self, ref: Reference, what: str, *, kind: str = "manifests") -> requests.Response:
+        answer = self._request("GET", ref, what, kind=kind)
         if answer.status_code == 404:
             raise ManifestError(f"{ref.text}: not found in the registry")
         if answer.status_code in (401, 403):
@@ -114,9 +143,9 @@ class Registries:
             raise ManifestError(f"{ref.text}: the registry answered HTTP {answer.status_code}")
         return answer
 
-    def _request(self, method: str, ref: Reference, what: str) -> requests.Response:
+    def _request(self, method: str, ref: Reference, what: str, *, kind: str = "manifests") -> requests.Response:
         host = ref.registry or _HUB
-        url = f"{_scheme(host)}://{host}/v2/{_path(ref)}/manifests/{what}"
+        url = f"{_scheme(host)}://{host}/v2/{_path(ref)}/{kind}/{what}"
         headers = {"Accept": MANIFEST_TYPES}
         scope = f"repository:{_path(ref)}:pull"
         try:

@@ -29,6 +29,14 @@ class NodeStatus(BaseModel):
     """Sandboxes of pvisor-host running there now (any driver's)."""
     images: list[str] = []
     """pvisor-host images its engine holds."""
+    task_images: int = 0
+    """Task images the batches' copies pulled there that it still holds."""
+    task_image_bytes: int = 0
+    """The bytes they take."""
+    task_image_peak: int = 0
+    """The most bytes they took at once."""
+    task_image_budget: int | None = None
+    """The budget the last batch gave it (None: none yet, or none)."""
 
     @property
     def free(self) -> int:
@@ -74,6 +82,10 @@ def statuses(ray: Any, address: str) -> list[NodeStatus]:
                 engine=report.get("engine"),
                 running=int(report.get("running", 0)),
                 images=list(report.get("images", [])),
+                task_images=int(report.get("task_images", {}).get("images", 0)),
+                task_image_bytes=int(report.get("task_images", {}).get("bytes", 0)),
+                task_image_peak=int(report.get("task_images", {}).get("peak", 0)),
+                task_image_budget=report.get("task_images", {}).get("budget"),
             )
         )
     return sorted(found, key=lambda n: (not n.alive, -n.slots, n.node))

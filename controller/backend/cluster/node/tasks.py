@@ -39,6 +39,8 @@ from ....errors import InfrastructureError, Interrupted, PvisorHostError
 from ....models.replay import Attempt, PreparedReplay
 from ...docker.images import Reference
 from ..limits import RemoteLimits
+from .images import prepare_task
+from .images import status as task_status
 
 if TYPE_CHECKING:
     from ...docker import DockerBackend
@@ -80,6 +82,8 @@ def backend_for(session: str) -> DockerBackend:
             from ...docker import DockerBackend
 
             backend = DockerBackend.connect(Ownership.current(session=session), pool_size=8)
+            # copies out of task images (--image-workspace) outlive a copy's folder: once per image here
+            backend.keep_seeds_in(scratch_root() / session / f"seeds-{os.getpid()}")
             if not _backends:
                 with contextlib.suppress(PvisorHostError):
                     backend.sweep()
@@ -98,13 +102,15 @@ def node_info() -> dict[str, Any]:
 
 
 def node_status(session: str) -> dict[str, Any]:
-    """This node for ``cluster status``: engine version, pvisor-host images, sandboxes of ours running now."""
+    """This node for ``cluster status``: engine version, pvisor-host images, sandboxes of ours running now, and
+    the task images its copies pulled (bytes now, peak, budget)."""
     backend = backend_for(session)
+    tasks = task_status(scratch_root())
     try:
         engine, images, running = backend.engine_version(), backend.images.ours(), backend.running_sandboxes()
     except PvisorHostError as exc:  # reported, not raised: status shows every node it can
-        return {**node_info(), "engine": f"error: {exc.message}", "images": [], "running": 0}
-    return {**node_info(), "engine": engine, "images": images, "running": running}
+        return {**node_info(), "engine": f"error: {exc.message}", "images": [], "running": 0, "task_images": tasks}
+    return {**node_info(), "engine": engine, "images": images, "running": running, "task_images": tasks}
 
 
 # -- images ---------------------------------------------------------------------------------------------------
@@ -199,11 +205,16 @@ def run_copy(
     watcher = threading.Thread(target=_watch, args=(ledger, copy_id, stop, session, request["run_id"]), daemon=True)
     watcher.start()
     gateway = None
+    limits = None
+    pulled = None
     try:
         if not ensure_image(session, request["image"], fetch_chunk or ray.get):
             return {"need_image": True}
         prepared, attempt = _materialize(base, request, trajectory, workspace)
         backend = backend_for(session)
+        if request.get("task") is not None:  # a task image: pulled here, by digest, within this node's budget
+            pulled = prepare_task(backend, scratch_root(), prepared, request["task"], request["image"]["id"], ledger,
+                                  session)  # fmt: skip
         if prepared.spec.continuation is not None:
             limits = RemoteLimits(request["model_limits"], _node_id()) if request.get("model_limits") else None
             gateway = backend.open_gateway(prepared.spec.continuation, user=prepared.user, api_key=key, limits=limits)
@@ -221,10 +232,14 @@ def run_copy(
         stop.event.set()  # also ends the watcher
         if gateway is not None:
             gateway.close()
+        if limits is not None:
+            limits.close()  # whatever its gateway still held of the batch's model limits
     if stop.reason == SUPERSEDED:  # another copy made the record: nobody fetches this one
         _remove(base)
         return {"superseded": True}
-    reply: dict[str, Any] = {"node": node, "node_id": _node_id(), "token": token, "interrupted": interrupted}
+    reply: dict[str, Any] = {
+        "node": node, "node_id": _node_id(), "token": token, "interrupted": interrupted, "pulled": pulled,
+    }  # fmt: skip
     archive = _pack(base)
     if archive is None or archive.stat().st_size <= CHUNK:  # one chunk: it comes back with the reply
         reply["tar"] = archive.read_bytes() if archive is not None else b""

@@ -163,15 +163,22 @@ def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
     assert tag is not None
     if isinstance(plan, BuildPlan):
         return ImagePreview(image=_ref(tag, agent_image.id, profile, "build"), exists=True)
+    note = "a probe of the task image (libc, architecture) comes before the first run"
+    return ImagePreview(image=injected_image(plan, agent_image.id, tag), exists=True, note=note)
+
+
+def injected_image(plan: InjectPlan, agent_image_id: str, agent_tag: str) -> ImageRef:
+    """The task image of ``plan`` with the runtime volume filled from ``agent_image_id`` (its name is the same
+    wherever it is filled: a cluster's nodes fill their own)."""
+    profile = plan.profile
     volume = RuntimeVolume(
-        name=runtime_volume_name(profile, inject_spec(profile), agent_image.id),
+        name=runtime_volume_name(profile, inject_spec(profile), agent_image_id),
         agent=profile.agent,
         agent_version=profile.version,
         pvisor_version=PVISOR_VERSION,
-        agent_image=agent_image.id,
+        agent_image=agent_image_id,
     )
-    note = "a probe of the task image (libc, architecture) comes before the first run"
-    return ImagePreview(image=_injected(plan, volume, tag), exists=True, note=note)
+    return _injected(plan, volume, agent_tag)
 
 
 def _injected(plan: InjectPlan, volume: RuntimeVolume, agent_tag: str) -> ImageRef:

@@ -17,6 +17,7 @@ from docker.errors import APIError, NotFound
 
 from ...._log import logger
 from ....models.housekeeping import AgentStatus, CatalogEntry, PruneResult
+from ....models.ownership import Ownership
 from ....models.profiles import all_profiles
 from .. import labels as L
 from ..build.base import find_image
@@ -144,6 +145,9 @@ def prune(
         if entry.in_use:
             result.kept[entry.name] = "in use by a container"
             continue
+        if entry.role == "pulled" and entry.pulled_by and Ownership.current().owner_alive(entry.pulled_by):
+            result.kept[entry.name] = "a running batch pulled it and may still need it"
+            continue
         removed, reason = (True, None) if dry_run else _remove(client, entry)
         if reason:
             result.kept[entry.name] = reason
@@ -168,8 +172,13 @@ def _remove(client: docker.DockerClient, entry: CatalogEntry) -> tuple[bool, str
 
 def _try_remove(client: docker.DockerClient, entry: CatalogEntry) -> tuple[bool, str | None]:
     try:
-        if entry.kind == "image":  # a pulled image goes by the name it was pulled as (it may have others)
-            client.images.remove(entry.name if entry.role == "pulled" else entry.id, force=False, noprune=False)
+        if entry.kind == "image" and entry.role == "pulled":  # by the name it was pulled as (it may have others),
+            if client.images.get(entry.name).id != entry.id:  # unless that name is another image's by now
+                pulled.forget(entry.id)
+                return False, "its name is another image's now; forgotten as pulled"
+            client.images.remove(entry.name, force=False, noprune=False)
+        elif entry.kind == "image":
+            client.images.remove(entry.id, force=False, noprune=False)
         else:
             client.volumes.get(entry.name).remove(force=False)
     except NotFound:

@@ -95,7 +95,8 @@ def _remove(client: docker.DockerClient, resource: Resource) -> None:
         elif resource.kind == "network":
             client.networks.get(resource.id).remove()
         elif resource.kind == "image":  # by the name it was pulled as; never forced (a container may use it)
-            client.images.remove(resource.name)
+            if client.images.get(resource.name).id == resource.id:  # unless the name is another image's by now
+                client.images.remove(resource.name)
         else:
             client.volumes.get(resource.id).remove(force=True)
     except NotFound:

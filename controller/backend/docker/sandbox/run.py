@@ -141,7 +141,8 @@ def _image_seed(
     if not prepared.spec.image_workspace:
         return None
     budget = Budget(prepared.spec.collect_limit)
-    image, path, place = prepared.image.id, prepared.workspace_path, prepared.out_dir.parent  # the batch's, say
+    image, path = prepared.image.id, prepared.workspace_path
+    place = seeds.root or prepared.out_dir.parent  # the batch's folder, say
     return lambda dest: seeds.fill(client, ownership, image, path, dest, budget, place=place)
 
 

@@ -64,7 +64,9 @@ class Seeds:
     """Copies out of images, made once per (image, directory, place) and shared by every sandbox that starts
     from them (see the module docstring). Thread-safe: the first sandbox makes a copy, the others wait."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root
+        """Where the copies are kept (None: beside each run's directory, the batch's folder)."""
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str, Path], threading.Lock] = {}
         self._made: dict[tuple[str, str, Path], tuple[Path, list[Entry]]] = {}
@@ -87,7 +89,8 @@ class Seeds:
             lock = self._keys.setdefault(key, threading.Lock())
         with lock:
             if key not in self._made:
-                name = hashlib.sha256(f"{image_id}:{path}".encode()).hexdigest()[:16]
+                # this process's own (its session's): two replays beside each other never share a copy
+                name = f"{ownership.session}-{hashlib.sha256(f'{image_id}:{path}'.encode()).hexdigest()[:16]}"
                 source = key[2] / SEEDS_NAME / name
                 remove_tree(source)  # what a killed run left
                 entries = seed_from_image(client, ownership, image_id, path, source, budget)

@@ -8,8 +8,10 @@ Layout under ``<out>/.pvisor-host-staging/`` (removed on every path when the run
                  image's own directory there (--image-workspace), or empty
     run/         bound read-write at /pvisor-host/run: pvisor's --state-dir and --output-dir roots
     logs/        bound read-write at /pvisor-host/logs: stdout.log and stderr.log, where entry.sh sends the
-                 sandbox's output. The directory is ours: the sandbox may write to the two files but cannot
-                 replace them (nor add others)
+                 sandbox's output. The directory is ours: a sandbox user other than ours (as root, pvisor-host
+                 runs sandboxes as 65532) may write to the two files but cannot replace them (nor add others)
+
+The staging root is ours alone (0700): no other local user reaches into a running sandbox's files.
 
 The trajectory is copied (and hashed while copying) so the sandbox reads exactly the bytes the record
 names, whatever happens to the host file meanwhile, and so its permissions suit the sandbox user.
@@ -92,7 +94,7 @@ def stage(
     uid, gid = parse_user(user)
     owner_uid, owner_gid = _sandbox_owner(uid, gid)
     layout = planned_staging(root, trajectory)
-    root.mkdir(mode=0o755)
+    root.mkdir(mode=0o700)
     input_dir = layout.input_dir
     input_dir.mkdir(mode=0o755)
 
@@ -131,7 +133,7 @@ def stage(
     layout.logs_dir.mkdir(mode=0o755)
     for name in LOG_FILES:
         (layout.logs_dir / name).touch(mode=0o600)
-        (layout.logs_dir / name).chmod(0o622)  # anyone may write (the sandbox user is not us); only we read
+        (layout.logs_dir / name).chmod(0o622)  # the sandbox user may write (it is not us, as root); only we read
     return layout.model_copy(update={"workspace_before": before})
 
 

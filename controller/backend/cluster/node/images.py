@@ -1,0 +1,214 @@
+"""Task images on a node: pulled by digest within the node's disk budget, their runtime made ready once.
+
+A copy whose item runs in a task image (``--inject``) gets the image's digest from the driver and pulls it here
+(:func:`prepare_task`), with the single-host pull's retries and credentials, then checks that the engine holds
+exactly the id the driver resolved. Several Ray workers of one node may ask for the same image at once: a lock
+file per image makes one of them pull and the others find it present; the runtime volume is filled under a lock
+of its own.
+
+**The node's budget.** What the batch's copies pulled on this node is kept in a small ledger file in the node's
+scratch folder (image id → bytes, last use, whether this node pulled it). Before a pull would take the images
+past the budget (``--image-budget``, else half the engine's free space), images are removed least recently used
+first, only ones this node pulled, whose items the driver reported all ended (:meth:`.ledger.Ledger.image_done`)
+and that no container uses. When nothing can go yet, the pull waits for something to (the copies before it
+end), up to :data:`WAIT_FOR_ROOM`, then goes ahead over budget and says so. The ledger records the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...._log import logger
+from ....errors import InfrastructureError, PvisorHostError
+from ....models.image import PulledImage
+from ....units import format_size
+
+if TYPE_CHECKING:
+    from ....models.replay import PreparedReplay
+    from ...docker import DockerBackend
+
+#: How long a pull waits for the node's budget to make room before it goes ahead over budget (seconds).
+WAIT_FOR_ROOM = 600.0
+#: Bytes an image takes on the engine for each byte its registry lists (its layers, compressed), until pulled.
+RATIO = 2.5
+LEDGER = "task-images.json"
+
+
+def prepare_task(
+    backend: DockerBackend,
+    root: Path,
+    prepared: PreparedReplay,
+    task: dict[str, Any],
+    agent_image_id: str,
+    ledger: Any,
+    session: str,
+) -> str | None:
+    """Make the task image of ``prepared`` present on this node (pulled by ``task["pull"]``, its digest) and
+    its injected runtime ready. Returns the image id when this copy pulled it (None: it was here).
+
+    Raises:
+        InfrastructureError: the pull failed, or gave another image than the driver resolved.
+        UsageError: the task image cannot take the runtime.
+    """
+    image_id = task["id"]
+    pulled = None
+    with _locked(root / f"task-{image_id.removeprefix('sha256:')[:32]}.lock"):
+        if backend.images.has(image_id):
+            _touch(root, image_id)
+        else:
+            _make_room(backend, root, image_id, task, ledger, session)
+            try:
+                found = backend.pull_image(task["pull"])
+            except PvisorHostError as exc:
+                _forget(root, image_id)
+                raise InfrastructureError(f"{_node()}: {exc.message}") from None
+            if found.id != image_id:
+                _forget(root, image_id)
+                raise InfrastructureError(f"{_node()}: {task['pull']} arrived as {found.id[:19]}, not {image_id[:19]}")
+            _pulled(root, image_id, found.size, session)
+            pulled = image_id
+    with _locked(root / f"runtime-{prepared.image.runtime_volume}.lock"):
+        backend.inject_into(prepared, agent_image_id)
+    return pulled
+
+
+def budget_of(backend: DockerBackend, task: dict[str, Any]) -> int | None:
+    """The node's budget: the batch's ``--image-budget`` (every node keeps it), else the engine's default."""
+    given = task.get("budget")
+    return int(given) if given is not None else backend.image_budget()
+
+
+def status(root: Path) -> dict[str, Any]:
+    """What ``cluster status`` shows of this node's task images: the bytes they take now, the peak and the budget."""
+    with _locked(root / f"{LEDGER}.lock"):
+        state = _read(root)
+    taken = sum(entry["size"] for entry in state["images"].values())
+    return {"images": len(state["images"]), "bytes": taken, "peak": state["peak"], "budget": state["budget"]}
+
+
+# -- the budget -------------------------------------------------------------------------------------------------
+
+
+def _make_room(
+    backend: DockerBackend, root: Path, image_id: str, task: dict[str, Any], ledger: Any, session: str
+) -> None:
+    """Reserve the image's bytes in the node's ledger, removing what the budget needs first (see the module
+    docstring): images of this batch whose items are done, or that an earlier batch pulled, that no container
+    uses, least recently used first."""
+    budget = budget_of(backend, task)
+    estimate = int((task.get("size") or 0) * RATIO)
+    deadline = time.monotonic() + WAIT_FOR_ROOM
+    while True:
+        with _locked(root / f"{LEDGER}.lock"):
+            state = _read(root)
+            state["budget"] = budget
+            images: dict[str, Any] = state["images"]
+            for gone in [k for k, e in images.items() if not e.get("pulling") and not backend.images.has(k)]:
+                del images[gone]  # removed meanwhile (gc, prune, by hand)
+            taken = sum(entry["size"] for entry in images.values())
+            if budget is None or taken + estimate <= budget or not images or time.monotonic() > deadline:
+                if budget is not None and taken + estimate > budget and images:
+                    logger.warning("{}: over the image budget of {} to run its items", _node(), format_size(budget))
+                images[image_id] = {"size": estimate, "used": time.time(), "pulling": os.getpid(), "session": session}
+                _write(root, state)
+                return
+            done = set(_done(ledger))
+            for victim in sorted(images, key=lambda key: images[key]["used"]):
+                if taken + estimate <= budget:
+                    break
+                entry = images[victim]
+                finished = victim in done or entry.get("session") != session
+                if not finished or entry.get("pulling") or backend.image_in_use(victim):
+                    continue
+                if backend.remove_image(PulledImage(ref=victim, id=victim, size=entry["size"], pulled=True)):
+                    logger.info("{}: removed task image {} (its items are done)", _node(), victim[:19])
+                    taken -= entry["size"]
+                    del images[victim]
+            _write(root, state)
+            if taken + estimate <= budget:
+                continue  # room now: reserve it on the next turn
+        time.sleep(1.0)  # nothing can go yet: the copies before this one end, or the driver says an image is done
+
+
+def _done(ledger: Any) -> list[str]:
+    import ray
+
+    try:
+        return list(ray.get(ledger.done_images.remote(), timeout=30))
+    except Exception:  # noqa: BLE001 - the driver is gone or slow: nothing is known to be done
+        return []
+
+
+def _pulled(root: Path, image_id: str, size: int, session: str) -> None:
+    with _locked(root / f"{LEDGER}.lock"):
+        state = _read(root)
+        state["images"][image_id] = {"size": size, "used": time.time(), "pulling": None, "session": session}
+        taken = sum(entry["size"] for entry in state["images"].values())
+        state["peak"] = max(state["peak"], taken)
+        _write(root, state)
+
+
+def _touch(root: Path, image_id: str) -> None:
+    with _locked(root / f"{LEDGER}.lock"):
+        state = _read(root)
+        if image_id in state["images"]:
+            state["images"][image_id]["used"] = time.time()
+            _write(root, state)
+
+
+def _forget(root: Path, image_id: str) -> None:
+    with _locked(root / f"{LEDGER}.lock"):
+        state = _read(root)
+        state["images"].pop(image_id, None)
+        _write(root, state)
+
+
+def _read(root: Path) -> dict[str, Any]:
+    """The ledger; a reservation whose process is gone (a copy killed mid-pull) is dropped."""
+    try:
+        state = json.loads((root / LEDGER).read_text())
+    except (OSError, ValueError):
+        state = {}
+    images = {
+        key: entry
+        for key, entry in (state.get("images") or {}).items()
+        if not entry.get("pulling") or _alive(int(entry["pulling"]))
+    }
+    return {"images": images, "peak": int(state.get("peak") or 0), "budget": state.get("budget")}
+
+
+def _write(root: Path, state: dict[str, Any]) -> None:
+    temporary = root / f"{LEDGER}.{os.getpid()}"
+    temporary.write_text(json.dumps(state))
+    temporary.replace(root / LEDGER)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _node() -> str:
+    import socket
+
+    return socket.gethostname()

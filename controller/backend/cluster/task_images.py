@@ -1,0 +1,122 @@
+"""Task images on a cluster, the driver's side: resolved against their registry, placed, never pulled here.
+
+A dataset's task images (``--image`` with ``--inject``) are gigabytes each, hundreds of them: the driver does
+not pull them and the object store does not carry them. The driver asks the registry for each image's
+manifest and configuration once (:meth:`TaskImages.resolve`): the digest every node then pulls, so that
+every node runs exactly the same bytes, the image id that digest gives, and the labels and platform the
+plan checks. The agent image whose runtime is injected is built (or found) here and reaches the nodes as
+any agent image does (:mod:`.ship`); each node fills its own runtime volume from it and pulls the task image
+itself (:mod:`.node.images`).
+
+Locality (:class:`Placement`): the items of one task image go to one node, chosen when the image's first item
+is submitted as the engine node with the fewest items placed on it and not yet ended, and Ray is asked to run
+them there (a *soft* node affinity: when that node is gone, Ray runs them elsewhere). So an image is pulled
+about once, not once per node, while the images spread over the nodes. This is a preference handed to Ray's
+scheduler, not a scheduler of its own: Ray still decides when and, if the node is lost, where.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from ...errors import ImageUnavailable, UsageError
+from ...models.image import InjectPlan, PulledImage
+from ..docker.build.inject import inject_spec
+from ..docker.images import Reference
+from ..docker.registry import ManifestError, Registries
+
+
+class TaskImages:
+    """The task images of one cluster batch, as the registry describes them (thread-safe)."""
+
+    def __init__(self, registries: Registries) -> None:
+        self._registries = registries
+        self._lock = threading.Lock()
+        self._found: dict[str, PulledImage] = {}
+        self._labels: dict[str, dict[str, str]] = {}
+
+    def resolve(self, ref: str) -> PulledImage:
+        """The image ``ref`` names, found in its registry without pulling it: its digest reference (what nodes
+        pull), its id, and the bytes a pull downloads.
+
+        Raises:
+            ImageUnavailable: the registry cannot say (no such image, refused, unreachable), or the image is not
+                linux/amd64: its items are refused, in one line.
+        """
+        with self._lock:
+            if ref in self._found:
+                return self._found[ref]
+        try:
+            manifest = self._registries.manifest(ref)
+            config = self._registries.config(ref, manifest)
+        except ManifestError as exc:
+            raise ImageUnavailable(_kind(str(exc)), f"task image {ref}: no node can pull it: {exc}") from None
+        platform = (config.get("os", "linux"), config.get("architecture", "amd64"))
+        if platform != ("linux", "amd64"):
+            raise ImageUnavailable(
+                "image_unusable",
+                f"task image {ref} is {'/'.join(platform)}; pvisor 0.3.1 ships only linux/amd64 (x86_64) binaries",
+            )
+        if manifest.digest is None or manifest.config_digest is None:
+            raise ImageUnavailable("image_unusable", f"task image {ref}: its registry names no digest to pull it by")
+        found = PulledImage(
+            ref=ref,
+            id=manifest.config_digest,
+            digest=f"{Reference(ref).repository}@{manifest.digest}",
+            size=manifest.bytes,
+        )
+        with self._lock:
+            self._found[ref] = found
+            self._labels[ref] = dict((config.get("config") or {}).get("Labels") or {})
+        return found
+
+    def plan(self, ref: str, profile: Any) -> InjectPlan:
+        """The inject plan of task image ``ref`` for ``profile``'s runtime (see :meth:`resolve`).
+
+        Raises:
+            UsageError: the agent cannot be injected.
+            ImageUnavailable: see :meth:`resolve`.
+        """
+        if profile is None:
+            raise UsageError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
+        inject_spec(profile)
+        found = self.resolve(ref)
+        return InjectPlan(profile=profile, ref=ref, id=found.id, labels=self._labels[ref], digest=found.digest)
+
+
+class Placement:
+    """Which node the items of each task image go to (see the module docstring; thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._node: dict[str, str] = {}
+        self._load: Counter[str] = Counter()
+        """Items placed on each node and not yet ended."""
+
+    def place(self, image: str, nodes: list[str]) -> str | None:
+        """The node for one more item of ``image`` among the alive engine ``nodes`` (None: no node)."""
+        with self._lock:
+            node = self._node.get(image)
+            if node not in nodes:
+                if not nodes:
+                    return None
+                node = min(nodes, key=lambda n: (self._load[n], n))
+                self._node[image] = node
+            self._load[node] += 1
+            return node
+
+    def ended(self, node: str) -> None:
+        """An item placed on ``node`` ended (wherever Ray ran it in the end)."""
+        with self._lock:
+            self._load[node] -= 1
+
+
+def _kind(problem: str) -> str:
+    """The category of a registry's refusal, as a pull's would be (see :mod:`..docker.pull`)."""
+    if "not found" in problem:
+        return "image_not_found"
+    if "unauthorized" in problem or "refused" in problem:
+        return "registry_unauthorized"
+    return "image_unreachable"
