@@ -34,6 +34,7 @@ look, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -576,7 +577,7 @@ def dataset(work: Path) -> dict[str, Any]:
         budget = 4 * size
         manifest = work / "dataset.jsonl"
         trajectory = work / "task.jsonl"
-        trajectory.write_text(TASK_SESSION)
+        trajectory.write_text(task_session())
         lines = [{"id": f"d{i:02d}-{n}", "trajectory": str(trajectory), "after_step": 1, "image": ref}
                  for n in range(per_image) for i, ref in enumerate(refs)]  # fmt: skip
         manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -616,19 +617,13 @@ def dataset(work: Path) -> dict[str, Any]:
     }
 
 
-TASK_SESSION = "".join(
-    json.dumps(event) + "\n"
-    for event in [
-        {"type": "user", "uuid": "u1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
-         "message": {"role": "user", "content": "Read the task."}},
-        {"type": "assistant", "uuid": "a1", "parentUuid": "u1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
-         "message": {"id": "m1", "role": "assistant", "model": "m", "stop_reason": "tool_use", "content": [
-             {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "cat README"}}]}},
-        {"type": "user", "uuid": "u2", "parentUuid": "a1", "sessionId": "s", "cwd": "/app", "version": "2.1.220",
-         "message": {"role": "user", "content": [
-             {"type": "tool_result", "tool_use_id": "toolu_1", "content": "task\n"}]}},
-    ]
-)  # fmt: skip
+def task_session() -> str:
+    """A Claude Code session in a task image's /app: it reads the task, then stops (one tool batch)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trajgen import Call, Turn, claude_session
+
+    events = claude_session("Read the task.", [Turn([Call("Bash", {"command": "cat README"}, "task\n")])], cwd="/app")
+    return "".join(json.dumps(event) + "\n" for event in events)
 
 
 def _task_images(client: Any, registry: str, count: int, *, megabytes: int) -> list[str]:
@@ -678,7 +673,13 @@ def _dataset_batch(manifest: Path, out: Path, workers: int, *extra: str) -> dict
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.time() - started
     if done.returncode != 0:
-        raise SystemExit(f"the dataset batch failed ({done.returncode}): {done.stderr[-800:]}")
+        failed = []
+        with contextlib.suppress(ValueError):
+            summary = json.loads(done.stdout)
+            results = map(json.loads, (out / "results.jsonl").read_text().splitlines())
+            failed = [(r["id"], r["status"], r.get("message")) for r in results if r["status"] != "ok"][:5]
+            failed.insert(0, summary.get("counts"))
+        raise SystemExit(f"the dataset batch failed ({done.returncode}): {failed} {done.stderr[-800:]}")
     records = [json.loads(p.read_text()) for p in out.glob("*/record.json")]
     finished = min(datetime.fromisoformat(r["finished_at"]).timestamp() for r in records)
     replays = sorted(r["timings"]["total"] for r in records)
@@ -925,6 +926,7 @@ def main() -> int:
             results["scale"] = scale(work / "scale")
         if "plan" in sections:
             results["plan"] = plan(work / "plan")
+        Path(args.results).write_text(json.dumps(results, indent=2) + "\n")  # what is measured so far, kept
         if "dataset" in sections:
             (work / "dataset").mkdir()
             results["dataset"] = dataset(work / "dataset")
