@@ -705,15 +705,21 @@ def _dataset_loop(out: Path, template: dict[str, Any], refs: list[str], per_imag
     as pvisor-host's (hardening, the injected runtime, the image's /app copied out as the workspace)."""
     out.mkdir()
     hardening = " ".join(f"'{flag}'" for flag in HARDENING if flag != "/workspace" and flag != "-w")
-    command = " ".join(f"'{part}'" for part in template["command"])
+    # pvisor itself, without pvisor-host's entry shim (which sends the output to files of pvisor-host's staging):
+    # the loop takes it from `docker run`'s own streams, as a user's would
+    shim = template["command"].index("replay") - 1
+    command = " ".join(f"'{part}'" for part in template["command"][shim:])
     staged = Path(template["command"][template["command"].index("--trajectory") + 1]).name
     script = out / "item.sh"
     script.write_text(f"""#!/bin/sh
 # one item: $1 = the image, $2 = the item's directory
 img=$1; dir=$2; mkdir -p "$dir/input" "$dir/run"
-cp {out.parent / "task.jsonl"} "$dir/input/{staged}"; cp {ROOT / "controller" / "assets" / "entry.sh"} "$dir/input/"
-docker pull -q "$img" >/dev/null || exit 1
-cid=$(docker create "$img") && docker cp "$cid:/app" "$dir/workspace" && docker rm "$cid" >/dev/null
+cp {out.parent / "task.jsonl"} "$dir/input/{staged}"
+for try in 1 2 3; do  # another item of the image may remove it between this pull and this create
+    docker pull -q "$img" >/dev/null || exit 1
+    cid=$(docker create "$img" 2>/dev/null) && break
+done
+docker cp "$cid:/app" "$dir/workspace" && docker rm "$cid" >/dev/null
 chown -R 65532:65532 "$dir/run" "$dir/workspace" 2>/dev/null
 docker run --rm {hardening} -w /app -v "{template['volume']}:/pvisor-host/runtime:ro" \
     -v "$dir/input:/pvisor-host/input:ro" -v "$dir/workspace:/app" -v "$dir/run:/pvisor-host/run" \
