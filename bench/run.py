@@ -500,6 +500,8 @@ def table(results: dict[str, Any]) -> str:
             + ", ".join(f"{k} {v['per_minute']}" for k, v in c["throughput"].items())
             + f"; node memory {c['node_memory_mib']}"
         )
+        if "task_images" in c:
+            lines.append(f"cluster task images: {c['task_images']}")
     return "\n".join(lines)
 
 
@@ -512,9 +514,87 @@ def cluster(work: Path) -> dict[str, Any]:
 
     client = docker.from_env(timeout=600)
     try:
-        return _cluster(work, client)
+        found = _cluster(work, client)
+        found["task_images"] = _cluster_tasks(work, client)
+        return found
     finally:
         remove_engines(client)  # the nodes' engine volumes, kept between the clusters of this run
+
+
+def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
+    """A dataset of task images on the cluster (``--inject``, ``--image-workspace``): pulls per image, wall
+    against the same batch on one engine at the same width, and the driver's and Ray's CPU per item (every
+    process of Ray's on this machine, the nodes' included, read from /proc: wall time here measures the one
+    machine the nodes share, not the design)."""
+    from cluster import Cluster, Registry
+
+    count, per_image, slots = scaled(6, 3), 4, 2
+    trajectory = work / "task.jsonl"
+    trajectory.write_text(task_session())
+    with Registry(client) as registry:
+        refs = _task_images(client, registry.name, count, megabytes=scaled(20, 5))
+        lines = [{"id": f"t{i:02d}-{n}", "trajectory": str(trajectory), "after_step": 1, "image": ref}
+                 for i, ref in enumerate(refs) for n in range(per_image)]  # fmt: skip
+        manifest = work / "tasks.jsonl"
+        manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        items = len(lines)
+        options = ["--inject", "--image-workspace", "--workspace-path", "/app", "--json"]
+        with Cluster(client, nodes=2, slots=slots, fresh=True, registry=registry.for_nodes) as running:
+            env = {**os.environ, **running.env}
+            warm = write_manifest(work / "tasks-warm.jsonl", 3 * slots, "w")  # the agent image to every node
+            timed(batch_command(warm, work / "tasks-warm", "replay-only", "--quiet", "--cluster", running.address,
+                                "--registry", registry.name), env=env)  # fmt: skip
+            ray_before, driver_before = _ray_cpu(), _children_cpu()
+            started = time.monotonic()
+            done = subprocess.run(
+                batch_command(manifest, work / "tasks-cluster", "replay-only", "--quiet", "--cluster",
+                              running.address, "--registry", registry.name, *options),
+                capture_output=True, text=True, env=env,
+            )  # fmt: skip
+            wall = time.monotonic() - started
+            ray_cpu, driver_cpu = _ray_cpu() - ray_before, _children_cpu() - driver_before
+            if done.returncode != 0:
+                raise SystemExit(f"the cluster's task-image batch failed: {done.stderr[-800:]}")
+            summary = json.loads(done.stdout)
+        _forget(client, refs)
+        local = timed(batch_command(manifest, work / "tasks-local", "replay-only", "--quiet", "--workers",
+                                    str(2 * slots), *options))  # fmt: skip
+        _forget(client, refs)
+    return {
+        "images": count,
+        "items": items,
+        "node_pulls_per_image": round((summary["images"]["node_pulls"] or 0) / count, 2),
+        "cluster_vs_local_wall": round(wall / local, 3),
+        "cpu_ms_per_item": {
+            "driver": round(driver_cpu / items * 1000, 1),
+            "ray": round(ray_cpu / items * 1000, 1),
+            "both": round((driver_cpu + ray_cpu) / items * 1000, 1),
+        },  # fmt: skip
+        "target": "pulls per image <= 1.5; the driver's and Ray's CPU <= 50 ms per item",
+    }
+
+
+def _ray_cpu() -> float:
+    """CPU seconds of every Ray process on this machine (the head's and the nodes' own), with their reaped
+    children (workers that ended)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"ray" not in command or b"pvisor-host" in command.split(b"\0")[0]:
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _cluster(work: Path, client: Any) -> dict[str, Any]:

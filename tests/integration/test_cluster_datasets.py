@@ -1,0 +1,179 @@
+"""A dataset of task images across a cluster: ``batch --cluster --inject`` on a real Ray cluster of two
+engine-in-container nodes and a real registry. The driver resolves each task image to its digest and pulls
+nothing; each node pulls the task images of the items Ray runs there, fills its own runtime volume, and keeps
+its pulls within its own budget; the items of one image go to one node where Ray can. A cluster of its own
+(fresh node engines that pull through the registry), so a module of its own."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker.errors
+import pytest
+
+from cluster import Cluster, Registry, records, remove_engines, summary
+from conftest import default_signals, run_cli
+from trajgen import Call, Turn, claude_session, write_jsonl
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+IMAGES = 3
+PER_IMAGE = 4
+SESSION = claude_session("Read the task.", [Turn([Call("Bash", {"command": "cat README"}, "task\n")])], cwd="/app")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_engines(docker_client):
+    yield
+    remove_engines(docker_client)
+
+
+@pytest.fixture(scope="module")
+def setup(docker_client, base_image, claude_image):
+    """The registry with the task images (``task/c0:v1`` ...: the base image and 20 MB of their own each; none
+    on the host's engine), and the cluster whose nodes reach it at the same name."""
+    with Registry(docker_client) as registry:
+        refs, sizes = [], []
+        for n in range(IMAGES + 1):  # the last one is large: the node killed mid-pull is pulling it
+            megabytes = 20 if n < IMAGES else 300
+            dockerfile = (f"FROM {base_image}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
+                          f"&& head -c {megabytes * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
+            image, _ = docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+            repository, tag = f"{registry.name}/task/c{n}", "v1"
+            image.tag(repository, tag)
+            sizes.append(int(image.attrs["Size"]))
+            for line in docker_client.images.push(repository, tag, stream=True, decode=True):
+                assert "error" not in line, line
+            docker_client.images.remove(f"{repository}:{tag}")
+            refs.append(f"{repository}:{tag}")
+        with Cluster(docker_client, nodes=2, slots=2, fresh=True, registry=registry.for_nodes) as cluster:
+            yield cluster, registry, refs, sizes
+
+
+def manifest(root: Path, refs: list[str], per_image: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    trajectory = write_jsonl(root / "task.jsonl", SESSION)
+    lines = [{"id": f"{ref.rsplit('/', 1)[-1].replace(':', '-')}-{n}", "trajectory": str(trajectory),
+              "after_step": 1, "image": ref} for ref in refs for n in range(per_image)]  # fmt: skip
+    path = root / "m.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def batch(path: Path, out: Path, *args: str, env: dict[str, str] | None = None):
+    return run_cli("batch", path, "--agent", "claude-code", "--inject", "--image-workspace", "--workspace-path",
+                   "/app", "--mode", "replay-only", "--out", out, "--quiet", "--json", *args, env=env)  # fmt: skip
+
+
+def holders(cluster: Cluster, docker_client, image_id: str) -> list[str]:
+    """The nodes whose engine holds the image."""
+    found = []
+    for name in cluster.nodes:
+        done = docker_client.containers.get(name).exec_run(["docker", "image", "inspect", "--format", "{{.Id}}",
+                                                            image_id])  # fmt: skip
+        if done.exit_code == 0:
+            found.append(name)
+    return found
+
+
+def test_task_images_are_pulled_by_the_nodes_near_their_items(setup, docker_client, tmp_path):
+    cluster, registry, refs, _ = setup
+    path = manifest(tmp_path / "data", refs[:IMAGES], PER_IMAGE)
+    out = tmp_path / "cluster"
+    done = batch(path, out, "--cluster", cluster.address, "--registry", registry.name, env=cluster.env)
+    assert done.code == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["counts"] == {"ok": IMAGES * PER_IMAGE}
+    ran = records(out)
+    assert {r["host"]["node"] for r in ran.values()} == set(cluster.nodes)  # both nodes ran items
+    ids = {r["image"]["ref"]: r["image"]["id"] for r in ran.values()}
+    assert set(ids) == set(refs[:IMAGES])
+    for image_id in ids.values():
+        with pytest.raises(docker.errors.ImageNotFound):
+            docker_client.images.get(image_id)  # the driver pulled none of them
+    assert all(r["image"]["digest"].startswith(f"{registry.name}/task/c") for r in ran.values())
+    pulls = sum(len(holders(cluster, docker_client, image_id)) for image_id in ids.values())
+    assert IMAGES <= pulls <= 1.5 * IMAGES, pulls  # locality: an image is pulled about once, not once per node
+    assert result["images"]["node_pulls"] == pulls
+    # The same batch on one engine: the same workspaces (the image's /app, copied once per image and node), and
+    # compare sees no change at all.
+    local = tmp_path / "local"
+    here = batch(path, local, "--workers", "4")
+    assert here.code == 0, here.stderr[-3000:]
+    for item, record in records(local).items():
+        assert record["workspace_changes"] == ran[item]["workspace_changes"]
+    compared = run_cli("compare", local, out, "--json")
+    assert compared.code == 0, compared.stderr
+    assert json.loads(compared.stdout)["changes"] == []
+    status = run_cli("cluster", "status", "--address", cluster.address, "--json", env=cluster.env)
+    nodes = {n["node"]: n for n in json.loads(status.stdout)}
+    assert sum(nodes[name]["task_images"] for name in cluster.nodes) == pulls
+
+
+def test_a_node_budget_forces_removals_and_each_node_stays_within_it(setup, docker_client, tmp_path):
+    cluster, registry, refs, sizes = setup
+    budget = int(max(sizes[:IMAGES]) * 1.5)  # room for one task image per node at a time
+    path = manifest(tmp_path / "data", refs[:IMAGES], 2)
+    out = tmp_path / "out"
+    done = batch(path, out, "--cluster", cluster.address, "--registry", registry.name, "--image-budget", str(budget),
+                 env=cluster.env)  # fmt: skip
+    assert done.code == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["counts"] == {"ok": IMAGES * 2}
+    status = run_cli("cluster", "status", "--address", cluster.address, "--json", env=cluster.env)
+    for node in json.loads(status.stdout):
+        if node["node"] in cluster.nodes:
+            assert node["task_image_budget"] == budget
+            assert node["task_image_peak"] <= budget, node
+            assert node["task_images"] <= 1, node  # the others were removed to stay within it
+
+
+def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_path):
+    cluster, registry, refs, _ = setup
+    big = refs[IMAGES]
+    path = manifest(tmp_path / "data", [big], 4)
+    out = tmp_path / "out"
+    environment = {**os.environ, **cluster.env, "PVISOR_HOST_CLUSTER_GRACE": "60"}
+    command = [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(path), "--agent", "claude-code",
+               "--inject", "--mode", "replay-only", "--out", str(out), "--quiet", "--cluster", cluster.address,
+               "--registry", registry.name]  # fmt: skip
+    with subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=default_signals) as process:  # fmt: skip
+        victim = _pulling_node(cluster, docker_client, process)
+        node = docker_client.containers.get(victim)
+        node.kill()
+        try:
+            stdout, stderr = process.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    assert summary(out)["counts"] == {"ok": 4}
+    ran = records(out)
+    assert sorted(ran) == [f"c{IMAGES}-v1-{n}" for n in range(4)]  # every item, each once
+    assert all(r["host"]["node"] != victim for r in ran.values())
+    lost = [r for r in ran.values() if r["superseded"]]
+    assert lost and all(s["node"] == victim for r in lost for s in r["superseded"])
+
+
+def _pulling_node(cluster: Cluster, docker_client, process: subprocess.Popen[str], timeout: float = 300) -> str:
+    """The first node seen pulling a task image (its ledger has a reservation), once the batch is under way."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in cluster.nodes:
+            done = docker_client.containers.get(name).exec_run(
+                ["sh", "-c", "cat ${PVISOR_HOST_NODE_SCRATCH:-/tmp/pvisor-host-node}/task-images.json 2>/dev/null"]
+            )
+            if re.search(rb'"pulling": [0-9]', done.output):
+                return name
+        if process.poll() is not None:
+            raise AssertionError(f"the batch ended first: {process.stderr.read()[-3000:] if process.stderr else ''}")
+        time.sleep(0.2)
+    raise AssertionError("no node started pulling")
