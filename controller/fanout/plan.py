@@ -117,10 +117,12 @@ def plan_batch(
 def _plan_unpulled(item: BatchItem, cost: ImageCost, options: BatchOptions) -> ItemPlan:
     """An item whose task image is still in its registry: what pulling it costs, and what it is."""
     check_inputs(item.spec, run_id=item_run_id(item.id), out_dir=options.out / item.id)
-    if cost.error is not None:
+    if cost.error is not None:  # no such image, refused: the input; a registry that could not be asked: the host
+        wrong = "not found" in cost.error or "refused" in cost.error
         return ItemPlan(
             id=item.id, line=item.line, action="reject", reason=f"image {cost.ref}: {cost.error}",
-            agent=item.spec.agent, exit_code=ExitCode.USAGE, image=cost.ref, image_present=False,
+            agent=item.spec.agent, exit_code=ExitCode.USAGE if wrong else ExitCode.INFRASTRUCTURE, image=cost.ref,
+            image_present=False,
         )  # fmt: skip
     note = f"to be pulled: {format_size(cost.pull_bytes)} from its registry"
     note += f" ({cost.digest})" if cost.digest else ""
