@@ -220,11 +220,18 @@ def labelled_resources(client) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(request) -> Iterator[None]:
-    """After the whole suite: no container, volume or network with our labels that the suite created remains."""
+    """After the whole suite: no container, volume or network with our labels that the suite created remains.
+    Before it, the orphans of a killed earlier run are collected (tests that assert "none of ours running"
+    would otherwise see them)."""
     if not any(item.get_closest_marker("docker") for item in request.session.items):
         yield
         return
     client = _engine_or_none()
+    if client is not None:  # what a killed earlier run left (kill -9, a machine restart) goes first, as `gc` does
+        from pvisor_host.backend.docker.cleanup.gc import collect_garbage
+        from pvisor_host.models.ownership import Ownership
+
+        collect_garbage(client, Ownership.current())
     before = labelled_resources(client) if client is not None else {}
     yield
     if client is None:

@@ -162,3 +162,61 @@ def test_the_tar_has_one_top_folder(monkeypatch, tmp_path):
 def test_scratch_defaults_to_the_temp_dir(monkeypatch):
     monkeypatch.delenv(node.SCRATCH_ENV, raising=False)
     assert node.scratch_root() == Path(tempfile.gettempdir()) / "pvisor-host-node"
+
+
+class TaskBackend:
+    """A node's Docker backend as :mod:`~pvisor_host.backend.cluster.node.images` uses it: images by id, each
+    pull giving the id asked for with ``size`` bytes; removals and injections recorded."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held: set[str] = set()
+        self.removed: list[str] = []
+        self.images = SimpleNamespace(has=lambda image_id: image_id in self.held)
+
+    def pull_image(self, ref: str) -> SimpleNamespace:
+        image_id = ref.rsplit("@", 1)[-1]
+        self.held.add(image_id)
+        return SimpleNamespace(id=image_id, size=self.size)
+
+    def remove_image(self, image) -> bool:
+        self.held.discard(image.id)
+        self.removed.append(image.id)
+        return True
+
+    def image_in_use(self, image_id: str) -> bool:
+        return False
+
+    def image_budget(self) -> int | None:
+        return None
+
+    def inject_into(self, prepared, agent_image_id: str) -> None:
+        pass
+
+
+def _task(n: int, budget: int | None) -> dict:
+    image_id = f"sha256:{n:064x}"
+    return {"id": image_id, "ref": f"r/t{n}:v1", "pull": f"r/t{n}@{image_id}", "size": 40, "budget": budget}
+
+
+def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batch_s_own(monkeypatch, tmp_path):
+    from pvisor_host.backend.cluster.node import images as task_images
+
+    backend = TaskBackend(size=100)
+    prepared = SimpleNamespace(image=SimpleNamespace(runtime_volume="rt"))
+    done: set[str] = set()
+    monkeypatch.setattr(task_images, "_done", lambda ledger: done)
+    # An earlier batch without a budget left two images here.
+    for n in (1, 2):
+        assert task_images.prepare_task(backend, tmp_path, prepared, _task(n, None), "agent", None, "s1")
+    assert task_images.status(tmp_path)["peak"] == 200
+    # The next batch, one image's room: the earlier batch's go first (least recently used), its own once done.
+    for n in (3, 4):
+        pulled = task_images.prepare_task(backend, tmp_path, prepared, _task(n, 150), "agent", None, "s2")
+        assert pulled == _task(n, 150)["id"]
+        done.add(pulled)
+    assert backend.removed == [_task(n, None)["id"] for n in (1, 2, 3)]
+    assert task_images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 150}
+    # Present already: no pull, nothing removed.
+    assert task_images.prepare_task(backend, tmp_path, prepared, _task(4, 150), "agent", None, "s2") is None
+    assert len(backend.removed) == 3

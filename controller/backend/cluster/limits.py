@@ -92,10 +92,11 @@ GROUPS = {"acquire": 100_000, "release": 64}
 
 def limits_actor(ray: Any, node_id: str, upstream: Any, pinned: Any) -> Any:
     """Start the batch's :class:`ClusterLimits` actor on the driver's node."""
-    actor = ray.remote(ClusterLimits).options(
-        num_cpus=0, scheduling_strategy=pinned, concurrency_groups=GROUPS, max_concurrency=100_000
+    # Ray takes concurrency groups at definition only, never in ``.options()``.
+    actor = ray.remote(num_cpus=0, concurrency_groups=GROUPS, max_concurrency=100_000)(ClusterLimits)
+    return actor.options(scheduling_strategy=pinned).remote(
+        upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute
     )
-    return actor.remote(upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute)
 
 
 class RemoteLimits:

@@ -11,7 +11,8 @@ scratch folder (image id → bytes, last use, whether this node pulled it). Befo
 past the budget (``--image-budget``, else half the engine's free space), images are removed least recently used
 first, only ones this node pulled, whose items the driver reported all ended (:meth:`.ledger.Ledger.image_done`)
 and that no container uses. When nothing can go yet, the pull waits for something to (the copies before it
-end), up to :data:`WAIT_FOR_ROOM`, then goes ahead over budget and says so. The ledger records the peak.
+end), up to :data:`WAIT_FOR_ROOM`, then goes ahead over budget and says so. The ledger records the peak of the
+latest batch that pulled here (from its first pull on: what earlier batches left and it removed is not its own).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def _make_room(
             if budget is None or taken + estimate <= budget or not images or time.monotonic() > deadline:
                 if budget is not None and taken + estimate > budget and images:
                     logger.warning("{}: over the image budget of {} to run its items", _node(), format_size(budget))
+                if state["session"] != session:  # the peak is this batch's, from its first pull on
+                    state["session"], state["peak"] = session, 0
                 images[image_id] = {"size": estimate, "used": time.time(), "pulling": os.getpid(), "session": session}
                 _write(root, state)
                 return
@@ -181,7 +184,12 @@ def _read(root: Path) -> dict[str, Any]:
         for key, entry in (state.get("images") or {}).items()
         if not entry.get("pulling") or _alive(int(entry["pulling"]))
     }
-    return {"images": images, "peak": int(state.get("peak") or 0), "budget": state.get("budget")}
+    return {
+        "images": images,
+        "peak": int(state.get("peak") or 0),
+        "budget": state.get("budget"),
+        "session": state.get("session"),
+    }
 
 
 def _write(root: Path, state: dict[str, Any]) -> None:
