@@ -25,7 +25,9 @@ drifts hit both alike; medians, with the spread of the per-pair ratios. Sections
 * ``cluster`` ``batch --cluster`` on a real Ray cluster of node containers (``tests/cluster.py``): the same
   replay-only items against a local batch with as many workers as the cluster has slots, throughput at 3,
   2 and 1 nodes, and a node's memory (idle, and its peak while replaying). Not in the default run (it
-  builds the node image once, about 80 s): ``--only cluster``.
+  builds the node image once, about 80 s): ``--only cluster``. Then the same for a dataset of task images
+  (``--inject``): pulls per image, wall against one engine, the driver's and Ray's CPU per item; that part
+  alone: ``--only cluster-tasks``.
 
 Writes ``bench-results.json`` and prints a compact table. ``BENCH_SCALE=0.1`` shrinks every count (a quick
 look, not a measurement).
@@ -494,19 +496,20 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"gateway, 32 streams of 10 MB: {g['big_streams']}")
     if "cluster" in results:
         c = results["cluster"]
-        lines.append(
-            f"cluster, {c['items']} replay-only items, {c['slots_per_node']} slots per node: wall against a local "
-            f"batch at the same width {c['cluster_vs_local_wall']['median']}x; replays/min "
-            + ", ".join(f"{k} {v['per_minute']}" for k, v in c["throughput"].items())
-            + f"; node memory {c['node_memory_mib']}"
-        )
+        if "items" in c:  # not with --only cluster-tasks
+            lines.append(
+                f"cluster, {c['items']} replay-only items, {c['slots_per_node']} slots per node: wall against a "
+                f"local batch at the same width {c['cluster_vs_local_wall']['median']}x; replays/min "
+                + ", ".join(f"{k} {v['per_minute']}" for k, v in c["throughput"].items())
+                + f"; node memory {c['node_memory_mib']}"
+            )
         if "task_images" in c:
             lines.append(f"cluster task images: {c['task_images']}")
     return "\n".join(lines)
 
 
-def cluster(work: Path) -> dict[str, Any]:
-    """See the module docstring; every batch here is replay-only over the demo trajectory."""
+def cluster(work: Path, *, tasks_only: bool = False) -> dict[str, Any]:
+    """See the module docstring; every batch here is replay-only (``tasks_only``: the task-image batch alone)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import docker
 
@@ -514,7 +517,7 @@ def cluster(work: Path) -> dict[str, Any]:
 
     client = docker.from_env(timeout=600)
     try:
-        found = _cluster(work, client)
+        found = {} if tasks_only else _cluster(work, client)
         found["task_images"] = _cluster_tasks(work, client)
         return found
     finally:
@@ -996,7 +999,7 @@ def main() -> int:
     results: dict[str, Any] = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="pvh-bench-") as scratch:
         work = Path(scratch)
-        engine = {"single", "batch", "scale", "plan", "cache", "dataset", "cluster"} & set(sections)
+        engine = {"single", "batch", "scale", "plan", "cache", "dataset", "cluster", "cluster-tasks"} & set(sections)
         tag, entrypoint = image() if engine else ("", "")
         if "startup" in sections:
             results["startup"] = startup()
@@ -1019,9 +1022,9 @@ def main() -> int:
         if "gateway" in sections:
             (work / "gateway").mkdir()
             results["gateway"] = gateway(work / "gateway")
-        if "cluster" in sections:
+        if "cluster" in sections or "cluster-tasks" in sections:
             (work / "cluster").mkdir()
-            results["cluster"] = cluster(work / "cluster")
+            results["cluster"] = cluster(work / "cluster", tasks_only="cluster" not in sections)
     results["controller_peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
     Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
