@@ -101,12 +101,14 @@ class ImageWindow:
         workers: int = 2,
         keep: bool = False,
         progress: Callable[[PullProgress], None] | None = None,
+        open_images: int | None = None,
     ) -> None:
         self._backend = backend
         self._images = {ref: _Image(ref, count) for ref, count in order.items()}
         self._order = list(self._images.values())
         self._workers = workers
-        self._ahead = max(2, 2 * workers)
+        self._ahead = max(2, 2 * workers, open_images or 0)
+        """Images open at once: pulled (or being pulled) whose items have not all ended."""
         self._keep = keep
         self._progress = progress
         self._lock = threading.Condition()
@@ -196,8 +198,13 @@ class ImageWindow:
     def skip(self, ref: str) -> None:
         """An item of the image ended without asking for it (finished in an earlier run, refused first)."""
         with self._lock:
-            self._images[ref].items_left -= 1
+            image = self._images[ref]
+            image.items_left -= 1
+            done = image.items_left <= 0 and image.in_use == 0 and image.pulled is not None
             self._lock.notify_all()
+        if done:  # its last item to end did not run: the backend hears it is done all the same
+            assert image.pulled is not None
+            self._backend.image_done(image.pulled)
 
     def close(self) -> ImageStats:
         """Stop pulling, and remove what the batch pulled (unless kept); the batch's figures."""

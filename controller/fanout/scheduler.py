@@ -30,7 +30,7 @@ from ..backend.base import AnyBackend, ModelGateway
 from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError, UsageError
 from ..files.digest import tree_sha256
 from ..files.space import disk_full, full_disk_raises, is_full, tree_bytes
-from ..models.batch import BatchSummary, ItemResult
+from ..models.batch import BatchSummary, ImageStats, ItemResult
 from ..models.image import BuildOptions, ImageRequest, PullProgress, ResolvedImage
 from ..models.profiles import get_profile
 from ..models.record import DISK_FULL, BatchInfo, load_record
@@ -216,7 +216,7 @@ class BatchRun:
             budget = backend.image_budget(options.image_budget)
             window = ImageWindow(
                 backend, task_images, budget=budget, workers=options.pull_workers, keep=options.keep_images,
-                progress=on_pull,
+                progress=on_pull, open_images=backend.capacity(),  # a cluster: its nodes pull, one per slot
             )  # fmt: skip
         self._batch = _Batch(backend, options, window)
         self._stop = threading.Event()
@@ -275,7 +275,7 @@ class BatchRun:
                     deadline=remaining is not None and remaining <= 0,
                 )
                 if pulls is not None:
-                    pulls.node_pulls = self._batch.backend.node_pulls()
+                    _on_nodes(pulls, self._batch.backend.node_pulls(), options.image_budget)
                 summary.images = pulls
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
@@ -523,3 +523,14 @@ def _finished_before_its_image(item: BatchItem, batch: _Batch, trajectory_sha256
     image = earlier.image.model_copy(update={"id": identity, "agent_image": batch.agent_tag(spec)})
     key = content_key(spec, trajectory_sha256, image, batch.workspace_sha256(spec.workspace_dir))
     return finished_result(run_dir, key, batch.options.rerun_failed)
+
+
+def _on_nodes(pulls: ImageStats, node_pulls: int | None, budget: int | None) -> None:
+    """A cluster's figures: its images were resolved here and pulled by the nodes, each within ``budget`` on its
+    own (``cluster status`` shows each node's peak); nothing was downloaded, held or removed here."""
+    if node_pulls is None:
+        return
+    pulls.node_pulls = node_pulls
+    pulls.downloaded = pulls.removed = pulls.peak = 0
+    pulls.pull_seconds = 0.0
+    pulls.budget = budget

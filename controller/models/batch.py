@@ -64,7 +64,8 @@ class ImageStats(BaseModel):
     """The ``--image-budget`` it kept to (None: none; on a cluster every node keeps it on its own)."""
     node_pulls: int | None = None
     """On a cluster: the pulls the nodes made, summed over nodes (an image two nodes pulled counts twice);
-    ``pulled`` counts each image once there (it is resolved on the driver, not pulled)."""
+    ``pulled`` counts each image once there (it is resolved on the driver, not pulled), ``downloaded``,
+    ``removed`` and ``peak`` are 0 (each node's own are in ``cluster status``), and ``budget`` is each node's."""
 
 
 class BatchSummary(BaseModel):

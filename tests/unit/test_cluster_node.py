@@ -5,6 +5,7 @@ and is removed. The real cluster runs in ``tests/integration/test_cluster.py``."
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import tempfile
 import threading
@@ -173,8 +174,11 @@ class TaskBackend:
         self.held: set[str] = set()
         self.removed: list[str] = []
         self.images = SimpleNamespace(has=lambda image_id: image_id in self.held)
+        self.fails: BaseException | None = None
 
-    def pull_image(self, ref: str) -> SimpleNamespace:
+    def pull_image(self, ref: str, *, cancel: threading.Event | None = None) -> SimpleNamespace:
+        if self.fails is not None:
+            raise self.fails
         image_id = ref.rsplit("@", 1)[-1]
         self.held.add(image_id)
         return SimpleNamespace(id=image_id, size=self.size)
@@ -199,13 +203,23 @@ def _task(n: int, budget: int | None) -> dict:
     return {"id": image_id, "ref": f"r/t{n}:v1", "pull": f"r/t{n}@{image_id}", "size": 40, "budget": budget}
 
 
-def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batch_s_own(monkeypatch, tmp_path):
-    from pvisor_host.backend.cluster.node import images as task_images
+PREPARED = SimpleNamespace(image=SimpleNamespace(runtime_volume="rt"))
 
-    backend = TaskBackend(size=100)
-    prepared = SimpleNamespace(image=SimpleNamespace(runtime_volume="rt"))
+
+@pytest.fixture
+def task_images(monkeypatch, tmp_path):
+    """The node's task-image module, its driver's "done" answer a set the test fills, its state in tmp_path."""
+    from pvisor_host.backend.cluster.node import images
+
+    monkeypatch.setenv("PVISOR_HOST_STATE_DIR", str(tmp_path / "state"))
     done: set[str] = set()
-    monkeypatch.setattr(task_images, "_done", lambda ledger: done)
+    monkeypatch.setattr(images, "_done", lambda ledger: done)
+    return SimpleNamespace(module=images, done=done)
+
+
+def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batch_s_own(task_images, tmp_path):
+    backend = TaskBackend(size=100)
+    prepared, done, task_images = PREPARED, task_images.done, task_images.module
     # An earlier batch without a budget left two images here.
     for n in (1, 2):
         assert task_images.prepare_task(backend, tmp_path, prepared, _task(n, None), "agent", None, "s1")
@@ -220,3 +234,45 @@ def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batc
     # Present already: no pull, nothing removed.
     assert task_images.prepare_task(backend, tmp_path, prepared, _task(4, 150), "agent", None, "s2") is None
     assert len(backend.removed) == 3
+
+
+def test_an_image_an_earlier_batch_left_is_the_next_batch_s_once_it_uses_it(task_images, tmp_path):
+    from pvisor_host.errors import Interrupted
+
+    backend = TaskBackend(size=100)
+    images = task_images.module
+    images.prepare_task(backend, tmp_path, PREPARED, _task(1, None), "agent", None, "s1")
+    assert images.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s2") is None  # here
+    cancel = threading.Event()
+    threading.Timer(1.5, cancel.set).start()
+    with pytest.raises(Interrupted):  # waits for room: image 1's items (now s2's) are not done
+        images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2", cancel)
+    assert backend.removed == []
+    assert images.status(tmp_path)["images"] == 1  # and no reservation is left for image 2
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt(), RuntimeError("engine gone")])
+def test_a_pull_that_fails_in_any_way_leaves_no_reservation(task_images, tmp_path, failure):
+    backend = TaskBackend(size=100)
+    backend.fails = failure
+    with pytest.raises(type(failure)):
+        task_images.module.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s1")
+    assert task_images.module.status(tmp_path)["images"] == 0
+
+
+def test_a_registry_refusal_on_a_node_keeps_its_category(task_images, tmp_path):
+    from pvisor_host.errors import ImageUnavailable
+
+    backend = TaskBackend(size=100)
+    backend.fails = ImageUnavailable("registry_unauthorized", "r/t1: unauthorized", hint="docker login r")
+    with pytest.raises(ImageUnavailable) as raised:
+        task_images.module.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s1")
+    assert raised.value.category == "registry_unauthorized"
+    assert raised.value.one_line().endswith(": r/t1: unauthorized (docker login r)")
+
+
+def test_a_reservation_of_a_process_that_is_gone_is_dropped(task_images, tmp_path):
+    images = task_images.module
+    state = {"images": {"sha256:1": {"size": 5, "used": 0, "pulling": "1/0", "session": "s"}}, "peak": 0}
+    (tmp_path / images.LEDGER).write_text(json.dumps(state))  # pid 1, but not started at tick 0
+    assert images.status(tmp_path)["images"] == 0

@@ -164,3 +164,40 @@ def test_a_rerun_skips_finished_items_without_pulling_their_images(tmp_path):
     assert again.summary.counts == {"ok": 6} and again.summary.skipped == 6
     assert len(backend.pulls) == 3  # nothing pulled to tell that nothing needs to run
     assert again.summary.images is not None and again.summary.images.pulled == 0
+
+
+class NodesPull(FakeBackend):
+    """A backend whose nodes pull (a cluster): as many images open at once as it has slots."""
+
+    def capacity(self) -> int | None:
+        return 8
+
+    def node_pulls(self) -> int | None:
+        return len(self.pulls)
+
+
+def test_on_a_cluster_as_many_images_are_open_as_it_has_slots(tmp_path):
+    images, refs = registry(8, seconds=0.01)
+    backend = NodesPull(seconds=0.5, registry=images)
+    outcome = run(backend, tmp_path, refs, 1, workers=8, pull_workers=1)
+    assert outcome.summary.counts == {"ok": 8}
+    assert backend.most_running == 8  # not the 2 x pull workers one engine's disk would allow
+    stats = outcome.summary.images
+    assert stats is not None and (stats.node_pulls, stats.removed, stats.peak) == (8, 0, 0)
+
+
+def test_an_image_whose_last_item_never_asked_for_it_is_done_all_the_same():
+    from pvisor_host.fanout.images import ImageWindow
+
+    images, refs = registry(1, seconds=0.01)
+    backend = FakeBackend(registry=images)
+    window = ImageWindow(backend, {refs[0]: 2}, budget=None)
+    window.start()
+    try:
+        with window.holding(refs[0]):
+            pass
+        assert ("done", refs[0]) not in backend.events  # one item is still to end
+        window.skip(refs[0])  # it ends without asking (a deadline, a full disk)
+        assert backend.events.count(("done", refs[0])) == 1
+    finally:
+        window.close()

@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..._log import logger
-from ...errors import ImageBuildError, InfrastructureError, Interrupted, PrerequisiteError, PvisorHostError, UsageError
+from ...errors import (
+    ImageBuildError,
+    ImageUnavailable,
+    InfrastructureError,
+    Interrupted,
+    PrerequisiteError,
+    PvisorHostError,
+    UsageError,
+)
 from ...files.archive import Budget, extract_tar, tar_stream
 from ...models.record import ReplayRecord, SupersededAttempt, load_record, save_record
 
@@ -270,9 +278,11 @@ class AttemptRun:
             return None
         error = reply.get("error")
         if error is not None:
-            if any(c.hopeful for c in self.copies) and error["type"] not in _ERRORS:
+            if any(c.hopeful for c in self.copies) and error["type"] not in (*_ERRORS, "ImageUnavailable"):
                 self.reasons[copy.id] = f"it failed there: {error['message']}"
                 return None  # another copy is still running: it may do better
+            if error["type"] == "ImageUnavailable":  # the node's registry said no: the item's, in its category
+                raise ImageUnavailable(error.get("category") or "image_unreachable", error["message"])
             raise _ERRORS.get(error["type"], InfrastructureError)(error["message"])
         try:
             if "tar" in reply:

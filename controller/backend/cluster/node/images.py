@@ -6,13 +6,17 @@ exactly the id the driver resolved. Several Ray workers of one node may ask for 
 file per image makes one of them pull and the others find it present; the runtime volume is filled under a lock
 of its own.
 
-**The node's budget.** What the batch's copies pulled on this node is kept in a small ledger file in the node's
-scratch folder (image id → bytes, last use, whether this node pulled it). Before a pull would take the images
-past the budget (``--image-budget``, else half the engine's free space), images are removed least recently used
-first, only ones this node pulled, whose items the driver reported all ended (:meth:`.ledger.Ledger.image_done`)
-and that no container uses. When nothing can go yet, the pull waits for something to (the copies before it
-end), up to :data:`WAIT_FOR_ROOM`, then goes ahead over budget and says so. The ledger records the peak of the
-latest batch that pulled here (from its first pull on: what earlier batches left and it removed is not its own).
+**The node's budget.** What copies pulled on this node is kept in a small ledger file in the node's scratch
+folder (image id → bytes, last use, the batch session it belongs to, and while it is pulled the pulling process as
+``pid/start ticks``, so a reservation of a killed copy is dropped). The ledger owns these images, not the Ray
+worker that pulled them: the pull's note for ``gc`` is taken back, or a worker's exit would make them garbage.
+Before a pull would take the images past the budget (``--image-budget``, else half the engine's free space),
+images are removed least recently used first: only ones in the ledger, that no container uses, and either of
+this batch with every item ended (the driver says so: :meth:`.ledger.Ledger.image_done`) or left by an earlier
+batch and not used by this one (a copy that finds an image present makes it its batch's). When nothing can go
+yet, the pull waits for something to (the copies before it end), up to :data:`WAIT_FOR_ROOM` or until the copy
+is stopped, then goes ahead over budget and says so. The ledger records the peak of the latest batch that pulled
+here (from its first pull on: what earlier batches left and it removed is not its own).
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...._log import logger
-from ....errors import InfrastructureError, PvisorHostError
+from ....errors import ImageUnavailable, InfrastructureError, Interrupted, PvisorHostError
 from ....models.image import PulledImage
+from ....models.ownership import process_start_ticks
 from ....units import format_size
+from ...docker.cleanup.pulled import forget as forget_pull
 
 if TYPE_CHECKING:
     from ....models.replay import PreparedReplay
@@ -50,29 +57,36 @@ def prepare_task(
     agent_image_id: str,
     ledger: Any,
     session: str,
+    cancel: threading.Event | None = None,
 ) -> str | None:
     """Make the task image of ``prepared`` present on this node (pulled by ``task["pull"]``, its digest) and
     its injected runtime ready. Returns the image id when this copy pulled it (None: it was here).
 
     Raises:
         InfrastructureError: the pull failed, or gave another image than the driver resolved.
+        ImageUnavailable: the registry says there is no such image, or refuses this node's credentials.
         UsageError: the task image cannot take the runtime.
+        Interrupted: ``cancel`` was set while the copy waited for room or pulled.
     """
     image_id = task["id"]
     pulled = None
     with _locked(root / f"task-{image_id.removeprefix('sha256:')[:32]}.lock"):
         if backend.images.has(image_id):
-            _touch(root, image_id)
+            _touch(root, image_id, session)
         else:
-            _make_room(backend, root, image_id, task, ledger, session)
+            _make_room(backend, root, image_id, task, ledger, session, cancel)
             try:
-                found = backend.pull_image(task["pull"])
-            except PvisorHostError as exc:
+                found = backend.pull_image(task["pull"], cancel=cancel)
+                forget_pull(found.id)  # the node's ledger owns it, not the Ray worker that pulled it (see below)
+                if found.id != image_id:
+                    raise InfrastructureError(f"{task['pull']} arrived as {found.id[:19]}, not {image_id[:19]}")
+            except BaseException as exc:  # a failed, cancelled or wrong pull leaves no reservation
                 _forget(root, image_id)
-                raise InfrastructureError(f"{_node()}: {exc.message}") from None
-            if found.id != image_id:
-                _forget(root, image_id)
-                raise InfrastructureError(f"{_node()}: {task['pull']} arrived as {found.id[:19]}, not {image_id[:19]}")
+                if isinstance(exc, ImageUnavailable):
+                    raise ImageUnavailable(exc.kind, f"{_node()}: {exc.message}", hint=exc.hint) from None
+                if isinstance(exc, PvisorHostError) and not isinstance(exc, Interrupted):
+                    raise InfrastructureError(f"{_node()}: {exc.message}") from None
+                raise
             _pulled(root, image_id, found.size, session)
             pulled = image_id
     with _locked(root / f"runtime-{prepared.image.runtime_volume}.lock"):
@@ -98,7 +112,13 @@ def status(root: Path) -> dict[str, Any]:
 
 
 def _make_room(
-    backend: DockerBackend, root: Path, image_id: str, task: dict[str, Any], ledger: Any, session: str
+    backend: DockerBackend,
+    root: Path,
+    image_id: str,
+    task: dict[str, Any],
+    ledger: Any,
+    session: str,
+    cancel: threading.Event | None,
 ) -> None:
     """Reserve the image's bytes in the node's ledger, removing what the budget needs first (see the module
     docstring): images of this batch whose items are done, or that an earlier batch pulled, that no container
@@ -119,7 +139,7 @@ def _make_room(
                     logger.warning("{}: over the image budget of {} to run its items", _node(), format_size(budget))
                 if state["session"] != session:  # the peak is this batch's, from its first pull on
                     state["session"], state["peak"] = session, 0
-                images[image_id] = {"size": estimate, "used": time.time(), "pulling": os.getpid(), "session": session}
+                images[image_id] = {"size": estimate, "used": time.time(), "pulling": _me(), "session": session}
                 _write(root, state)
                 return
             done = set(_done(ledger))
@@ -137,7 +157,11 @@ def _make_room(
             _write(root, state)
             if taken + estimate <= budget:
                 continue  # room now: reserve it on the next turn
-        time.sleep(1.0)  # nothing can go yet: the copies before this one end, or the driver says an image is done
+        # Nothing can go yet: the copies before this one end, or the driver says an image is done.
+        if cancel is not None and cancel.wait(1.0):
+            raise Interrupted("stopped while waiting for room for its task image")
+        if cancel is None:
+            time.sleep(1.0)
 
 
 def _done(ledger: Any) -> list[str]:
@@ -158,11 +182,13 @@ def _pulled(root: Path, image_id: str, size: int, session: str) -> None:
         _write(root, state)
 
 
-def _touch(root: Path, image_id: str) -> None:
+def _touch(root: Path, image_id: str, session: str) -> None:
+    """An item of ``session`` uses the image (pulled here earlier): it is this batch's now, so the budget does
+    not take it before the batch's driver says its items are done."""
     with _locked(root / f"{LEDGER}.lock"):
         state = _read(root)
         if image_id in state["images"]:
-            state["images"][image_id]["used"] = time.time()
+            state["images"][image_id].update(used=time.time(), session=session)
             _write(root, state)
 
 
@@ -182,7 +208,7 @@ def _read(root: Path) -> dict[str, Any]:
     images = {
         key: entry
         for key, entry in (state.get("images") or {}).items()
-        if not entry.get("pulling") or _alive(int(entry["pulling"]))
+        if not entry.get("pulling") or _alive(str(entry["pulling"]))
     }
     return {
         "images": images,
@@ -198,14 +224,14 @@ def _write(root: Path, state: dict[str, Any]) -> None:
     temporary.replace(root / LEDGER)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _me() -> str:
+    """This process as ``pid/start ticks``: a reservation outlives no process, not even one whose pid is reused."""
+    return f"{os.getpid()}/{process_start_ticks(os.getpid())}"
+
+
+def _alive(process: str) -> bool:
+    pid, _, ticks = process.partition("/")
+    return pid.isdigit() and process_start_ticks(int(pid)) == ticks
 
 
 @contextlib.contextmanager

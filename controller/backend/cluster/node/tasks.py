@@ -214,7 +214,7 @@ def run_copy(
         backend = backend_for(session)
         if request.get("task") is not None:  # a task image: pulled here, by digest, within this node's budget
             pulled = prepare_task(backend, scratch_root(), prepared, request["task"], request["image"]["id"], ledger,
-                                  session)  # fmt: skip
+                                  session, stop.event)  # fmt: skip
         if prepared.spec.continuation is not None:
             limits = RemoteLimits(request["model_limits"], _node_id()) if request.get("model_limits") else None
             gateway = backend.open_gateway(prepared.spec.continuation, user=prepared.user, api_key=key, limits=limits)
@@ -224,7 +224,7 @@ def run_copy(
         interrupted = True
     except PvisorHostError as exc:
         shutil.rmtree(base, ignore_errors=True)
-        return _error(type(exc).__name__, exc.one_line(), exit_code=int(exc.exit_code))
+        return _error(type(exc).__name__, exc.one_line(), exit_code=int(exc.exit_code), category=exc.category)
     except Exception as exc:  # noqa: BLE001 - the driver needs one line, not a traceback from a node
         shutil.rmtree(base, ignore_errors=True)
         return _error("InfrastructureError", f"{node}: {exc!r}")
@@ -342,5 +342,5 @@ def _remove(base: Path) -> None:
         base.parent.rmdir()  # the batch's folder, once its last run directory went
 
 
-def _error(kind: str, message: str, *, exit_code: int | None = None) -> dict[str, Any]:
-    return {"error": {"type": kind, "message": message, "exit_code": exit_code}}
+def _error(kind: str, message: str, *, exit_code: int | None = None, category: str | None = None) -> dict[str, Any]:
+    return {"error": {"type": kind, "message": message, "exit_code": exit_code, "category": category}}
