@@ -108,6 +108,7 @@ def test_a_copy_on_a_hung_node_is_given_up_after_the_grace_and_replaced(run):
     [(node, reason)] = reasons(record)
     assert node == "n1" and reason.startswith("node n1 stopped answering (Ray marked it dead ")
     assert len(ray.cancelled) == 1  # the hung copy is cancelled (Ray drops its result if the node returns)
+    assert len(cluster.ends) == 2  # each copy ended once for the placement, the given-up one included
 
 
 def test_a_copy_queued_while_a_node_died_is_replaced_and_not_counted_as_run(run):
@@ -160,3 +161,4 @@ def test_a_copy_given_up_that_still_runs_is_told_it_was_superseded_when_another_
     [(node, reason)] = reasons(record)
     assert node == "n1" and reason.startswith("node n1 stopped answering")
     assert len(ray.cancelled) == 1  # cancelled once by the watchdog, not again by the winner (it had started)
+    assert len(cluster.ends) == 2

@@ -168,6 +168,8 @@ class Copy:
         self.submitted = time.monotonic()
         self.given_up = False
         """The driver runs another copy instead (this one may still finish first)."""
+        self.ended = False
+        """The backend heard that it ended (its node's count of placed copies went down)."""
 
     @property
     def hopeful(self) -> bool:
@@ -250,8 +252,14 @@ class AttemptRun:
                     raise Interrupted("cancelled; a node did not answer, so its copy may still run there")
         finally:
             for copy in self.copies:
+                self._ended(copy, None)  # one that lost, was given up or cancelled ends here for the driver
                 with contextlib.suppress(Exception):
                     backend.ledger.forget.remote(copy.id)
+
+    def _ended(self, copy: Copy, pulled: str | None) -> None:
+        if not copy.ended:
+            copy.ended = True
+            self.backend.ended(copy.placed, pulled)
 
     def _finished(self, copy: Copy, *, interrupted_wanted: bool) -> ReplayRecord | None:
         """A copy's task ended: its record (fetched), or None when it gave none (and what to do next is done)."""
@@ -268,7 +276,7 @@ class AttemptRun:
         except ray.exceptions.RayTaskError as exc:  # a bug on the node: its last line says what
             raise InfrastructureError(f"a node failed running {self.attempt.run_id}: {_last_line(exc)}") from None
         finally:
-            self.backend.ended(copy.placed, reply.get("pulled"))
+            self._ended(copy, reply.get("pulled"))
         if reply.get("superseded"):
             return None
         if reply.get("need_image"):
