@@ -145,6 +145,8 @@ class FakeBackend:
         if isinstance(found, str):
             raise ImageUnavailable(found, f"image {ref}: {found.replace('_', ' ')} (fake)")
         size, seconds = found
+        with self._lock:
+            self.events.append(("pulling", ref))
         if cancel is not None and cancel.wait(seconds):
             raise Interrupted(f"interrupted while pulling {ref}")
         with self._lock:

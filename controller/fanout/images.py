@@ -8,7 +8,8 @@ costs the disk of all of them and hours before the first result; pulling and rem
   sandboxes keep running: once an item asks for an image, the next ``2 × pull workers`` images too, and never
   past the byte budget (an item that finished in an earlier run asks for nothing, so a rerun pulls nothing
   for it);
-* an item waits only for its own image: the first result comes after one pull;
+* an item waits only for its own image: the first result comes after one pull (the first image is pulled
+  alone, with the disk and the network to itself);
 * before a pull that would go over the budget (``--image-budget``), it removes images this batch pulled
   whose items have all ended, least recently used first; never an image the batch did not pull, one a
   sandbox uses, or one a pending item still needs. An image larger than the whole budget is refused for its
@@ -264,6 +265,8 @@ class ImageWindow:
         pulling = [i for i in self._order if i.started and not i.done.is_set()]
         if len(ahead) >= self._ahead or len(pulling) >= self._workers:
             return False
+        if pulling and not any(i.done.is_set() for i in self._order if i.started):
+            return False  # the first pull goes alone: the first result comes after one pull, not after a shared one
         budget = self.stats.budget
         if budget is None:
             return True
