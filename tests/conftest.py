@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,10 @@ def nothing_left_behind(request) -> Iterator[None]:
         from pvisor_host.backend.docker.cleanup.gc import collect_garbage
         from pvisor_host.models.ownership import Ownership
 
-        collect_garbage(client, Ownership.current())
+        try:
+            collect_garbage(client, Ownership.current())
+        except Exception as exc:  # noqa: BLE001 - the suite still runs; a leftover then fails the test it disturbs
+            warnings.warn(f"could not collect an earlier run's orphans: {exc}", stacklevel=1)
     before = labelled_resources(client) if client is not None else {}
     yield
     if client is None:

@@ -5,9 +5,10 @@ costs the disk of all of them and hours before the first result; pulling and rem
 :class:`ImageWindow` does the middle (the manifest already runs the items of one image together):
 
 * it pulls ahead of the items, in their order, on a small pool of its own (``--pull-workers``), while
-  sandboxes keep running: once an item asks for an image, the next ``2 × pull workers`` images too, and never
-  past the byte budget (an item that finished in an earlier run asks for nothing, so a rerun pulls nothing
-  for it);
+  sandboxes keep running: once an item asks for an image, the next ``2 × pull workers`` images too (on a
+  cluster, where a pull is a registry lookup and the nodes keep their own budgets: as many as it has
+  slots), and never past the byte budget (an item that finished in an earlier run asks for nothing, so a
+  rerun pulls nothing for it);
 * an item waits only for its own image: the first result comes after one pull (the first image is pulled
   alone, with the disk and the network to itself);
 * before a pull that would go over the budget (``--image-budget``), it removes images this batch pulled
@@ -316,9 +317,10 @@ class ImageWindow:
     def _pull(self, image: _Image) -> None:
         with self._lock:
             skip = image.items_left <= 0 and image.in_use == 0
-        if skip:
-            image.done.set()
-            return
+            if skip:
+                image.done.set()
+                self._lock.notify_all()
+                return
         budget = self.stats.budget
         try:
             if budget is not None and (image.compressed or 0) > budget:
@@ -340,8 +342,8 @@ class ImageWindow:
             with self._lock:
                 image.error = error
                 self.stats.failed += 0 if isinstance(error, Interrupted) else 1
+                image.done.set()  # under the lock, before the wake-up: the coordinator reads it
                 self._lock.notify_all()
-            image.done.set()
             if not isinstance(error, Interrupted):
                 logger.warning("{}: {}", image.ref, error.one_line())
             return
@@ -356,8 +358,8 @@ class ImageWindow:
                     seen = pulled.size / image.compressed
                     self._ratio = seen if self.stats.pulled == 1 else max(self._ratio, seen)
             self.stats.peak = max(self.stats.peak, self._present())
+            image.done.set()
             self._lock.notify_all()
-        image.done.set()
 
     def _present(self) -> int:
         """Bytes the images this batch pulled take on the engine now."""

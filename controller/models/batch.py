@@ -61,7 +61,8 @@ class ImageStats(BaseModel):
     peak: int = 0
     """The most bytes the batch's pulled images took on the engine at once (unpacked, each image whole)."""
     budget: int | None = None
-    """The ``--image-budget`` it kept to (None: none; on a cluster every node keeps it on its own)."""
+    """The ``--image-budget`` it kept to (None: none given; on a cluster every node keeps it on its own, and a
+    node without one takes half its engine's free space)."""
     node_pulls: int | None = None
     """On a cluster: the pulls the nodes made, summed over nodes (an image two nodes pulled counts twice);
     ``pulled`` counts each image once there (it is resolved on the driver, not pulled), ``downloaded``,

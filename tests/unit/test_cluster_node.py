@@ -179,9 +179,12 @@ class TaskBackend:
     def pull_image(self, ref: str, *, cancel: threading.Event | None = None) -> SimpleNamespace:
         if self.fails is not None:
             raise self.fails
+        from pvisor_host.backend.docker.cleanup import pulled
+
         image_id = ref.rsplit("@", 1)[-1]
         self.held.add(image_id)
-        return SimpleNamespace(id=image_id, size=self.size)
+        pulled.note(image_id, ref, owner="node/1/1", session="s")  # as the Docker backend notes a pull for gc
+        return SimpleNamespace(id=image_id, size=self.size, pulled=True)
 
     def remove_image(self, image) -> bool:
         self.held.discard(image.id)
@@ -230,6 +233,9 @@ def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batc
         assert pulled == _task(n, 150)["id"]
         done.add(pulled)
     assert backend.removed == [_task(n, None)["id"] for n in (1, 2, 3)]
+    from pvisor_host.backend.docker.cleanup import pulled
+
+    assert pulled.pulled() == []  # the node's ledger owns its pulls: gc never takes them for a worker's garbage
     assert task_images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 150}
     # Present already: no pull, nothing removed.
     assert task_images.prepare_task(backend, tmp_path, prepared, _task(4, 150), "agent", None, "s2") is None
@@ -276,3 +282,6 @@ def test_a_reservation_of_a_process_that_is_gone_is_dropped(task_images, tmp_pat
     state = {"images": {"sha256:1": {"size": 5, "used": 0, "pulling": "1/0", "session": "s"}}, "peak": 0}
     (tmp_path / images.LEDGER).write_text(json.dumps(state))  # pid 1, but not started at tick 0
     assert images.status(tmp_path)["images"] == 0
+    state["images"]["sha256:1"]["pulling"] = images._me()  # this process: alive
+    (tmp_path / images.LEDGER).write_text(json.dumps(state))
+    assert images.status(tmp_path)["images"] == 1

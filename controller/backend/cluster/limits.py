@@ -27,9 +27,10 @@ REAP_EVERY = 5.0
 
 
 class ClusterLimits:
-    """The batch's limits (made an async Ray actor by the driver; see the module docstring). Its ``release``
-    calls run in a concurrency group of their own, so that a thousand waiting ``acquire`` calls cannot keep
-    the slot they wait for from being given back."""
+    """The batch's limits (made an async Ray actor by the driver; see the module docstring). Every call runs on
+    the actor's one event loop (its :class:`LocalLimits` is not thread-safe: Ray's concurrency groups would
+    give each group a loop and a thread of its own), and the actor takes calls by the hundred thousand, so
+    a thousand waiting ``acquire`` calls cannot keep a ``release`` from coming in."""
 
     def __init__(self, concurrency: int | None, requests_per_minute: int | None, tokens_per_minute: int | None) -> None:
         self._limits = LocalLimits(
@@ -86,14 +87,13 @@ class ClusterLimits:
                     await self.release(lease, 0)
 
 
-#: The actor's concurrency groups (see :class:`ClusterLimits`).
-GROUPS = {"acquire": 100_000, "release": 64}
+#: Calls the actor takes at once (waiting ``acquire`` calls included; see :class:`ClusterLimits`).
+MAX_CALLS = 100_000
 
 
 def limits_actor(ray: Any, node_id: str, upstream: Any, pinned: Any) -> Any:
     """Start the batch's :class:`ClusterLimits` actor on the driver's node."""
-    # Ray takes concurrency groups at definition only, never in ``.options()``.
-    actor = ray.remote(num_cpus=0, concurrency_groups=GROUPS, max_concurrency=100_000)(ClusterLimits)
+    actor = ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)(ClusterLimits)
     return actor.options(scheduling_strategy=pinned).remote(
         upstream.concurrency, upstream.requests_per_minute, upstream.tokens_per_minute
     )
@@ -111,7 +111,7 @@ class RemoteLimits:
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[Slot]:
         began = time.monotonic()
-        pending = self._actor.acquire.options(concurrency_group="acquire").remote(self._node_id, self._owner)
+        pending = self._actor.acquire.remote(self._node_id, self._owner)
         try:
             lease, _ = await pending
         except asyncio.CancelledError:
@@ -122,14 +122,14 @@ class RemoteLimits:
         try:
             yield slot
         finally:
-            await self._actor.release.options(concurrency_group="release").remote(lease, slot.tokens)
+            await self._actor.release.remote(lease, slot.tokens)
 
     def _release_later(self, done: Any) -> None:
         with contextlib.suppress(Exception):
             lease, _ = done.result()
-            self._actor.release.options(concurrency_group="release").remote(lease, 0)
+            self._actor.release.remote(lease, 0)
 
     def close(self) -> None:
         """The gateway closes: its slots go back to the batch."""
         with contextlib.suppress(Exception):
-            self._actor.release_owner.options(concurrency_group="release").remote(self._owner)
+            self._actor.release_owner.remote(self._owner)

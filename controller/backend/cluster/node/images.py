@@ -77,9 +77,11 @@ def prepare_task(
             _make_room(backend, root, image_id, task, ledger, session, cancel)
             try:
                 found = backend.pull_image(task["pull"], cancel=cancel)
-                forget_pull(found.id)  # the node's ledger owns it, not the Ray worker that pulled it (see below)
-                if found.id != image_id:
+                if found.id != image_id:  # left noted for gc under this worker: it is garbage
                     raise InfrastructureError(f"{task['pull']} arrived as {found.id[:19]}, not {image_id[:19]}")
+                if found.pulled:  # the node's ledger owns it now, not the Ray worker that pulled it (see above)
+                    with contextlib.suppress(OSError):
+                        forget_pull(found.id)
             except BaseException as exc:  # a failed, cancelled or wrong pull leaves no reservation
                 _forget(root, image_id)
                 if isinstance(exc, ImageUnavailable):

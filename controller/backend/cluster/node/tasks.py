@@ -191,7 +191,7 @@ def run_copy(
         chunk; a larger one waits here for :func:`fetch_run`;
         ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
         ``{"superseded": True}``: another copy finished first, and this one removed what it made; or
-        ``{"error": {"type", "message", "exit_code"}}``.
+        ``{"error": {"type", "message", "exit_code", "category"}}``.
     """
     import ray
 
