@@ -31,7 +31,8 @@ SESSION = claude_session("Read the task.", [Turn([Call("Bash", {"command": "cat 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def node_engines(docker_client):
+def node_engines(docker_client, runtime_volumes_removed_afterwards):
+    """The nodes' engines go with the module, and so does the runtime volume the local batch filled here."""
     yield
     remove_engines(docker_client)
 
@@ -171,7 +172,7 @@ def _pulling_node(cluster: Cluster, docker_client, process: subprocess.Popen[str
             done = docker_client.containers.get(name).exec_run(
                 ["sh", "-c", "cat ${PVISOR_HOST_NODE_SCRATCH:-/tmp/pvisor-host-node}/task-images.json 2>/dev/null"]
             )
-            if re.search(rb'"pulling": [0-9]', done.output):
+            if re.search(rb'"pulling": "[0-9]', done.output):  # a reservation names its process: "pid/ticks"
                 return name
         if process.poll() is not None:
             raise AssertionError(f"the batch ended first: {process.stderr.read()[-3000:] if process.stderr else ''}")

@@ -285,3 +285,13 @@ def test_a_reservation_of_a_process_that_is_gone_is_dropped(task_images, tmp_pat
     state["images"]["sha256:1"]["pulling"] = images._me()  # this process: alive
     (tmp_path / images.LEDGER).write_text(json.dumps(state))
     assert images.status(tmp_path)["images"] == 1
+
+
+def test_a_batch_with_a_budget_trims_what_earlier_batches_left_even_when_it_pulls_nothing(task_images, tmp_path):
+    backend = TaskBackend(size=100)
+    images = task_images.module
+    for n in (1, 2):  # an earlier batch, without a budget
+        images.prepare_task(backend, tmp_path, PREPARED, _task(n, None), "agent", None, "s1")
+    assert images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2") is None  # here
+    assert backend.removed == [_task(1, None)["id"]]  # the other one the earlier batch left, not the one in use
+    assert images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 150}

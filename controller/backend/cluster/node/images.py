@@ -13,7 +13,8 @@ worker that pulled them: the pull's note for ``gc`` is taken back, or a worker's
 Before a pull would take the images past the budget (``--image-budget``, else half the engine's free space),
 images are removed least recently used first: only ones in the ledger, that no container uses, and either of
 this batch with every item ended (the driver says so: :meth:`.ledger.Ledger.image_done`) or left by an earlier
-batch and not used by this one (a copy that finds an image present makes it its batch's). When nothing can go
+batch and not used by this one (a copy that finds an image present makes it its batch's, and trims what
+earlier batches left down to its budget, without waiting). When nothing can go
 yet, the pull waits for something to (the copies before it end), up to :data:`WAIT_FOR_ROOM` or until the copy
 is stopped, then goes ahead over budget and says so. The ledger records the peak of the latest batch that pulled
 here (from its first pull on: what earlier batches left and it removed is not its own).
@@ -72,7 +73,7 @@ def prepare_task(
     pulled = None
     with _locked(root / f"task-{image_id.removeprefix('sha256:')[:32]}.lock"):
         if backend.images.has(image_id):
-            _touch(root, image_id, session)
+            _use(backend, root, image_id, task, ledger, session)
         else:
             _make_room(backend, root, image_id, task, ledger, session, cancel)
             try:
@@ -139,23 +140,11 @@ def _make_room(
             if budget is None or taken + estimate <= budget or not images or time.monotonic() > deadline:
                 if budget is not None and taken + estimate > budget and images:
                     logger.warning("{}: over the image budget of {} to run its items", _node(), format_size(budget))
-                if state["session"] != session:  # the peak is this batch's, from its first pull on
-                    state["session"], state["peak"] = session, 0
+                _this_batch(state, session)
                 images[image_id] = {"size": estimate, "used": time.time(), "pulling": _me(), "session": session}
                 _write(root, state)
                 return
-            done = set(_done(ledger))
-            for victim in sorted(images, key=lambda key: images[key]["used"]):
-                if taken + estimate <= budget:
-                    break
-                entry = images[victim]
-                finished = victim in done or entry.get("session") != session
-                if not finished or entry.get("pulling") or backend.image_in_use(victim):
-                    continue
-                if backend.remove_image(PulledImage(ref=victim, id=victim, size=entry["size"], pulled=True)):
-                    logger.info("{}: removed task image {} (its items are done)", _node(), victim[:19])
-                    taken -= entry["size"]
-                    del images[victim]
+            taken = _evict(backend, images, budget - estimate, set(_done(ledger)), session)
             _write(root, state)
             if taken + estimate <= budget:
                 continue  # room now: reserve it on the next turn
@@ -164,6 +153,50 @@ def _make_room(
             raise Interrupted("stopped while waiting for room for its task image")
         if cancel is None:
             time.sleep(1.0)
+
+
+def _use(backend: DockerBackend, root: Path, image_id: str, task: dict[str, Any], ledger: Any, session: str) -> None:
+    """An item of ``session`` uses an image that is here: the image is this batch's now (the budget does not
+    take it before the batch's driver says its items are done), and what earlier batches left goes while the
+    node holds more than this batch's budget (no waiting: this copy needs no room)."""
+    budget = budget_of(backend, task)
+    with _locked(root / f"{LEDGER}.lock"):
+        state = _read(root)
+        state["budget"] = budget
+        _this_batch(state, session)
+        images: dict[str, Any] = state["images"]
+        if image_id in images:
+            images[image_id].update(used=time.time(), session=session)
+        taken = sum(entry["size"] for entry in images.values())
+        if budget is not None and taken > budget:
+            taken = _evict(backend, images, budget, set(_done(ledger)), session)
+        state["peak"] = max(state["peak"], taken)
+        _write(root, state)
+
+
+def _evict(backend: DockerBackend, images: dict[str, Any], room: int, done: set[str], session: str) -> int:
+    """Remove images until they take at most ``room`` bytes, least recently used first: only those no container
+    uses and no copy is pulling, of this batch with every item ended (``done``) or of an earlier batch.
+    Returns the bytes the images take then."""
+    taken: int = sum(entry["size"] for entry in images.values())
+    for victim in sorted(images, key=lambda key: images[key]["used"]):
+        if taken <= room:
+            break
+        entry = images[victim]
+        finished = victim in done or entry.get("session") != session
+        if not finished or entry.get("pulling") or backend.image_in_use(victim):
+            continue
+        if backend.remove_image(PulledImage(ref=victim, id=victim, size=entry["size"], pulled=True)):
+            logger.info("{}: removed task image {} (its items are done)", _node(), victim[:19])
+            taken -= entry["size"]
+            del images[victim]
+    return taken
+
+
+def _this_batch(state: dict[str, Any], session: str) -> None:
+    """The peak is the latest batch's, from when it first used the node on."""
+    if state["session"] != session:
+        state["session"], state["peak"] = session, 0
 
 
 def _done(ledger: Any) -> list[str]:
@@ -182,16 +215,6 @@ def _pulled(root: Path, image_id: str, size: int, session: str) -> None:
         taken = sum(entry["size"] for entry in state["images"].values())
         state["peak"] = max(state["peak"], taken)
         _write(root, state)
-
-
-def _touch(root: Path, image_id: str, session: str) -> None:
-    """An item of ``session`` uses the image (pulled here earlier): it is this batch's now, so the budget does
-    not take it before the batch's driver says its items are done."""
-    with _locked(root / f"{LEDGER}.lock"):
-        state = _read(root)
-        if image_id in state["images"]:
-            state["images"][image_id].update(used=time.time(), session=session)
-            _write(root, state)
 
 
 def _forget(root: Path, image_id: str) -> None:
