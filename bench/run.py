@@ -560,8 +560,10 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
                 raise SystemExit(f"the cluster's task-image batch failed: {done.stderr[-800:]}")
             summary = json.loads(done.stdout)
         _forget(client, refs)
+        local_before = _children_cpu()
         local = timed(batch_command(manifest, work / "tasks-local", "replay-only", "--quiet", "--workers",
                                     str(2 * slots), *options))  # fmt: skip
+        local_cpu = _children_cpu() - local_before
         _forget(client, refs)
     return {
         "images": count,
@@ -572,6 +574,8 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             "driver": round(driver_cpu / items * 1000, 1),
             "ray": round(ray_cpu / items * 1000, 1),
             "both": round((driver_cpu + ray_cpu) / items * 1000, 1),
+            "local_controller": round(local_cpu / items * 1000, 1),
+            "beyond_local": round((driver_cpu + ray_cpu - local_cpu) / items * 1000, 1),
         },  # fmt: skip
         "target": "pulls per image <= 1.5; the driver's and Ray's CPU <= 50 ms per item",
     }
