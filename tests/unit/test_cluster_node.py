@@ -202,7 +202,7 @@ class TaskBackend:
 
 
 def _task(n: int, budget: int | None) -> dict:
-    image_id = f"sha256:{n:064x}"
+    image_id = f"sha256:{n:02d}{'ab' * 31}"  # ids that differ early, as real ones do (locks are named by a prefix)
     return {"id": image_id, "ref": f"r/t{n}:v1", "pull": f"r/t{n}@{image_id}", "size": 40, "budget": budget}
 
 
@@ -292,6 +292,18 @@ def test_a_batch_with_a_budget_trims_what_earlier_batches_left_even_when_it_pull
     images = task_images.module
     for n in (1, 2):  # an earlier batch, without a budget
         images.prepare_task(backend, tmp_path, PREPARED, _task(n, None), "agent", None, "s1")
-    assert images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2") is None  # here
+    task_images.done.add(_task(2, None)["id"])  # even said to be done, the image in use stays
+    assert images.prepare_task(backend, tmp_path, PREPARED, _task(2, 50), "agent", None, "s2") is None  # here
     assert backend.removed == [_task(1, None)["id"]]  # the other one the earlier batch left, not the one in use
-    assert images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 150}
+    assert _task(2, None)["id"] in backend.held
+    assert images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 50}
+
+
+def test_an_image_another_copy_is_about_to_use_is_not_removed(task_images, tmp_path):
+    backend = TaskBackend(size=100)
+    images = task_images.module
+    for n in (1, 2):
+        images.prepare_task(backend, tmp_path, PREPARED, _task(n, None), "agent", None, "s1")
+    with images._locked(images._image_lock(tmp_path, _task(1, None)["id"])):  # a copy found image 1 here
+        images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2")
+    assert backend.removed == []  # over the budget for now, but image 1 is about to run

@@ -16,8 +16,9 @@ this batch with every item ended (the driver says so: :meth:`.ledger.Ledger.imag
 batch and not used by this one (a copy that finds an image present makes it its batch's, and trims what
 earlier batches left down to its budget, without waiting). When nothing can go
 yet, the pull waits for something to (the copies before it end), up to :data:`WAIT_FOR_ROOM` or until the copy
-is stopped, then goes ahead over budget and says so. The ledger records the peak of the latest batch that pulled
-here (from its first pull on: what earlier batches left and it removed is not its own).
+is stopped, then goes ahead over budget and says so (at once when the image alone is larger than the budget).
+The ledger records the peak of the latest batch that used the node (from then on: what earlier batches left
+and it removed is not its own).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def prepare_task(
     """
     image_id = task["id"]
     pulled = None
-    with _locked(root / f"task-{image_id.removeprefix('sha256:')[:32]}.lock"):
+    with _locked(_image_lock(root, image_id)):
         if backend.images.has(image_id):
             _use(backend, root, image_id, task, ledger, session)
         else:
@@ -134,17 +135,17 @@ def _make_room(
             state = _read(root)
             state["budget"] = budget
             images: dict[str, Any] = state["images"]
-            for gone in [k for k, e in images.items() if not e.get("pulling") and not backend.images.has(k)]:
-                del images[gone]  # removed meanwhile (gc, prune, by hand)
+            _drop_gone(backend, images)
             taken = sum(entry["size"] for entry in images.values())
-            if budget is None or taken + estimate <= budget or not images or time.monotonic() > deadline:
+            late = time.monotonic() > deadline
+            if budget is None or taken + estimate <= budget or not images or estimate > budget or late:
                 if budget is not None and taken + estimate > budget and images:
                     logger.warning("{}: over the image budget of {} to run its items", _node(), format_size(budget))
                 _this_batch(state, session)
                 images[image_id] = {"size": estimate, "used": time.time(), "pulling": _me(), "session": session}
                 _write(root, state)
                 return
-            taken = _evict(backend, images, budget - estimate, set(_done(ledger)), session)
+            taken = _evict(backend, root, images, budget - estimate, set(_done(ledger)), session)
             _write(root, state)
             if taken + estimate <= budget:
                 continue  # room now: reserve it on the next turn
@@ -158,33 +159,35 @@ def _make_room(
 def _use(backend: DockerBackend, root: Path, image_id: str, task: dict[str, Any], ledger: Any, session: str) -> None:
     """An item of ``session`` uses an image that is here: the image is this batch's now (the budget does not
     take it before the batch's driver says its items are done), and what earlier batches left goes while the
-    node holds more than this batch's budget (no waiting: this copy needs no room)."""
+    node holds more than this batch's budget (no waiting and no question to the driver: this copy needs no
+    room, so only earlier batches' images go)."""
     budget = budget_of(backend, task)
     with _locked(root / f"{LEDGER}.lock"):
         state = _read(root)
         state["budget"] = budget
         _this_batch(state, session)
         images: dict[str, Any] = state["images"]
+        _drop_gone(backend, images)
         if image_id in images:
             images[image_id].update(used=time.time(), session=session)
         taken = sum(entry["size"] for entry in images.values())
         if budget is not None and taken > budget:
-            taken = _evict(backend, images, budget, set(_done(ledger)), session)
+            taken = _evict(backend, root, images, budget, set(), session)
         state["peak"] = max(state["peak"], taken)
         _write(root, state)
 
 
-def _evict(backend: DockerBackend, images: dict[str, Any], room: int, done: set[str], session: str) -> int:
+def _evict(backend: DockerBackend, root: Path, images: dict[str, Any], room: int, done: set[str], session: str) -> int:
     """Remove images until they take at most ``room`` bytes, least recently used first: only those no container
-    uses and no copy is pulling, of this batch with every item ended (``done``) or of an earlier batch.
-    Returns the bytes the images take then."""
+    uses, no copy is pulling or about to use (its image lock is held), of this batch with every item ended
+    (``done``) or of an earlier batch. Returns the bytes the images take then."""
     taken: int = sum(entry["size"] for entry in images.values())
     for victim in sorted(images, key=lambda key: images[key]["used"]):
         if taken <= room:
             break
         entry = images[victim]
         finished = victim in done or entry.get("session") != session
-        if not finished or entry.get("pulling") or backend.image_in_use(victim):
+        if not finished or entry.get("pulling") or _busy(root, victim) or backend.image_in_use(victim):
             continue
         if backend.remove_image(PulledImage(ref=victim, id=victim, size=entry["size"], pulled=True)):
             logger.info("{}: removed task image {} (its items are done)", _node(), victim[:19])
@@ -193,8 +196,32 @@ def _evict(backend: DockerBackend, images: dict[str, Any], room: int, done: set[
     return taken
 
 
+def _drop_gone(backend: DockerBackend, images: dict[str, Any]) -> None:
+    """Forget the images removed meanwhile (gc, prune, by hand): they take no room."""
+    for gone in [k for k, e in images.items() if not e.get("pulling") and not backend.images.has(k)]:
+        del images[gone]
+
+
+def _image_lock(root: Path, image_id: str) -> Path:
+    return root / f"task-{image_id.removeprefix('sha256:')[:32]}.lock"
+
+
+def _busy(root: Path, image_id: str) -> bool:
+    """Whether a copy holds the image's lock now (it is pulling it, or found it and is about to use it)."""
+    path = _image_lock(root, image_id)
+    if not path.exists():
+        return False
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 def _this_batch(state: dict[str, Any], session: str) -> None:
-    """The peak is the latest batch's, from when it first used the node on."""
+    """The peak is the latest batch's to use the node, from when it first did."""
     if state["session"] != session:
         state["session"], state["peak"] = session, 0
 
