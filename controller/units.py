@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 
 from .errors import UsageError
 
@@ -120,3 +122,22 @@ def percentile(values: list[float], fraction: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` as seconds: a number of seconds (a decimal one too, as some model APIs send), or
+    an HTTP date; None when there is none or it cannot be read."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())

@@ -20,6 +20,7 @@ import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 from tenacity.wait import wait_exponential_jitter
 
+from ..units import parse_retry_after
 from .limits import Limits, Slot
 
 #: Answers that mean "not now": retried within the budget.
@@ -150,13 +151,11 @@ def _wait(state: RetryCallState) -> float:
 
 
 def retry_after(headers: Any) -> float | None:
-    """``Retry-After`` (or OpenAI's ``retry-after-ms``) in seconds; an HTTP date is not used by model APIs."""
+    """``Retry-After`` (or OpenAI's ``retry-after-ms``) in seconds."""
     with contextlib.suppress(TypeError, ValueError):
         if headers.get("retry-after-ms") is not None:
             return max(0.0, float(headers["retry-after-ms"]) / 1000)
-        if headers.get("Retry-After") is not None:
-            return max(0.0, float(headers["Retry-After"]))
-    return None
+    return parse_retry_after(headers.get("Retry-After"))
 
 
 _ERRNO_WORDS = {

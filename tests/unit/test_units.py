@@ -66,3 +66,13 @@ def test_a_size_is_shown_as_the_shortest_string_that_reads_back(size, text):
 @pytest.mark.parametrize(("seconds", "text"), [(7200, "2h"), (300, "5m"), (5400, "1h30m"), (5, "5s"), (0.25, "0.25s")])
 def test_a_duration_is_shown_as_the_shortest_string_that_reads_back(seconds, text):
     assert short_duration(seconds) == text and parse_duration(text) == seconds
+
+
+def test_retry_after_is_read_once_for_registries_and_model_apis():
+    from pvisor_host.gateway.upstream import retry_after
+    from pvisor_host.units import parse_retry_after
+
+    assert parse_retry_after("1.5") == 1.5 and parse_retry_after("-3") == 0.0
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and parse_retry_after("soon") is None
+    assert retry_after({"retry-after-ms": "250", "Retry-After": "9"}) == 0.25
+    assert retry_after({"Retry-After": "2"}) == 2.0 and retry_after({}) is None

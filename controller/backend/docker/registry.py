@@ -14,14 +14,13 @@ from __future__ import annotations
 import ipaddress
 import re
 import threading
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 import requests
 from docker import auth
 
 from ..._log import logger
+from ...units import parse_retry_after
 from .images import Reference
 
 #: The manifest kinds asked for: an image's own, and the multi-platform lists that point at them.
@@ -197,20 +196,6 @@ class Registries:
         username = found.get("username") or found.get("Username")
         password = found.get("password") or found.get("Password")
         return (username, password) if username and password else None
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """``Retry-After`` as seconds: a number of seconds, or an HTTP date."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
 def _scheme(host: str) -> str:

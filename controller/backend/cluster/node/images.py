@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...._log import logger
 from ....errors import ImageUnavailable, InfrastructureError, Interrupted, PvisorHostError
+from ....files.atomic import write_atomic
 from ....models.image import PulledImage
 from ....models.ownership import process_start_ticks
 from ....units import format_size
@@ -271,9 +272,7 @@ def _read(root: Path) -> dict[str, Any]:
 
 
 def _write(root: Path, state: dict[str, Any]) -> None:
-    temporary = root / f"{LEDGER}.{os.getpid()}"
-    temporary.write_text(json.dumps(state))
-    temporary.replace(root / LEDGER)
+    write_atomic(root / LEDGER, json.dumps(state).encode())
 
 
 def _me() -> str:
