@@ -28,7 +28,7 @@ if "loguru" in sys.modules:  # an application that uses loguru: our records go o
     from . import _log  # noqa: F401
 
 if TYPE_CHECKING:
-    from .api import Batch, abatch, batch, build, gc, replay
+    from .api import Batch, abatch, batch, build, gc, inspect, replay
     from .errors import (
         ExitCode,
         ImageBuildError,
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .models.record import ReplayRecord
     from .models.result import ReplayResult
     from .models.spec import ModelUpstream, ReplaySpec
+    from .preflight.inspect import TrajectoryReport
 
 _EXPORTS = {
     "replay": "api",
@@ -53,7 +54,9 @@ _EXPORTS = {
     "abatch": "api",
     "build": "api",
     "gc": "api",
+    "inspect": "api",
     "Batch": "api",
+    "TrajectoryReport": "preflight.inspect",
     "ReplaySpec": "models.spec",
     "ModelUpstream": "models.spec",
     "ReplayRecord": "models.record",
@@ -83,6 +86,7 @@ __all__ = [
     "abatch",
     "build",
     "gc",
+    "inspect",
     "Batch",
     # models
     "ReplaySpec",
@@ -94,6 +98,7 @@ __all__ = [
     "GcReport",
     "ItemResult",
     "BatchSummary",
+    "TrajectoryReport",
     # errors and exit codes
     "ExitCode",
     "PvisorHostError",

@@ -42,6 +42,7 @@ from .models.profiles import get_profile
 from .models.record import ReplayRecord
 from .models.spec import ReplaySpec, build_spec
 from .preflight.checks import check_inputs
+from .preflight.inspect import TrajectoryReport, inspect_files
 from .preflight.prepare import prepare
 from .report import write_report
 from .units import parse_duration, parse_size
@@ -302,6 +303,19 @@ def build(
     options = BuildOptions(base=base, ca_bundle=ca_bundle, force_bootstrap=bootstrap)
     with _engine(docker_host) as backend:
         return backend.ensure_image(BuildPlan(profile=get_profile(agent)), options).image
+
+
+def inspect(*trajectories: Path | str, agent: str | None = None) -> list[TrajectoryReport]:
+    """What each trajectory file is, as ``pvisor-host inspect`` shows it: its agent (detected unless given) and
+    recorded version, pvisor's count of its boundaries, the tools of each batch, the recorded working
+    directory, and the boundaries the pinned pvisor accepts (with its reason for the others). A file that is no
+    trajectory is reported (``problem``), not raised. Needs no engine.
+
+    Raises:
+        UsageError: ``agent`` is not an agent pvisor replays.
+        PrerequisiteError: the host's pvisor is missing.
+    """
+    return inspect_files([Path(path) for path in trajectories], agent)
 
 
 def gc(*, dry_run: bool = False, docker_host: str | None = None) -> GcReport:

@@ -28,7 +28,7 @@ from .models.gateway import MODEL_CASSETTE
 from .models.record import AttemptSummary, BatchInfo, ReplayRecord, add_totals, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
-from .preflight.checks import release_out_dir
+from .preflight.checks import release_out_dir, runtime_floor_warning
 from .units import format_duration
 
 
@@ -74,6 +74,9 @@ class RetryPolicy(BaseModel):
 
 def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
     """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
+    warning = runtime_floor_warning(prepared)
+    if warning is not None:
+        logger.warning(warning)
     with model_gateway(prepared, backend) as gateway:
         return run_attempts(prepared, backend, gateway=gateway, policy=RetryPolicy.for_spec(prepared.spec))
 

@@ -19,7 +19,13 @@ from typing import Any
 
 Answer = Callable[[str, str], tuple[int, dict[str, Any]] | None]
 
-VERSION = {"Version": "20.10.24+dfsg1", "ApiVersion": "1.41", "MinAPIVersion": "1.12", "Os": "linux"}
+VERSION = {
+    "Version": "20.10.24+dfsg1",
+    "ApiVersion": "1.41",
+    "MinAPIVersion": "1.12",
+    "Os": "linux",
+    "Components": [{"Name": "Engine", "Version": "20.10.24+dfsg1"}, {"Name": "runc", "Version": "1.1.5"}],
+}
 
 
 def failing(method: str, path: str) -> tuple[int, dict[str, Any]]:

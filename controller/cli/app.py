@@ -28,7 +28,20 @@ __all__ = ["app", "command", "say"]
 
 #: The commands built when used, in the order ``--help`` lists all commands.
 _LAZY: dict[str, Callable[..., Any]] = {"build": images.build, "replay": run.replay, "batch": run.batch}
-_ORDER = ("build", "agents", "doctor", "gc", "replay", "batch", "compare", "report", "images", "node", "cluster")
+_ORDER = (
+    "build",
+    "agents",
+    "inspect",
+    "doctor",
+    "gc",
+    "replay",
+    "batch",
+    "compare",
+    "report",
+    "images",
+    "node",
+    "cluster",
+)
 
 
 class _LazyCommand(TyperCommand):

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ..backend.cluster.node.status import NodeStatus
     from ..fanout.compare import Comparison
     from ..fanout.plan import ImagesPlanned, ItemPlan
+    from ..preflight.inspect import TrajectoryReport
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
 _CHANGE_STYLE = {
@@ -100,6 +101,28 @@ def agents_table(console: Console, statuses: list[AgentStatus], *, engine: bool)
     for s in statuses:
         if s.unavailable_reason:
             console.print(f"\n[bold]{s.agent}[/bold]: {s.unavailable_reason}", highlight=False)
+
+
+def trajectory_reports(console: Console, reports: list[TrajectoryReport]) -> None:
+    """``pvisor-host inspect``: per file, what it is and which boundaries pvisor accepts."""
+    for report in reports:
+        console.print(f"[bold]{_relative(report.path)}[/bold]", highlight=False)
+        if report.problem is not None:
+            console.print(f"  [red]{report.problem}[/red]", highlight=False)
+            continue
+        recorded = f"recorded with {report.recorded_version}" if report.recorded_version else "version not recorded"
+        console.print(f"  agent       {report.agent} ({recorded}; pvisor replays {report.pinned_version})")
+        count = "not counted (refused first)" if report.boundaries is None else str(report.boundaries)
+        console.print(f"  boundaries  {count}", highlight=False)
+        console.print(f"  cwd         {report.cwd or 'not recorded (the sandbox uses /workspace)'}", highlight=False)
+        if report.accepted is not None:
+            first, last = report.accepted
+            console.print(f"  [green]pvisor accepts boundaries {first}-{last}[/green]", highlight=False)
+        for first, last, failure in report.refused:
+            span = f"{first}" if first == last else f"{first}-{last}"
+            console.print(f"  [red]refused {span}[/red]: {failure.category}: {failure.message}", highlight=False)
+        for ordinal, tools in enumerate(report.batches, start=1):
+            console.print(f"    {ordinal:>4}  {', '.join(tools)}", highlight=False)
 
 
 def catalog_table(console: Console, entries: list[CatalogEntry], *, show_all: bool = False) -> None:

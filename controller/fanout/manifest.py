@@ -1,11 +1,16 @@
-"""Batch manifests: one replay per JSONL line, validated up front, read as a stream.
+"""Batch input: a dataset as it is (a manifest or a glob of trajectories), streamed into validated items.
 
-A line holds the fields of ``pvisor-host replay``'s options (underscored: ``after_step``, ``max_steps``,
-...) plus an optional ``id``; options given on the ``batch`` command line are defaults every line may
-override. Relative ``trajectory`` and ``workspace_dir`` paths are relative to the manifest's directory.
-``--trajectories GLOB --after-step N|all`` is the shorthand: one item per trajectory (and per boundary with
-``all``). Items are validated one at a time as they are run, so a 100,000-line manifest never sits in memory
-as 100,000 specs (only its raw lines do, while the items of one image are brought together).
+A row holds the fields of ``pvisor-host replay``'s options (underscored: ``after_step``, ``max_steps``, ...)
+plus an optional ``id``; options given on the ``batch`` command line are defaults every row may override. The
+rows come from a JSONL, CSV or Parquet manifest (:mod:`.tables`, with ``--map FIELD=COLUMN`` for columns named
+otherwise), or from ``--trajectories GLOB``, one row per file. Relative ``trajectory`` and ``workspace_dir``
+paths are relative to the manifest's directory.
+
+Each row becomes one item per boundary it asks for (:mod:`.steps`: a number, ``all``, ``last``, a list or a
+range). Its ``agent`` may be left out: it is detected from the trajectory file. Its ``image`` and ``id`` may be
+templates over its columns and its trajectory's path (:mod:`.templates`, ``--image TEMPLATE``, ``--id
+TEMPLATE``). Items are validated one at a time as they are run, so a 100,000-row manifest never sits in
+memory as 100,000 specs (only its raw rows do, while the items of one image are brought together).
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
-import json
 import re
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +27,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ..errors import UsageError
-from ..models.profiles import get_profile
+from ..models.profiles import all_profiles, get_profile
 from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
-from ..preflight.hostpvisor import complete_batches
-from ..preflight.trajectory import check_stat
+from ..preflight.survey import boundaries
+from ..preflight.trajectory import check_stat, detect_agent
+from .steps import StepSelection, parse_steps
+from .tables import ColumnMap, Row, read_rows, strict_columns, text_cells
+from .templates import Template, is_template, parse_template, path_fields
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,119}$")
 #: Replay options a line may not set: the batch names each item's run directory and run ids.
@@ -47,7 +55,16 @@ def manifest_line_model() -> type[BaseModel]:
         )
     }
     for name, info in ReplaySpec.model_fields.items():
-        if name not in _BATCH_OWNED and name != "upstream":
+        if name == "after_step":
+            fields[name] = (
+                int | str | list[int],
+                Field(
+                    description="The boundaries: a number, 'all', 'last', a list, or a range ('3-7', '1,4-6'); "
+                    "one item per boundary (default: the batch's --after-step).",
+                    default=None,
+                ),
+            )
+        elif name not in _BATCH_OWNED and name != "upstream":
             fields[name] = (info.annotation, info)
     for flat, field in MODEL_OPTIONS.items():
         info = ModelUpstream.model_fields[field]
@@ -93,15 +110,11 @@ class ManifestCheck(BaseModel):
 
 def default_item_id(spec: ReplaySpec) -> str:
     """``<trajectory stem>-after<N>``, made safe for a directory name."""
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.trajectory.stem).strip("._") or "trajectory"
-    return f"{stem}-after{spec.after_step}"
+    return f"{_safe_stem(spec.trajectory)}-after{spec.after_step}"
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with path.open("r", encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
-            if text.strip() and not text.lstrip().startswith("#"):
-                yield number, text
+def _safe_stem(path: Path | str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(path).stem).strip("._") or "trajectory"
 
 
 def _resolve(fields: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -129,7 +142,7 @@ def _item(number: int, fields: dict[str, Any], defaults: dict[str, Any], seen: d
     if item_id in seen:
         if raw_id is not None:
             raise UsageError(f"id {item_id!r} is already used on line {seen[item_id]}")
-        item_id = f"{item_id}-{hashlib.sha256(str(number).encode()).hexdigest()[:6]}"
+        item_id = f"{item_id}-{hashlib.sha256(f'{number}-{spec.after_step}'.encode()).hexdigest()[:6]}"
     seen[item_id] = number
     return BatchItem(id=item_id, line=number, spec=spec)
 
@@ -147,21 +160,27 @@ def _host_checks(spec: ReplaySpec) -> None:
 def batch_items(
     entries: Iterable[ReplaySpec | Mapping[str, Any]], defaults: Mapping[str, Any] | None = None
 ) -> list[BatchItem]:
-    """Items from specs, or from mappings of manifest-line fields (``id`` included), each validated as a
-    manifest line is, over ``defaults``. Relative paths are relative to the working directory.
+    """Items from specs, or from mappings of manifest-row fields (``id`` included), each expanded and validated
+    as a manifest row is (``after_step`` may be ``"all"``, a list, ...; ``agent`` may be left out; ``image``
+    and ``id`` may be templates), over ``defaults``. Relative paths are relative to the working directory.
 
     Raises:
         UsageError: the first bad entry, by its position (and how many more there are); or no entries.
     """
+    defaults = dict(defaults or {})
+    rows = Rows(defaults=defaults, base=Path.cwd(), strict=True)
     seen: dict[str, int] = {}
     items: list[BatchItem] = []
     problems: list[str] = []
     for number, entry in enumerate(entries, start=1):
         fields = entry.model_dump(exclude_unset=True) if isinstance(entry, ReplaySpec) else dict(entry)
-        try:
-            items.append(_item(number, fields, dict(defaults or {}), seen))
-        except UsageError as exc:
-            problems.append(f"item {number}: {exc.one_line()}")
+        for _, expanded in rows.expand(number, fields):
+            try:
+                if isinstance(expanded, str):
+                    raise UsageError(expanded)
+                items.append(_item(number, expanded, rows.item_defaults, seen))
+            except UsageError as exc:
+                problems.append(f"item {number}: {exc.one_line()}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UsageError(problems[0] + more)
@@ -193,10 +212,135 @@ def image_specs(items: Iterable[BatchItem]) -> list[ReplaySpec]:
     return list(distinct.values())
 
 
-#: A numbered manifest entry: its fields, or what is wrong with the line.
+#: A numbered manifest entry: one item's fields, or what is wrong with its row.
 Entry = tuple[int, dict[str, Any] | str]
-#: Replay options that are per item, never batch-wide defaults.
-_PER_ITEM = {"trajectory", "after_step", "out", "run_id"}
+#: Replay options that are per item, never batch-wide defaults (``after_step`` is a default for rows without one).
+_PER_ITEM = {"trajectory", "out", "run_id"}
+#: Fields a row may set: ``id``, the replay options a batch leaves to its items, the flat ``--model-*`` options.
+ROW_FIELDS = frozenset(
+    {"id", "no_model_bodies", *MODEL_OPTIONS, *(name for name in ReplaySpec.model_fields if name != "upstream")}
+)
+#: The row fields that are lists (a table's cell holds them comma-separated).
+_LIST_FIELDS = {name for name, info in ReplaySpec.model_fields.items() if typing.get_origin(info.annotation) is list}
+
+
+class Rows:
+    """Rows into items' fields: ``--map``, relative paths, the agent detected, templates rendered, boundaries
+    expanded (see the module docstring). One per batch input; what it learns of a trajectory file (its agent,
+    its boundaries) it learns once."""
+
+    def __init__(
+        self,
+        *,
+        defaults: dict[str, Any],
+        base: Path,
+        strict: bool,
+        id_template: Template | None = None,
+        columns: ColumnMap | None = None,
+        tables: bool = False,
+    ) -> None:
+        self.base = base
+        self.strict = strict
+        self.tables = tables
+        self.columns = columns or ColumnMap()
+        self.id_template = id_template
+        default_image = defaults.get("image")
+        self.image_template = parse_template(default_image, flag="--image") if is_template(default_image) else None
+        self.default_steps = (
+            parse_steps(defaults["after_step"], name="--after-step") if "after_step" in defaults else None
+        )
+        self.item_defaults = {
+            k: v for k, v in defaults.items() if k != "after_step" and not (k == "image" and self.image_template)
+        }
+        used = self.columns.columns | (id_template.fields if id_template else set())
+        self.template_columns = used | (self.image_template.fields if self.image_template else set())
+
+    def expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
+        """The items of one row (or one problem, naming what is wrong with it)."""
+        try:
+            yield from self._expand(number, row)
+        except UsageError as exc:
+            yield number, exc.one_line()
+
+    def _expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
+        row = self.columns.apply(dict(row))
+        if self.tables:
+            row = text_cells(row, _LIST_FIELDS)
+        row = _resolve(row, self.base)
+        fields = {k: v for k, v in row.items() if k in ROW_FIELDS}
+        extra = [k for k in row if k not in ROW_FIELDS and k not in self.template_columns]
+        image_template = self._image_template(fields)
+        if image_template is not None:
+            extra = [k for k in extra if k not in image_template.fields]
+        if self.strict and extra:
+            raise UsageError(f"{extra[0]}: is not a known option")
+        trajectory = fields.get("trajectory")
+        if not isinstance(trajectory, str | Path) or not str(trajectory):
+            raise UsageError("trajectory: is required")
+        if "after_step" in fields:
+            steps = parse_steps(fields.pop("after_step"))
+        elif self.default_steps is not None:
+            steps = self.default_steps
+        else:
+            raise UsageError("after_step: is required")
+        agent = fields.get("agent", self.item_defaults.get("agent"))
+        image = fields.get("image", self.item_defaults.get("image") or self.image_template)
+        inject = fields.get("inject", self.item_defaults.get("inject"))
+        if agent is None:  # an image's label may name it, unless the agent is to be injected into the image
+            agent = self._detect(Path(trajectory), needed=image is None or bool(inject))
+            if agent is not None:
+                fields["agent"] = agent
+        values = {**{k: v for k, v in row.items() if isinstance(v, str | int | float)}, **path_fields(trajectory)}
+        explicit_id = fields.pop("id", None)
+        if explicit_id is None and self.id_template is not None:
+            explicit_id = self.id_template.render(values)
+        values["id"] = explicit_id if explicit_id is not None else Path(trajectory).stem
+        if image_template is not None:
+            fields["image"] = image_template.render(values)
+        for step in self._steps(steps, agent, Path(trajectory)):
+            item = {**fields, "after_step": step}
+            if explicit_id is not None:
+                item["id"] = explicit_id if steps.plain else f"{explicit_id}-after{step}"
+            yield number, item
+
+    def _image_template(self, fields: dict[str, Any]) -> Template | None:
+        """The row's own image template, else the default's (None: the image is a name as it is)."""
+        image = fields.get("image")
+        if image is None:
+            return self.image_template
+        return parse_template(image, flag="image") if is_template(image) else None
+
+    def _steps(self, steps: StepSelection, agent: str | None, trajectory: Path) -> list[int]:
+        if not steps.needs_count:
+            return steps.expand(None)
+        if agent is None:
+            raise UsageError(
+                f"after_step {'all' if steps.every else 'last'}: the agent of {trajectory} is needed to count its "
+                "boundaries",
+                hint="pass agent",
+            )
+        return steps.expand(boundaries(agent, trajectory))
+
+    def _detect(self, trajectory: Path, *, needed: bool) -> str | None:
+        """The agent that recorded ``trajectory``; None when it cannot be told and the image's label may say."""
+        try:
+            return _detected(*_file_key(trajectory))
+        except UsageError:
+            if needed:
+                raise
+            return None
+
+
+def _file_key(path: Path) -> tuple[Path, int, int]:
+    check_stat(path)
+    info = path.stat()
+    return path.absolute(), info.st_size, info.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=65536)
+def _detected(path: Path, size: int, mtime_ns: int) -> str:
+    """The agent of a file version (detection reads it: once per version)."""
+    return detect_agent(path, all_profiles())
 
 
 class BatchInput(BaseModel):
@@ -205,7 +349,11 @@ class BatchInput(BaseModel):
     manifest: Path | None = None
     trajectories: str | None = None
     after_step: str | None = None
-    """The shorthand's boundary: a number, or ``all``."""
+    """Every row's boundaries unless it names its own: a number, ``all``, ``last``, a list or a range."""
+    id: str | None = None
+    """``--id TEMPLATE``: each item's id from its row (see :mod:`.templates`)."""
+    map: list[str] = []
+    """``--map FIELD=COLUMN``: a field read from a column named otherwise."""
     defaults: dict[str, Any] = {}
     """Replay options given on the command line; every item starts from them."""
 
@@ -214,13 +362,15 @@ class BatchInput(BaseModel):
         if (self.manifest is None) == (self.trajectories is None):
             raise UsageError("pass a manifest (MANIFEST or --manifest FILE) or --trajectories GLOB (one of them)")
         if self.trajectories is not None and self.after_step is None:
-            raise UsageError("--trajectories needs --after-step N (or --after-step all)")
-        if self.manifest is not None and self.after_step is not None:
-            raise UsageError("--after-step goes with --trajectories; a manifest gives after_step per line")
-        if self.after_step not in (None, "all"):
-            _step(self.after_step)
+            raise UsageError("--trajectories needs --after-step (a number, all, last, a list or a range)")
+        if self.map and self.manifest is None:
+            raise UsageError("--map reads a manifest's columns; --trajectories has none")
+        if self.after_step is not None:
+            parse_steps(self.after_step, name="--after-step")
+            self.defaults = {**self.defaults, "after_step": self.after_step}
         self.defaults = {k: v for k, v in self.defaults.items() if k not in _PER_ITEM}
         _check_defaults(self.defaults)
+        self._rows()  # the templates and the map, checked now
         return self
 
     @classmethod
@@ -233,12 +383,28 @@ class BatchInput(BaseModel):
 
     @property
     def name(self) -> str:
-        """How problems name the source (``FILE:LINE``, or ``--trajectories:N`` for the shorthand's N-th item)."""
+        """How problems name the source (``FILE:LINE``, or ``--trajectories:N`` for the shorthand's N-th file)."""
         return str(self.manifest) if self.manifest is not None else "--trajectories"
 
     def spec_default(self, field: str) -> Any:
         """The value every item gets for ``field`` unless its line says otherwise."""
         return getattr(_probe_spec({field: self.defaults[field]} if field in self.defaults else {}), field)
+
+    @functools.cached_property
+    def _rows_cached(self) -> Rows:
+        return self._rows()
+
+    def _rows(self) -> Rows:
+        base = self.manifest.parent.absolute() if self.manifest is not None else Path.cwd()
+        tables = self.manifest is not None and not strict_columns(self.manifest)
+        return Rows(
+            defaults=self.defaults,
+            base=base,
+            strict=self.manifest is not None and not tables,
+            id_template=parse_template(self.id, flag="--id") if self.id is not None else None,
+            columns=ColumnMap.parse(self.map, set(ROW_FIELDS)),
+            tables=tables,
+        )
 
     def check(self) -> ManifestCheck:
         """Read every entry once: how many items there are, every bad line with its number, and one item per
@@ -248,12 +414,13 @@ class BatchInput(BaseModel):
         images: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
         counts: dict[str, int] = {}
         count = 0
+        defaults = self._rows_cached.item_defaults
         for number, entry in self._entries():
             if isinstance(entry, str):
                 problems.append(ManifestProblem(line=number, message=entry))
                 continue
             try:
-                spec = _item(number, entry, self.defaults, seen).spec
+                spec = _item(number, entry, defaults, seen).spec
             except UsageError as exc:
                 problems.append(ManifestProblem(line=number, message=exc.one_line()))
                 continue
@@ -273,17 +440,20 @@ class BatchInput(BaseModel):
         own: results and reports are keyed and sorted by them). Only the entries' raw fields are held while
         they are grouped, never every item's validated spec."""
         seen: dict[str, int] = {}
-        for number, entry in _grouped(self._entries(), self.defaults.get("image")):
+        defaults = self._rows_cached.item_defaults
+        for number, entry in _grouped(self._entries(), defaults.get("image")):
             if isinstance(entry, str):
                 raise UsageError(f"{self.name}:{number}: {entry}")
-            yield _item(number, entry, self.defaults, seen)
+            yield _item(number, entry, defaults, seen)
 
     def _entries(self) -> Iterator[Entry]:
-        if self.manifest is not None:
-            return _manifest_entries(self.manifest)
-        assert self.trajectories is not None
-        assert self.after_step is not None
-        return _glob_entries(self.trajectories, self.after_step, self.defaults.get("agent"))
+        rows = self._rows_cached
+        source = _manifest_rows(self.manifest) if self.manifest is not None else _glob_rows(self.trajectories or "")
+        for number, row in source:
+            if isinstance(row, str):
+                yield number, row
+            else:
+                yield from rows.expand(number, row)
 
 
 def _grouped(entries: Iterable[Entry], default_image: str | None) -> Iterator[Entry]:
@@ -300,6 +470,8 @@ def _grouped(entries: Iterable[Entry], default_image: str | None) -> Iterator[En
 def _check_defaults(defaults: dict[str, Any]) -> None:
     """Each command-line default on its own, so a bad one is reported once, naming its flag."""
     for name, value in defaults.items():
+        if name == "after_step" or (name == "image" and is_template(value)):
+            continue  # a selection and a template: checked as such
         try:
             _probe_spec({name: value})
         except ValidationError as exc:
@@ -309,63 +481,18 @@ def _check_defaults(defaults: dict[str, Any]) -> None:
 
 def _probe_spec(fields: dict[str, Any]) -> ReplaySpec:
     """A spec of ``fields`` completed with stand-ins for what only an item gives."""
+    fields = {k: v for k, v in fields.items() if k != "after_step"}
     return ReplaySpec(**{"trajectory": Path("-"), "after_step": 1, "agent": "-", **fields})
 
 
-def _manifest_entries(path: Path) -> Iterator[Entry]:
-    if not path.is_file():
-        raise UsageError(f"--manifest {path} does not exist or is not a file")
-    base = path.parent.absolute()
-    try:
-        for number, text in _lines(path):
-            try:
-                fields = json.loads(text)
-            except ValueError as exc:
-                yield number, f"not JSON: {exc}"
-                continue
-            if not isinstance(fields, dict):
-                yield number, "not a JSON object"
-                continue
-            yield number, _resolve(fields, base)
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--manifest {path} is not UTF-8 text ({exc.reason})") from None
+def _manifest_rows(path: Path) -> Iterator[Row]:
+    return read_rows(path)
 
 
-def _glob_entries(pattern: str, after_step: str, agent: str | None) -> Iterator[Entry]:
-    """The shorthand: every file matching ``pattern``, at ``after_step`` or (``all``) every boundary."""
+def _glob_rows(pattern: str) -> Iterator[Row]:
+    """The shorthand: one row per file matching ``pattern``, numbered in path order."""
     paths = sorted(Path(p).absolute() for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not paths:
         raise UsageError(f"--trajectories {pattern!r} matches no file")
-    if after_step == "all" and not agent:
-        raise UsageError("--after-step all needs --agent (to count each trajectory's boundaries)")
-    position = 0
-    for path in paths:
-        if after_step == "all":
-            assert agent is not None
-            # A trajectory pvisor rejects outright still gets one item, so its failure shows in the results.
-            steps = list(range(1, (_boundaries(agent, path) or 1) + 1))
-        else:
-            steps = [_step(after_step)]
-        for step in steps:
-            position += 1
-            yield position, {"trajectory": str(path), "after_step": step}
-
-
-@functools.lru_cache(maxsize=4096)
-def _count(agent: str, path: Path, size: int, mtime_ns: int) -> int | None:
-    return complete_batches(agent, path)
-
-
-def _boundaries(agent: str, path: Path) -> int | None:
-    """pvisor's count of complete batches, asked once per file version (the check and the run share it)."""
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    return _count(agent, path, info.st_size, info.st_mtime_ns)
-
-
-def _step(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise UsageError(f"--after-step {text!r}: pass a positive number or 'all'")
-    return int(text)
+    for number, path in enumerate(paths, start=1):
+        yield number, {"trajectory": str(path)}

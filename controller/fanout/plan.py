@@ -116,7 +116,7 @@ def plan_batch(
 
 def _plan_unpulled(item: BatchItem, cost: ImageCost, options: BatchOptions) -> ItemPlan:
     """An item whose task image is still in its registry: what pulling it costs, and what it is."""
-    check_inputs(item.spec, run_id=item_run_id(item.id), out_dir=options.out / item.id)
+    check_inputs(item.spec, per_file=True, run_id=item_run_id(item.id), out_dir=options.out / item.id)
     if cost.error is not None:  # no such image, refused: the input; a registry that could not be asked: the host
         wrong = "not found" in cost.error or "refused" in cost.error
         return ItemPlan(
@@ -142,7 +142,7 @@ def _plan_item(
 ) -> ItemPlan:
     spec = item.spec
     run_dir = options.out / item.id
-    checked = check_inputs(spec, run_id=item_run_id(item.id), out_dir=run_dir)
+    checked = check_inputs(spec, per_file=True, run_id=item_run_id(item.id), out_dir=run_dir)
 
     def look_up() -> tuple[ImagePlan, ImagePreview]:
         plan = backend.plan_image(image_request(spec))

@@ -35,7 +35,7 @@ from ..models.image import BuildOptions, ImageRequest, PullProgress, ResolvedIma
 from ..models.profiles import get_profile
 from ..models.record import DISK_FULL, BatchInfo, load_record
 from ..models.spec import ModelUpstream, ReplaySpec
-from ..preflight.checks import check_inputs
+from ..preflight.checks import check_inputs, runtime_floor_warning
 from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
 from ..signals import deferred_interrupts
@@ -113,9 +113,21 @@ class _Batch:
         self.started = time.monotonic()
         self.full: DiskFull | None = None
         """Set when an item found the run directory's filesystem full: no further item starts."""
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
         self._images: Memo[ResolvedImage] = Memo()
         self._gateways: Memo[ModelGateway] = Memo()
         self._workspaces: Memo[str] = Memo()
+
+    def warn_once(self, warning: str | None) -> None:
+        """Log ``warning`` the first time this batch meets it (a runtime's, say: every item would repeat it)."""
+        if warning is None:
+            return
+        with self._lock:
+            if warning in self._warned:
+                return
+            self._warned.add(warning)
+        logger.warning(warning)
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (None: no deadline)."""
@@ -477,9 +489,10 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
                 if remaining is not None:
                     spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
                 checked = check_inputs(
-                    spec, host_pvisor=False, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
+                    spec, per_file=True, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
                 )
                 prepared = prepare(checked, batch.backend, image=image)
+                batch.warn_once(runtime_floor_warning(prepared))
                 record = run_attempts(
                     prepared,
                     batch.backend,

@@ -40,6 +40,14 @@ class ImageRef(BaseModel):
     digest: str | None = None
     """The registry digest the image came from (``repo@sha256:...``), when it was asked for by a reference the
     engine holds a digest for; None for images built here."""
+    user: str | None = None
+    """A task image's own user, as its configuration says (``uid:gid`` where the engine could read it from the
+    image's ``/etc/passwd``; ``""``: root); None for the product's agent images."""
+
+    @property
+    def task_image(self) -> bool:
+        """A task image (someone else's image: probed, or with the agent injected), not one pvisor-host built."""
+        return self.verified_by in ("probe", "inject")
 
     @property
     def runtime_root(self) -> str | None:
@@ -125,6 +133,8 @@ class _Existing(_Plan):
     labels: dict[str, str] = {}
     digest: str | None = None
     """The registry digest the engine holds it by for that name (``repo@sha256:...``), when it has one."""
+    user: str = ""
+    """The user its configuration runs as (``Config.User``: a name, ``uid[:gid]``, or ``""`` for root)."""
 
 
 class LabelledPlan(_Existing):

@@ -144,6 +144,12 @@ class TrajectoryFormat(_Model):
     A rule is a dotted key (``payload.cwd``) that must exist, or ``key=value`` that must equal."""
     workspace_hint: list[str] = []
     """Dotted keys holding the working directory the recording ran in (first absolute path wins)."""
+    version_hint: list[str] = []
+    """Dotted keys holding the version of the agent that recorded it (first string wins)."""
+    config_defaults: str | None = None
+    """A JSON file in the agent's image with the agent's own default configurations (mini-swe-agent: its
+    ``mini.yaml`` and ``mini_textbased.yaml``): what a saved trajectory's config lacks and pvisor's runner needs
+    is filled from it (:func:`pvisor_host.preflight.trajectory.fill_config`)."""
 
 
 class NativeArtifacts(_Model):

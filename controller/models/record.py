@@ -34,6 +34,11 @@ class TrajectoryRef(BaseModel):
     size: int
     sha256: str
     mounted_at: str
+    filled: list[str] = []
+    """Keys of its saved config the sandbox's copy has filled with the agent's own defaults (a mini-swe-agent
+    trajectory without its agent templates); empty: the copy is the file, byte for byte."""
+    staged_sha256: str | None = None
+    """The sha256 of that copy (what pvisor's ``manifest.json`` names), when something was filled."""
 
 
 class Inputs(BaseModel):
@@ -73,6 +78,11 @@ class Limits(BaseModel):
     init: bool = True
     runtime: str = "runc"
     """The container runtime the sandbox ran under (``runsc``: gVisor)."""
+    runtime_version: str | None = None
+    """Its version, where the engine reports one (runc's)."""
+    profile: str = "strict"
+    """``task-image`` (the task image's own user, ``HOME``, working directory and environment, a writable root)
+    or ``strict`` (pvisor-host's hardened defaults); see docs/security.md."""
     notes: list[str] = []
     """Where a limit means something else under this runtime (gVisor: ``pids``)."""
 

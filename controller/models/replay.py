@@ -3,7 +3,9 @@ prepared replay every backend runs, one attempt of it, and what its sandbox woul
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -16,6 +18,9 @@ from .spec import ReplaySpec
 #: values). Removed on every path; a controller killed with ``kill -9`` leaves it, and the next run of the
 #: same directory removes it first.
 STAGING_NAME = ".pvisor-host-staging"
+
+
+SandboxProfile = Literal["task-image", "strict"]
 
 
 class TrajectoryInfo(BaseModel):
@@ -41,6 +46,30 @@ class PvisorPlan(BaseModel):
     """Tool calls in the selected prefix (from pvisor's ``manifest.json``)."""
 
 
+ESCAPE_CVES = "CVE-2025-31133, CVE-2025-52565 and CVE-2025-52881"
+RUNC_FIXED = "1.2.8 / 1.3.3"
+RUNTIME_REMEDY = "run root sandboxes under gVisor (--runtime runsc), or upgrade runc to 1.2.8 / 1.3.3 or later"
+
+
+def runc_has_escape_fixes(version: str) -> bool | None:
+    """Whether runc ``version`` (``1.1.5``, ``1.4.0-rc.2``, ``v1.3.3``) is at or past the fixes of the 2025
+    container escapes: 1.2.8 on 1.2, 1.3.3 on 1.3, 1.4.0-rc.3 on 1.4 (None: a version it cannot read)."""
+    found = re.match(r"^v?(\d+)\.(\d+)\.(\d+)(?:-rc\.?(\d+))?", version.strip())
+    if found is None:
+        return None
+    major, minor, patch = (int(found.group(n)) for n in (1, 2, 3))
+    rc = int(found.group(4)) if found.group(4) is not None else None
+    if (major, minor) < (1, 2):
+        return False
+    if (major, minor) == (1, 2):
+        return patch >= 8
+    if (major, minor) == (1, 3):
+        return patch >= 3
+    if (major, minor, patch) == (1, 4, 0) and rc is not None:
+        return rc >= 3
+    return True
+
+
 class Runtime(BaseModel):
     """The container runtime a sandbox runs under, as the engine has it registered."""
 
@@ -52,11 +81,27 @@ class Runtime(BaseModel):
     """The runtime's executable."""
     args: list[str] = []
     """The arguments the engine passes it (``runtimeArgs`` in ``daemon.json``)."""
+    version: str | None = None
+    """Its version as the engine reports it (runc's, for the runtime the engine ships); None when unknown."""
 
     @property
     def gvisor(self) -> bool:
         """gVisor's runsc (a user-space kernel between the sandbox and the host)."""
         return self.name == "runsc" or self.path.rsplit("/", 1)[-1] == "runsc"
+
+    @property
+    def runc(self) -> bool:
+        """runc itself (the engine's own runtime, or one registered under another name with runc's binary)."""
+        return self.name == "runc" or self.path.rsplit("/", 1)[-1] == "runc"
+
+    @property
+    def escape_fixed(self) -> bool | None:
+        """Whether the runtime has the fixes for the 2025 container escapes through mount races
+        (CVE-2025-31133, CVE-2025-52565, CVE-2025-52881): runc 1.2.8, 1.3.3 and 1.4.0-rc.3 have them; gVisor and
+        crun are not affected. None: not known (a runtime of another kind, or runc of no reported version)."""
+        if not self.runc:
+            return True if self.gvisor or self.path.rsplit("/", 1)[-1] == "crun" or self.name == "crun" else None
+        return runc_has_escape_fixes(self.version) if self.version else None
 
     @property
     def networkless(self) -> bool:
@@ -80,6 +125,11 @@ class PreparedReplay(BaseModel):
     """The workspace's absolute path inside the sandbox."""
     user: str
     """``uid:gid`` the sandbox runs as."""
+    sandbox: SandboxProfile = "strict"
+    """How the sandbox runs: ``task-image`` (as the task image says: its user, ``HOME``, working directory and
+    environment, a writable root thrown away with the container) or ``strict`` (pvisor-host's hardened
+    defaults: a non-root uid, ``HOME=/tmp``, a read-only root). Both keep no network, no capabilities,
+    ``no-new-privileges`` and the limits."""
     image: ImageRef
     built: BuiltImage | None = None
     runtime: Runtime = Runtime(name="runc")

@@ -189,7 +189,8 @@ class ReplaySpec(BaseModel):
     trajectory: Path
     """The agent's native trajectory on the host (read-only in the sandbox)."""
     agent: str | None = None
-    """pvisor agent name; with ``image`` it defaults to the image's ``pvisor-host.agent`` label."""
+    """pvisor agent name; default: detected from the trajectory's format (else, with ``image``, the image's
+    ``pvisor-host.agent`` label)."""
     image: str | None = None
     """Sandbox image; without it, the image ``pvisor-host build --agent`` makes (built when missing)."""
     inject: bool = False
@@ -245,6 +246,10 @@ class ReplaySpec(BaseModel):
     """Relax the read-only root filesystem."""
     allow_privilege_escalation: bool = False
     """Relax ``no-new-privileges``."""
+    strict: bool = False
+    """Run a task image with pvisor-host's own hardened profile (a non-root uid, ``HOME=/tmp``, a read-only root)
+    instead of as the image says (its user, ``HOME``, working directory and environment, a writable root thrown
+    away with the container); see docs/security.md. The product's own agent images always run strict."""
     runtime: str | None = Field(default_factory=lambda: os.environ.get(RUNTIME_ENV) or None)
     """Container runtime the engine has registered (``runc``; ``runsc`` for gVisor); default:
     ``$PVISOR_HOST_RUNTIME``, else the engine's default runtime."""
@@ -344,10 +349,8 @@ class ReplaySpec(BaseModel):
 
     @model_validator(mode="after")
     def _image_or_agent(self) -> ReplaySpec:
-        if not self.image and not self.agent:
-            raise ValueError("pass --agent, --image, or both")
-        if self.inject and not (self.image and self.agent):
-            raise ValueError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
+        if self.inject and not self.image:
+            raise ValueError("--inject needs --image (the task image to inject the agent's runtime into)")
         if self.image_workspace and self.workspace_dir is not None:
             raise ValueError("--image-workspace and --workspace-dir both set the starting workspace; pass one")
         return self

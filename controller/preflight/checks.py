@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -20,12 +21,23 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ..errors import UsageError
+from ..errors import PreflightRejected, UsageError
+from ..models.image import ImageRef
 from ..models.profiles import AgentProfile, all_profiles, get_profile
-from ..models.replay import PvisorPlan, Runtime, TrajectoryInfo
+from ..models.replay import (
+    ESCAPE_CVES,
+    RUNC_FIXED,
+    RUNTIME_REMEDY,
+    PreparedReplay,
+    PvisorPlan,
+    Runtime,
+    SandboxProfile,
+    TrajectoryInfo,
+)
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
 from .hostpvisor import prepare_only
-from .trajectory import check_agent, check_file, recorded_workspace
+from .survey import prefix_model_turns, survey
+from .trajectory import check_agent, check_file, detect_agent, recorded_workspace
 
 DEFAULT_WORKSPACE = "/workspace"
 _GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
@@ -53,6 +65,8 @@ class CheckedInputs(BaseModel):
     """Present when ``--agent`` was given; with ``--image`` alone the agent comes from the image's label."""
     host_pvisor: bool = True
     """Whether the agent checks run pvisor's own pre-flight on the host."""
+    per_file: bool = False
+    """Whether that pre-flight is the trajectory's survey for all its boundaries (a batch's items)."""
     seconds: float
     """Time the checks took."""
 
@@ -71,24 +85,29 @@ def check_inputs(
     spec: ReplaySpec,
     *,
     host_pvisor: bool = True,
+    per_file: bool = False,
     run_id: str | None = None,
     out_dir: Path | None = None,
     trajectory: TrajectoryInfo | None = None,
 ) -> CheckedInputs:
-    """Every check that needs no engine (see the module docstring), including the agent's when ``--agent`` is
-    given.
+    """Every check that needs no engine (see the module docstring), including the agent's when it is known:
+    from ``--agent``, else from the trajectory's format (with ``--image`` alone and a format no profile knows,
+    the image's label names it later).
 
-    ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox (a batch
-    avoids a subprocess per item); ``run_id`` and ``out_dir`` override the spec's (a batch names them, and
-    has made sure ``out_dir`` is free); ``trajectory`` is the result of an earlier ``check_file`` of it.
+    ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox;
+    ``per_file=True`` answers them from one survey of the trajectory for all its boundaries (a batch:
+    :mod:`.survey`) instead of a pvisor run at this boundary; ``run_id`` and ``out_dir`` override the spec's (a
+    batch names them, and has made sure ``out_dir`` is free); ``trajectory`` is the result of an earlier
+    ``check_file`` of it.
 
     Raises:
         UsageError: the first problem found, in one line.
         PrerequisiteError: the host's pvisor is missing.
     """
     started = time.monotonic()
-    profile = get_profile(spec.agent) if spec.agent is not None else None
     trajectory = trajectory or check_file(spec.trajectory)
+    spec = _with_agent(spec, trajectory.path)
+    profile = get_profile(spec.agent) if spec.agent is not None else None
     _env_values(spec)
     _workspace_dir(spec)
     user = _user(spec)
@@ -102,6 +121,7 @@ def check_inputs(
         out_dir=out_dir,
         user=user,
         host_pvisor=host_pvisor,
+        per_file=per_file,
         seconds=0.0,
     )
     if profile is not None:
@@ -118,7 +138,10 @@ def agent_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
     path = checked.trajectory.path
     check_agent(path, profile, all_profiles())
     plan = None
-    if checked.host_pvisor:
+    if checked.host_pvisor and checked.per_file:
+        plan = _surveyed(spec, profile.agent, checked.trajectory)
+        _budget(spec, plan)
+    elif checked.host_pvisor:
         _, plan = prepare_only(
             agent=profile.agent,
             trajectory=path,
@@ -130,6 +153,37 @@ def agent_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
         _budget(spec, plan)
     _continuation(spec, profile)
     return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, path, profile), plan=plan)
+
+
+def _with_agent(spec: ReplaySpec, trajectory: Path) -> ReplaySpec:
+    """``spec`` with its agent detected from the trajectory when it names none (with ``--image`` and a format
+    no profile knows, it stays unnamed: the image's label may name it)."""
+    if spec.agent is not None:
+        return spec
+    try:
+        agent = detect_agent(trajectory, all_profiles())
+    except UsageError:
+        if spec.image is not None and not spec.inject:
+            return spec
+        raise
+    return spec.model_copy(update={"agent": agent})
+
+
+def _surveyed(spec: ReplaySpec, agent: str, trajectory: TrajectoryInfo) -> PvisorPlan:
+    """pvisor's verdict on the boundary from the trajectory's survey (one pre-flight for all its boundaries).
+
+    Raises:
+        PreflightRejected: pvisor refuses the boundary (its category and message).
+    """
+    found = survey(agent, trajectory.path, trajectory.sha256)
+    refusal = found.verdict(spec.after_step)
+    if refusal is not None:
+        raise PreflightRejected(refusal.category, refusal.message)
+    turns = spec.after_step
+    if spec.max_steps is not None and spec.mode != "prepare-only":
+        turns = prefix_model_turns(agent, trajectory.path, spec.after_step)
+    calls = sum(len(batch) for batch in (found.batches or [])[: spec.after_step])
+    return PvisorPlan(after_step=spec.after_step, prefix_model_turns=turns, tool_calls=calls)
 
 
 # -- the run directory -------------------------------------------------------------------------------------
@@ -257,6 +311,45 @@ def _user(spec: ReplaySpec) -> str:
     return user
 
 
+def sandbox_profile(spec: ReplaySpec, image: ImageRef) -> SandboxProfile:
+    """``task-image`` for a task image (run as the image says), unless ``--strict``; ``strict`` for the
+    product's own agent images."""
+    return "task-image" if image.task_image and not spec.strict else "strict"
+
+
+def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfile) -> str:
+    """``uid:gid`` the sandbox runs as: ``--user``; else a task image's own user (``task-image``); else the
+    strict default (a non-root uid).
+
+    Raises:
+        UsageError: a task image whose user pvisor-host cannot run a sandbox as: a name the engine could not
+            resolve here (a cluster's driver does not hold the image), or, for a non-root pvisor-host, a uid
+            other than its own.
+    """
+    if checked.spec.user is not None or profile == "strict":
+        return checked.user
+    configured = image.user or ""
+    if configured in ("", "root"):
+        user = "0:0"
+    elif re.match(r"^\d+:\d+$", configured):
+        user = configured
+    elif configured.isdigit():
+        user = f"{configured}:0"  # the engine's rule for a uid with no passwd entry
+    else:
+        raise UsageError(
+            f"task image {image.ref} runs as user {configured!r}, which cannot be resolved before a node has the image",
+            hint="pass --user UID[:GID] (or --strict)",
+        )
+    uid, _ = parse_user(user)
+    if os.geteuid() != 0 and uid != os.geteuid():
+        raise UsageError(
+            f"task image {image.ref} runs as uid {uid}; as a non-root user pvisor-host can only run sandboxes as "
+            f"your own uid {os.geteuid()}",
+            hint=f"run pvisor-host as root, or pass --strict (or --user {os.geteuid()})",
+        )
+    return user
+
+
 def _workspace_path(spec: ReplaySpec, trajectory: Path, profile: AgentProfile) -> str:
     if spec.workspace_path:
         return spec.workspace_path
@@ -282,6 +375,18 @@ def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
             f"--max-steps {spec.max_steps} leaves no live step after the selected replay prefix of {prefix} steps",
             hint=f"use at least {prefix + 1}",
         )
+
+
+def runtime_floor_warning(prepared: PreparedReplay) -> str | None:
+    """A warning for a root sandbox under a runc without the fixes for the 2025 container escapes (None: no
+    root sandbox, or a runtime with the fixes or of unknown version; ``doctor`` reports those)."""
+    runtime = prepared.runtime
+    if parse_user(prepared.user)[0] != 0 or runtime.escape_fixed is not False:
+        return None
+    return (
+        f"the sandbox runs as root under runc {runtime.version}, which is older than the fixes for {ESCAPE_CVES} "
+        f"(runc {RUNC_FIXED}): a malicious task image or tool call could escape; {RUNTIME_REMEDY}"
+    )
 
 
 def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:

@@ -17,11 +17,14 @@ import sysconfig
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
 
 from .._version import PVISOR_VERSION
 from ..errors import InfrastructureError, PreflightRejected, PrerequisiteError
 from ..models.replay import PvisorPlan
-from ..models.result import ReplayResult, parse_result
+from ..models.result import ReplayResult, ResultFailure, parse_result
 
 #: Seconds the host's pvisor may take to parse a trajectory (it takes milliseconds).
 _TIMEOUT = 120
@@ -101,15 +104,52 @@ def _manifest_tool_calls(manifest: Path) -> int:
         return 0
 
 
-_BATCHES = re.compile(r"trajectory has (\d+) complete batches")
+_BATCHES = re.compile(r"^requested after-step (\d+), trajectory has (\d+) complete batches$")
 
 
-def complete_batches(agent: str, trajectory: Path) -> int | None:
-    """How many complete tool batches pvisor finds in ``trajectory`` (None: pvisor rejects the file itself)."""
-    with tempfile.TemporaryDirectory(prefix="pvisor-host-count-") as scratch:
-        done = _prepare_only(Path(scratch), agent, trajectory.absolute(), 999_999_999, [])
-    found = _BATCHES.search(done.stdout.decode(errors="replace"))
-    return int(found.group(1)) if found else None
+class Probe(BaseModel):
+    """What one ``pvisor replay --prepare-only`` at one boundary said (see :mod:`.survey`)."""
+
+    after_step: int
+    failure: ResultFailure | None = None
+    """pvisor's refusal (None: it accepted the boundary)."""
+    complete: int | None = None
+    """The trajectory's complete batches, when pvisor refused a boundary past the last one (its message says)."""
+    prefix_model_turns: int | None = None
+    batches: list[list[str]] | None = None
+    """When accepted: the tool names of each batch up to the boundary (pvisor's ``manifest.json``)."""
+
+
+def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
+    """Run ``pvisor replay --prepare-only`` at ``after_step`` on the host and say what it found.
+
+    Raises:
+        ResultProtocolError: pvisor printed no v3 result.
+        InfrastructureError: pvisor hung or could not be run.
+    """
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-probe-") as scratch:
+        root = Path(scratch)
+        done = _prepare_only(root, agent, trajectory.absolute(), after_step, ["--run-id", "probe"])
+        if done.returncode != 0 and not done.stdout.strip():
+            message = done.stderr.decode(errors="replace").strip().splitlines()
+            failure = ResultFailure(category="configuration_error", message=message[0] if message else "no result")
+            return Probe(after_step=after_step, failure=failure)
+        _, result = parse_result(done.stdout)
+        if result.failure is not None:
+            found = _BATCHES.match(result.failure.message)
+            complete = int(found.group(2)) if found else None
+            return Probe(after_step=after_step, failure=result.failure, complete=complete)
+        manifest = _read_json(root / "output" / "probe" / "manifest.json")
+    batches = [[str(call.get("name")) for call in batch.get("tool_calls", [])] for batch in manifest.get("batches", [])]
+    return Probe(after_step=after_step, prefix_model_turns=result.prefix_model_turns, batches=batches)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _prepare_only(

@@ -12,7 +12,16 @@ import time
 from ..backend.base import AnyBackend
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
 from ..models.replay import PreparedReplay, Runtime
-from .checks import AgentChecks, CheckedInputs, agent_checks, create_out_dir, release_out_dir, runtime_checks
+from .checks import (
+    AgentChecks,
+    CheckedInputs,
+    agent_checks,
+    create_out_dir,
+    release_out_dir,
+    runtime_checks,
+    sandbox_profile,
+    sandbox_user,
+)
 
 
 def image_request(checked: CheckedInputs) -> ImageRequest:
@@ -56,14 +65,14 @@ def prepare(
             resolved = source
         else:
             resolved = backend.ensure_image(source, build or BuildOptions())
+        timings = {
+            "preflight": round(checked.seconds + checked_at - started, 4),
+            "image": round(time.monotonic() - checked_at, 4),
+        }
+        return assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
     except BaseException:
         release_out_dir(checked.out_dir)
         raise
-    timings = {
-        "preflight": round(checked.seconds + checked_at - started, 4),
-        "image": round(time.monotonic() - checked_at, 4),
-    }
-    return assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
 
 
 def assemble(
@@ -76,6 +85,7 @@ def assemble(
     timings: dict[str, float] | None = None,
 ) -> PreparedReplay:
     """The prepared replay of checked inputs in ``image`` (``batch --plan`` assembles one from a preview)."""
+    profile = sandbox_profile(checked.spec, image)
     return PreparedReplay(
         spec=checked.spec,
         profile=agent.profile,
@@ -84,7 +94,8 @@ def assemble(
         out_dir=checked.out_dir,
         name=checked.out_dir.name,
         workspace_path=agent.workspace_path,
-        user=checked.user,
+        user=sandbox_user(checked, image, profile),
+        sandbox=profile,
         image=image,
         built=built.built if built is not None else None,
         runtime=runtime,

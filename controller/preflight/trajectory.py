@@ -161,6 +161,27 @@ def sniff(path: Path, profiles: dict[str, AgentProfile]) -> set[str]:
     return matches
 
 
+def detect_agent(path: Path, profiles: dict[str, AgentProfile]) -> str:
+    """The agent whose native format ``path`` is, from the profiles' fingerprints.
+
+    Raises:
+        UsageError: no profile's fingerprint matches, or more than one does (one line, naming them).
+    """
+    found = sniff(path, profiles)
+    if len(found) == 1:
+        return found.pop()
+    if found:
+        names = ", ".join(sorted(found))
+        raise _fail(
+            path, f"could be a trajectory of {names}; pass agent explicitly", f"pass --agent {sorted(found)[0]}"
+        )
+    raise _fail(
+        path,
+        f"is no trajectory format pvisor replays (none of {', '.join(sorted(profiles))})",
+        "pass agent explicitly if it is one",
+    )
+
+
 def check_agent(path: Path, profile: AgentProfile, profiles: dict[str, AgentProfile]) -> None:
     """Refuse a trajectory that is recognisably another agent's format."""
     found = sniff(path, profiles)
@@ -182,4 +203,14 @@ def recorded_workspace(path: Path, profile: AgentProfile) -> str | None:
             found, value = _lookup(obj, key)
             if found and isinstance(value, str) and value.startswith("/"):
                 return os.path.normpath(value)
+    return None
+
+
+def recorded_version(path: Path, profile: AgentProfile) -> str | None:
+    """The version of the agent that recorded the trajectory, from the profile's ``version_hint`` keys."""
+    for obj in _objects(path):
+        for key in profile.trajectory.version_hint:
+            found, value = _lookup(obj, key)
+            if found and isinstance(value, str) and value:
+                return value
     return None

@@ -104,8 +104,13 @@ def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, tr
             ["--after-step", "1"],
             "pass a manifest (MANIFEST or --manifest FILE) or --trajectories GLOB (one of them)",
         ),
-        (["--trajectories", "*.jsonl"], "--trajectories needs --after-step N (or --after-step all)"),
-        (["--trajectories", "*.jsonl", "--after-step", "0"], "--after-step '0': pass a positive number or 'all'"),
+        (
+            ["--trajectories", "*.jsonl"],
+            "--trajectories needs --after-step (a number, all, last, a list or a range)",
+        ),
+        (["--trajectories", "*.jsonl", "--after-step", "0"], "--after-step: boundaries count from 1 (got 0)"),
+        (["--trajectories", "*.jsonl", "--after-step", "1", "--id", "{x"], "--id '{x': expected '}' before end"),
+        (["--trajectories", "*.jsonl", "--after-step", "1", "--map", "id=x"], "--map reads a manifest's columns"),
         (
             ["--trajectories", "nothing-*.jsonl", "--after-step", "1"],
             "--trajectories 'nothing-*.jsonl' matches no file",
@@ -115,10 +120,6 @@ def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, tr
         (
             ["--trajectories", "*.jsonl", "--after-step", "1", "--allow-failures", "lots"],
             "--allow-failures 'lots': pass a number of items (3) or a percentage (5%)",
-        ),
-        (
-            ["--trajectories", "*.jsonl", "--after-step", "all", "--image", "x"],
-            "--after-step all needs --agent (to count each trajectory's boundaries)",
         ),
     ],
 )
@@ -306,7 +307,9 @@ def test_the_manifest_line_schema_has_every_option_a_line_may_set():
     expected = {"id", *ReplaySpec.model_fields, *MODEL_OPTIONS, "no_model_bodies"} - {"out", "run_id", "upstream"}
     assert set(line.model_fields) == expected
     schema = line.model_json_schema()
-    assert schema["required"] == ["trajectory", "after_step"] and schema["additionalProperties"] is False
+    assert schema["required"] == ["trajectory"] and schema["additionalProperties"] is False
+    steps = [kind.get("type") for kind in schema["properties"]["after_step"]["anyOf"]]
+    assert steps == ["integer", "string", "array"]  # a number; all, last or a range; a list
     # The strings a manifest may use for sizes and durations are what the schema allows.
     accepted = line.model_validate({"trajectory": "t.jsonl", "after_step": 2, "timeout": "8s", "memory": "200m"})
     assert (accepted.timeout, accepted.memory) == (8.0, 200 * 2**20)  # type: ignore[attr-defined]

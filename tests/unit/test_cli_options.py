@@ -23,7 +23,7 @@ REPLAY_OWN = {"json_output"}
 #: Options of ``batch`` that are about the batch (or its input), not defaults for its items.
 BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out_dir", "workers", "deadline",
              "rerun_failed", "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet",
-             "json_output", "pull_workers", "image_budget", "keep_images"}  # fmt: skip
+             "json_output", "pull_workers", "image_budget", "keep_images", "item_id", "columns"}  # fmt: skip
 SPEC_OPTIONS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
 BUILD_OPTIONS = {"base", "ca_bundle"}
 PER_ITEM = {"trajectory", "after_step", "out", "run_id", "session_id"}
@@ -106,7 +106,8 @@ def test_every_option_given_on_the_command_line_reaches_the_spec_by_name(tmp_pat
         "workspace_path": "/work", "image_workspace": True, "no_workspace": True, "out": tmp_path / "o",
         "timeout": 90.0, "memory": 2 * 1024**3, "cpus": 1.5, "pids": 300, "tmp_size": 64 * 1024**2,
         "collect_limit": 1024**3, "network": "bridge", "env": ["A", "B"], "user": "1000:1000",
-        "cap_add": ["NET_ADMIN"], "writable_rootfs": True, "allow_privilege_escalation": True, "runtime": "runsc",
+        "cap_add": ["NET_ADMIN"], "writable_rootfs": True, "allow_privilege_escalation": True, "strict": False,
+        "runtime": "runsc",
         "attempts": 5, "retry_backoff": 2.0,
     }  # fmt: skip
     assert spec.upstream == ModelUpstream(

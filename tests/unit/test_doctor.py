@@ -36,12 +36,22 @@ def test_doctor_reports_an_agent_whose_base_is_not_there_yet():
     }
     assert checks["image claude-code"]["status"] == "warn"
     assert checks["image claude-code"]["detail"].endswith(" not built yet")
-    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:6] == [
+    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:7] == [
         "engine",
         "pvisor on the host",
         "architecture",
         "disk",
         "runtimes",
+        "runtime floor",
         "registry",
     ]
     assert checks["runtimes"]["detail"].startswith("runc (default)")
+    # Debian 12's runc: named, with its CVEs and the remedy.
+    assert checks["runtime floor"] == {
+        "name": "runtime floor",
+        "status": "warn",
+        "detail": "runc 1.1.5 is older than the fixes for CVE-2025-31133, CVE-2025-52565 and CVE-2025-52881"
+        " (runc 1.2.8 / 1.3.3)",
+        "fix": "run root sandboxes under gVisor (--runtime runsc), or upgrade runc to 1.2.8 / 1.3.3 or later",
+        "required": False,
+    }

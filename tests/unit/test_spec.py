@@ -47,7 +47,7 @@ def test_strings_become_sizes_and_durations():
             {"timeout": "soon"},
             "--timeout: 'soon' is not a duration (use a number of seconds or units like 90s, 5m, 1h30m)",
         ),
-        ({"agent": None}, "pass --agent, --image, or both"),
+        ({"inject": True}, "--inject needs --image (the task image to inject the agent's runtime into)"),
     ],
 )
 def test_bad_options_give_one_line_naming_the_flag(overrides, line):

@@ -36,6 +36,7 @@ class TaskImages:
         self._lock = threading.Lock()
         self._found: dict[str, PulledImage] = {}
         self._labels: dict[str, dict[str, str]] = {}
+        self._users: dict[str, str] = {}
 
     def resolve(self, ref: str) -> PulledImage:
         """The image ``ref`` names, found in its registry without pulling it: its digest reference (what nodes
@@ -70,6 +71,7 @@ class TaskImages:
         with self._lock:
             self._found[ref] = found
             self._labels[ref] = dict((config.get("config") or {}).get("Labels") or {})
+            self._users[ref] = str((config.get("config") or {}).get("User") or "")
         return found
 
     def plan(self, ref: str, profile: Any) -> InjectPlan:
@@ -83,7 +85,9 @@ class TaskImages:
             raise UsageError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
         inject_spec(profile)
         found = self.resolve(ref)
-        return InjectPlan(profile=profile, ref=ref, id=found.id, labels=self._labels[ref], digest=found.digest)
+        return InjectPlan(
+            profile=profile, ref=ref, id=found.id, labels=self._labels[ref], digest=found.digest, user=self._users[ref]
+        )
 
 
 class Placement:

@@ -34,7 +34,9 @@ from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
 from . import runtimes
+from .build.files import ImageFiles
 from .build.inject import Injector
+from .build.users import ImageUsers
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors
 from .images import ImageStore, Reference
 from .sandbox.container import Leftovers
@@ -79,6 +81,8 @@ class DockerBackend:
         self.client = client
         self._ownership = ownership
         self._injector = Injector(client, ownership)
+        self._files = ImageFiles(client, ownership)
+        self._users = ImageUsers(self._files)
         self._runtimes: tuple[str, dict[str, Runtime]] | None = None
         self._leftovers = Leftovers()
         self.images = ImageStore(client)
@@ -131,7 +135,7 @@ class DockerBackend:
         from .build import resolve
 
         with engine_errors("make the image ready"):
-            return resolve.materialize(self.client, self._ownership, self._injector, plan, build)
+            return resolve.materialize(self.client, self._ownership, self._injector, self._users, plan, build)
 
     def keep_seeds_in(self, root: Path) -> None:
         """Keep the copies out of images (``--image-workspace``) in ``root`` rather than beside each run's
@@ -332,6 +336,7 @@ class DockerBackend:
             cancel=cancel,
             leftovers=self._leftovers,
             seeds=self._seeds,
+            files=self._files,
         )
 
     def cancel(self, *, run_id: str | None = None) -> None:

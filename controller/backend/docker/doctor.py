@@ -15,11 +15,12 @@ import docker
 from ..._version import PVISOR_VERSION
 from ...models.housekeeping import Check
 from ...models.profiles import all_profiles
+from ...models.replay import ESCAPE_CVES, RUNC_FIXED, RUNTIME_REMEDY, Runtime
 from ...units import format_size
 from .build.base import default_base, find_image, resolve_base_offline
 from .build.recipe import expected_tag
 from .engine import engine_address, engine_errors
-from .runtimes import runsc_registration, shown
+from .runtimes import registered, runsc_registration, shown
 
 _LOW_DISK = 10 * 1024**3
 _TOO_LOW_DISK = 2 * 1024**3
@@ -35,7 +36,31 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         status="ok",
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
-    return [engine, _architecture(info), _disk(info), _runtimes(info), *_images(client)]
+    default, known = registered(client)
+    return [engine, _architecture(info), _disk(info), _runtimes(info), _escape_fixes(known[default]), *_images(client)]
+
+
+def _escape_fixes(runtime: Runtime) -> Check:
+    """Whether the default runtime has the fixes for the 2025 runc container escapes (docs/security.md)."""
+    named = f"{runtime.name} {runtime.version}" if runtime.version else runtime.name
+    fixed = runtime.escape_fixed
+    if fixed:
+        return Check(name="runtime floor", status="ok", detail=f"{named}: {ESCAPE_CVES} do not apply", required=False)
+    if fixed is None:
+        return Check(
+            name="runtime floor",
+            status="warn",
+            detail=f"{named}: version unknown, so {ESCAPE_CVES} may apply",
+            fix=RUNTIME_REMEDY,
+            required=False,
+        )
+    return Check(
+        name="runtime floor",
+        status="warn",
+        detail=f"{named} is older than the fixes for {ESCAPE_CVES} (runc {RUNC_FIXED})",
+        fix=RUNTIME_REMEDY,
+        required=False,
+    )
 
 
 def _runtimes(info: dict[str, Any]) -> Check:

@@ -21,13 +21,24 @@ RUNSC_ARGS = ["--network=none", "--host-uds=open"]
 
 
 def registered(client: docker.DockerClient) -> tuple[str, dict[str, Runtime]]:
-    """The engine's default runtime, and every runtime it has registered."""
+    """The engine's default runtime, and every runtime it has registered (runc's with the version the engine
+    reports for it)."""
     info: dict[str, Any] = client.info()
-    found = {
-        name: Runtime(name=name, path=str(entry.get("path") or name), args=list(entry.get("runtimeArgs") or []))
-        for name, entry in (info.get("Runtimes") or {"runc": {"path": "runc"}}).items()
-    }
+    runc = runc_version(client)
+    found = {}
+    for name, entry in (info.get("Runtimes") or {"runc": {"path": "runc"}}).items():
+        runtime = Runtime(name=name, path=str(entry.get("path") or name), args=list(entry.get("runtimeArgs") or []))
+        found[name] = runtime.model_copy(update={"version": runc}) if runtime.runc else runtime
     return str(info.get("DefaultRuntime") or "runc"), found
+
+
+def runc_version(client: docker.DockerClient) -> str | None:
+    """The version of the runc the engine runs containers with, as ``docker version`` lists it."""
+    components = client.version().get("Components") or []
+    for component in components:
+        if str(component.get("Name", "")).lower() == "runc":
+            return str(component.get("Version") or "") or None
+    return None
 
 
 def runsc_registration() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -65,7 +66,33 @@ def gc(
     return ExitCode.OK if not report.failed else ExitCode.INFRASTRUCTURE
 
 
+def inspect(
+    trajectories: Annotated[
+        list[Path], typer.Argument(metavar="TRAJECTORY...", help="Trajectory files.", show_default=False)
+    ],
+    agent: Annotated[
+        str | None, typer.Option(help="The agent of every file (default: detected from each file's format).")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> int:
+    """What each trajectory is: its agent and version, boundaries, tools per batch, recorded cwd, and which
+    boundaries the pinned pvisor accepts. Exit 2 when a file is no trajectory or pvisor refuses some boundary.
+
+    Runs only the host's pinned pvisor (no engine).
+    """
+    from ...preflight.inspect import inspect_files
+    from .. import render
+
+    reports = inspect_files(trajectories, agent)
+    if json_output:
+        typer.echo(json.dumps([r.model_dump(mode="json") for r in reports], indent=2))
+    else:
+        render.trajectory_reports(console(), reports)
+    return ExitCode.OK if all(r.ok for r in reports) else ExitCode.USAGE
+
+
 def register(app: typer.Typer) -> None:
     app.command()(agents)
+    app.command()(inspect)
     app.command()(doctor)
     app.command()(gc)

@@ -59,13 +59,33 @@ def batch(
         ),
     ] = None,
     manifest: Annotated[
-        Path | None, typer.Option(help="JSONL file, one replay per line (fields: replay's options, plus id).")
+        Path | None,
+        typer.Option(
+            help="The dataset: JSONL, CSV or Parquet, one replay (or one per boundary) per row; fields: replay's "
+            "options, plus id."
+        ),
     ] = None,
     trajectories: Annotated[
-        str | None, typer.Option(help="Glob of trajectory files (shorthand for a manifest; needs --after-step).")
+        str | None, typer.Option(help="Glob of trajectory files (one row per file; needs --after-step).")
     ] = None,
     after_step: Annotated[
-        str | None, typer.Option(help="With --trajectories: a boundary N, or 'all' for every boundary of each.")
+        str | None,
+        typer.Option(help="Boundaries of every row that names none: N, all, last, a list (1,3) or a range (3-7)."),
+    ] = None,
+    item_id: Annotated[
+        str | None,
+        typer.Option(
+            "--id",
+            metavar="TEMPLATE",
+            help="Each item's id from its row, e.g. '{parent}-{stem}' (fields: the row's columns, stem, name, "
+            "parent); --image takes templates too, e.g. 'reg/{stem|lower}:v1' or the preset @swebench.",
+        ),
+    ] = None,
+    columns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--map", metavar="FIELD=COLUMN", help="Read a field from a column named otherwise, e.g. id=instance_id."
+        ),
     ] = None,
     out_dir: Annotated[Path, typer.Option("--out", help="Batch directory; rerunning into it resumes.")] = Path(
         "pvisor-batch"
@@ -146,8 +166,8 @@ def batch(
         _check_baseline(baseline, out_dir, plan=plan)
     check_cluster_options(cluster, registry)
     source = BatchInput.parse(
-        manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step,
-        defaults=spec_fields(options),
+        manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, id=item_id,
+        map=columns or [], defaults=spec_fields(options),
     )  # fmt: skip
     checked = source.check()
     for problem in checked.problems:

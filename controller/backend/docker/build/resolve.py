@@ -37,6 +37,7 @@ from .base import find_image, pull
 from .inject import Injector, RuntimeVolume, check_task_image_metadata, inject_spec, runtime_volume_name
 from .probe import probe_agent_image, version_problem
 from .recipe import DEFAULT_PVISOR_PATH, build_agent_image, build_pvisor_image, expected_tag
+from .users import ImageUsers
 
 Verification = Literal["build", "labels", "probe", "inject"]
 
@@ -58,12 +59,13 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
     found = _local_or_pulled(client, image)
     labels = dict(found.labels or {})
     digest = repo_digest(image, found.attrs.get("RepoDigests") or [])
+    user = str((found.attrs.get("Config") or {}).get("User") or "")
     if request.inject:
         if profile is None:
             raise UsageError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
         inject_spec(profile)
         check_task_image_metadata(found, image)
-        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
+        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user)
     labelled_agent = labels.get(L.AGENT) or None
     if labelled_agent is None:
         if profile is None:
@@ -71,7 +73,7 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
                 f"image {image} was not built by pvisor-host (no {L.AGENT} label)",
                 hint="pass --agent to say which agent it holds",
             )
-        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
+        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user)
     if profile is not None and profile.agent != labelled_agent:
         raise UsageError(
             f"image {image} holds {labelled_agent} {labels.get(L.AGENT_VERSION, '?')}, not {profile.agent}",
@@ -112,12 +114,19 @@ def _check_labels(image: str, labels: dict[str, str], profile: AgentProfile) -> 
 
 
 def materialize(
-    client: docker.DockerClient, ownership: Ownership, injector: Injector, plan: ImagePlan, build: BuildOptions
+    client: docker.DockerClient,
+    ownership: Ownership,
+    injector: Injector,
+    users: ImageUsers,
+    plan: ImagePlan,
+    build: BuildOptions,
 ) -> ResolvedImage:
-    """Make the planned image real: build it, probe it, fill its runtime volume, or take its labels.
+    """Make the planned image real: build it, probe it, fill its runtime volume, or take its labels. A task
+    image's own user is resolved to numbers (:mod:`.users`).
 
     Raises:
-        UsageError: an unlabelled image lacks pvisor or has another agent version.
+        UsageError: an unlabelled image lacks pvisor or has another agent version, or a task image names a user
+            it does not have.
         ImageBuildError: a build failed or produced the wrong versions.
     """
     profile = plan.profile
@@ -131,7 +140,8 @@ def materialize(
         injector.check_task_image(plan.id, plan.ref, profile)
         built = build_agent_image(client, ownership, profile, build)
         volume = injector.ensure_runtime_volume(profile, built.id)
-        return ResolvedImage(profile=profile, image=_injected(plan, volume, built.tag), built=built)
+        image = _injected(plan, volume, built.tag).model_copy(update={"user": users.resolve(plan.id, plan.user)})
+        return ResolvedImage(profile=profile, image=image, built=built)
     if isinstance(plan, LabelledPlan):
         entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
         image = _ref(plan.ref, plan.id, profile, "labels", entrypoint, plan.labels.get(L.PVISOR_PATH))
@@ -141,7 +151,8 @@ def materialize(
     if problem is not None:
         raise UsageError(f"image {plan.ref} {problem}", hint=f"pvisor-host build --agent {profile.agent}")
     image = _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path)
-    return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest}))
+    user = users.resolve(plan.id, plan.user)
+    return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest, "user": user}))
 
 
 def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
@@ -153,7 +164,8 @@ def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image, exists=True)
     if isinstance(plan, ProbePlan):
         note = "a probe container confirms the versions before the first run"
-        return ImagePreview(image=_ref(plan.ref, plan.id, profile, "probe"), exists=True, note=note)
+        image = _ref(plan.ref, plan.id, profile, "probe").model_copy(update={"user": plan.user})
+        return ImagePreview(image=image, exists=True, note=note)
     tag = expected_tag(client, None if isinstance(plan, BuildPlan) and plan.pvisor_only else profile, profile.suite)
     agent_image = find_image(client, tag) if tag is not None else None
     if agent_image is None:
@@ -185,7 +197,8 @@ def _injected(plan: InjectPlan, volume: RuntimeVolume, agent_tag: str) -> ImageR
     spec = inject_spec(plan.profile)
     entrypoint = f"{volume.runtime_root}/{spec.entrypoint}"
     ref = _ref(plan.ref, plan.id, plan.profile, "inject", entrypoint, volume.pvisor_path)
-    return ref.model_copy(update={"runtime_volume": volume.name, "agent_image": agent_tag, "digest": plan.digest})
+    update = {"runtime_volume": volume.name, "agent_image": agent_tag, "digest": plan.digest, "user": plan.user}
+    return ref.model_copy(update=update)
 
 
 def _ref(

@@ -17,6 +17,8 @@ GVISOR_PIDS = (
     "pids: under gVisor the limit counts the sandbox's host threads (several per process inside it), "
     "and reaching it stops the whole sandbox instead of failing a fork"
 )
+#: What a strict sandbox's environment says (a task image keeps its own).
+STRICT_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp"}
 _MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
 
 
@@ -72,7 +74,9 @@ def container_spec(
 ) -> sandbox.ContainerSpec:
     """The hardened container for one attempt (every relaxation comes from an explicit flag)."""
     spec = prepared.spec
-    environment = {**prepared.profile.sandbox_env, "HOME": "/tmp", "TMPDIR": "/tmp"}
+    task = prepared.sandbox == "task-image"
+    # A task image keeps its own HOME, TMPDIR and working directory (docs/security.md); strict gives /tmp.
+    environment = dict(prepared.profile.sandbox_env) if task else {**prepared.profile.sandbox_env, **STRICT_ENV}
     if spec.mode == "replay-only":
         environment |= {k: v for k, v in prepared.profile.replay_only_env.items() if k not in spec.env}
     mounts: list[sandbox.BindMount | sandbox.VolumeMount] = [
@@ -99,11 +103,11 @@ def container_spec(
         name=f"pvisor-host-{attempt.run_id}",
         labels=L.resource_labels(ownership, "replay", attempt.run_id),
         user=prepared.user,
-        working_dir=prepared.workspace_path,
+        working_dir=None if task else prepared.workspace_path,
         environment=environment,
         mounts=mounts,
         network=network,
-        read_only_rootfs=not spec.writable_rootfs,
+        read_only_rootfs=not (task or spec.writable_rootfs),
         tmpfs_size=spec.tmp_size,
         cap_add=spec.cap_add,
         no_new_privileges=not spec.allow_privilege_escalation,
@@ -131,6 +135,8 @@ def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
         timeout=prepared.spec.timeout,
         collect_limit=prepared.spec.collect_limit,
         runtime=cspec.runtime or "runc",
+        runtime_version=prepared.runtime.version,
+        profile=prepared.sandbox,
         notes=[GVISOR_PIDS] if prepared.runtime.gvisor else [],
     )
 

@@ -172,7 +172,7 @@ def build_record(
         started_at=state.started_at,
         finished_at=datetime.now(UTC),
         timings=state.timings,
-        inputs=_inputs(prepared, staging.trajectory_in_sandbox),
+        inputs=_inputs(prepared, staging.trajectory_in_sandbox, staging.trajectory_filled, staging.staged_sha256),
         image=prepared.image,
         limits=limits(prepared, cspec),
         container=info,
@@ -191,7 +191,9 @@ def build_record(
     )
 
 
-def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
+def _inputs(
+    prepared: PreparedReplay, staging_path: str, filled: list[str] | None = None, staged_sha256: str | None = None
+) -> Inputs:
     spec = prepared.spec
     return Inputs(
         agent=prepared.profile.agent,
@@ -212,6 +214,8 @@ def _inputs(prepared: PreparedReplay, staging_path: str) -> Inputs:
             size=prepared.trajectory.size,
             sha256=prepared.trajectory.sha256,
             mounted_at=staging_path,
+            filled=filled or [],
+            staged_sha256=staged_sha256,
         ),
     )
 

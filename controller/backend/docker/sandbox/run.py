@@ -8,6 +8,7 @@ trees (:mod:`.collect`), parses pvisor's result, and writes ``result.json`` and 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -29,12 +30,14 @@ from ....models.record import ContainerInfo, ReplayRecord, save_record
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import parse_result
 from ....signals import deferred_interrupts
+from ..build.files import ImageFiles
 from ..cleanup import usage
 from ..gateway import Gateway, ModelAccess
 from . import container as sandbox
 from . import launch
 from .collect import collect_logs, collect_trees
 from .container import Leftovers
+from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
 from .stage import Staging, remove_staging, stage, staging_root
@@ -50,6 +53,7 @@ def run_attempt(
     cancel: threading.Event | None = None,
     leftovers: Leftovers | None = None,
     seeds: Seeds | None = None,
+    files: ImageFiles | None = None,
 ) -> ReplayRecord:
     """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
@@ -65,7 +69,8 @@ def run_attempt(
         model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL, _tape(prepared, attempt))
     try:
         with full_disk_raises(attempt.run_dir):
-            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds())
+            fill = _config_fill(prepared, files or ImageFiles(client, ownership))
+            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds(), fill)
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
@@ -91,6 +96,7 @@ def _run(
     cancel: threading.Event | None,
     leftovers: Leftovers | None,
     seeds: Seeds,
+    fill: Callable[[bytes], tuple[bytes, list[str]]] | None,
 ) -> ReplayRecord:
     state = AttemptState(prepared, attempt)
     state.used_gateway = model is not None
@@ -109,6 +115,7 @@ def _run(
             user=prepared.user,
             env=launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env}),
             workspace_seed=_image_seed(client, ownership, prepared, seeds),
+            fill=fill,
         )
         clock = state.phase("stage", clock)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
@@ -133,6 +140,30 @@ def _run(
     if state.interrupted:
         raise Interrupted("interrupted; the container was removed and record.json says status interrupted")
     return record
+
+
+def _config_fill(prepared: PreparedReplay, files: ImageFiles) -> Callable[[bytes], tuple[bytes, list[str]]] | None:
+    """What fills a saved config the agent's runner needs and the trajectory lacks (mini-swe-agent's agent
+    templates), from the agent's own defaults in its image; None when there is nothing to fill from, or the
+    mode starts no runner."""
+    path = prepared.profile.trajectory.config_defaults
+    if path is None or prepared.spec.mode == "prepare-only":
+        return None
+    raw = files.read(prepared.image.id, path)
+    if raw is None:
+        logger.debug("{} has no {}: the trajectory's config is passed as it is", prepared.image.ref, path)
+        return None
+    defaults = json.loads(raw)
+
+    def fill(data: bytes) -> tuple[bytes, list[str]]:
+        try:
+            document = json.loads(data)
+        except ValueError:
+            return data, []  # pvisor reports what is wrong with it
+        filled = fill_config(document, defaults) if isinstance(document, dict) else []
+        return (json.dumps(document, ensure_ascii=False).encode(), filled) if filled else (data, [])
+
+    return fill
 
 
 def _image_seed(

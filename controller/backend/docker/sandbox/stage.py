@@ -53,6 +53,10 @@ class Staging(BaseModel):
     logs_dir: Path
     trajectory_in_sandbox: str
     workspace_before: list[Entry]
+    trajectory_filled: list[str] = []
+    """Keys of the trajectory's saved config filled with the agent's own defaults in the copy the sandbox reads."""
+    staged_sha256: str | None = None
+    """That copy's sha256, when it differs from the trajectory's."""
 
 
 def staging_root(out_dir: Path) -> Path:
@@ -89,8 +93,10 @@ def stage(
     user: str,
     env: dict[str, str],
     workspace_seed: Callable[[Path], list[Entry]] | None = None,
+    fill: Callable[[bytes], tuple[bytes, list[str]]] | None = None,
 ) -> Staging:
-    """Create the staging directory under ``root`` for one run (see the module docstring)."""
+    """Create the staging directory under ``root`` for one run (see the module docstring). ``fill`` gives the
+    trajectory's bytes with what its saved config lacks filled in, and the keys it filled (mini-swe-agent)."""
     uid, gid = parse_user(user)
     owner_uid, owner_gid = _sandbox_owner(uid, gid)
     layout = planned_staging(root, trajectory)
@@ -102,6 +108,13 @@ def stage(
     shutil.copyfile(trajectory, copy)
     if hash_file(copy)[1] != trajectory_sha256:
         raise UsageError(f"trajectory {trajectory} changed while pvisor-host was checking it", hint="run again")
+    filled: list[str] = []
+    staged_sha256 = None
+    if fill is not None:
+        derived, filled = fill(copy.read_bytes())
+        if filled:
+            copy.write_bytes(derived)
+            staged_sha256 = hash_file(copy)[1]
     copy.chmod(0o444)
 
     entry = input_dir / "entry.sh"
@@ -134,7 +147,9 @@ def stage(
     for name in LOG_FILES:
         (layout.logs_dir / name).touch(mode=0o600)
         (layout.logs_dir / name).chmod(0o622)  # the sandbox user may write (it is not us, as root); only we read
-    return layout.model_copy(update={"workspace_before": before})
+    return layout.model_copy(
+        update={"workspace_before": before, "trajectory_filled": filled, "staged_sha256": staged_sha256}
+    )
 
 
 def _sandbox_name(name: str) -> str:
