@@ -19,6 +19,10 @@ drifts hit both alike; medians, with the spread of the per-pair ratios. Sections
   images) against a shell loop ``docker pull && docker run && docker rmi`` per item at the same width and
   hardening, and against pvisor-host pulling every image first (``--pull-workers 0``): throughput, the time to
   the first result, and the peak disk the batch's images took against the budget.
+* ``swe``     the SWE-shaped dataset: 2 environment images of 200 MB, 12 task images on them with 20 MB of their
+  own, every boundary of a 5-batch trajectory per task image, brought as a glob with an image template, no agent
+  and ``--after-step all``: against the shell loop and every image first, as ``dataset``; then ``--plan`` of 2,000
+  items (400 trajectories x 5 boundaries), its wall time and the host pvisor runs it took.
 * ``gateway`` the model gateway's added latency per call, against the stub model server called directly: 1 and
   32 concurrent streamed answers, time to the first byte and to the whole answer, p50 and p99; and the
   gateway process's peak RSS while 32 streams of 10 MB each pass through it. No engine needed.
@@ -489,6 +493,16 @@ def table(results: dict[str, Any]) -> str:
         )
         lines.append(f"  first result (s): {d['first_result_seconds']}")
         lines.append(f"  peak of the batch's images {d['peak_image_bytes']} B within a budget of {d['budget_bytes']} B")
+    if "swe" in results:
+        w = results["swe"]
+        lines.append(
+            f"SWE-shaped dataset, {w['task_images']} task images on {w['environment_images']} environments, "
+            f"{w['items']} items (replays/min): "
+            + ", ".join(f"{k} {v}" for k, v in w["per_minute"].items())
+            + f"; {w['ratio_vs_shell_loop']}x the shell loop, {w['ratio_vs_pull_everything_first']}x pulling first"
+        )
+        lines.append(f"  first result (s): {w['first_result_seconds']}")
+        lines.append(f"  --plan: {w['plan']}")
     if "gateway" in results:
         g = results["gateway"]
         for row, added in g["added_latency"].items():
@@ -669,15 +683,17 @@ def dataset(work: Path) -> dict[str, Any]:
                  for n in range(per_image) for i, ref in enumerate(refs)]  # fmt: skip
         manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
         items = len(lines)
+        source = [str(manifest), "--agent", "claude-code", "--workspace-path", "/app"]
         # One run first: the injected runtime's volume is filled, and its sandbox's command is the loop's.
-        warm = _dataset_batch(manifest, work / "warm", workers, f"--image-budget={budget}")
+        warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={budget}")
         template = _loop_template(work / "warm")
         _forget(client, refs)
-        ours = _dataset_batch(manifest, work / "ours", workers, f"--image-budget={budget}")
+        ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={budget}")
         _forget(client, refs)
-        first = _dataset_batch(manifest, work / "first", workers, "--pull-workers=0")
+        first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
         _forget(client, refs)
-        loop = _dataset_loop(work / "loop", template, refs, per_image, workers)
+        jobs = [(ref, 1) for _ in range(per_image) for ref in refs]
+        loop = _dataset_loop(work / "loop", template, jobs, workers, trajectory)
         _forget(client, refs)
     images = ours["summary"]["images"]
     return {
@@ -701,6 +717,129 @@ def dataset(work: Path) -> dict[str, Any]:
         "peak_image_bytes": images["peak"],
         "peak_within_budget": images["peak"] <= budget,
         "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; peak <= budget",
+    }
+
+
+def swe(work: Path) -> dict[str, Any]:
+    """The SWE-shaped dataset: 2 environment images of 200 MB each, 12 task images on them with 20 MB of their
+    own each (shared layers), every boundary of a 5-batch trajectory per task image; the input is a glob of
+    ``<instance_id>.jsonl`` files with an image template, no agent and ``--after-step all``. Against the shell
+    loop and pulling every image first, as ``dataset``; then ``--plan`` of 2,000 items (400 trajectories x 5
+    boundaries) and the host pvisor runs it took."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import docker
+
+    from cluster import Registry
+
+    client = docker.from_env(timeout=600)
+    envs, tasks, batches, workers = 2, scaled(12, 4), 5, 4
+    trajs = work / "trajs"
+    trajs.mkdir()
+    session = swe_session(batches)
+    with Registry(client) as registry:
+        refs = _swe_images(client, registry.name, envs, tasks, env_mb=scaled(200, 20), own_mb=scaled(20, 2))
+        instances = [f"bench__task-{n}" for n in range(tasks)]
+        for instance in instances:
+            (trajs / f"{instance}.jsonl").write_text(session)
+        template = f"{registry.name}/swe/sweb.eval.x86_64.{{stem|swebench}}:latest"
+        source = ["--trajectories", str(trajs / "*.jsonl"), "--after-step", "all", "--image", template]
+        disk = sum(_pull_size(client, ref) for ref in refs[:1]) * 4
+        warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={disk}")
+        loop_template = _loop_template(work / "warm")
+        _forget(client, refs)
+        ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={disk}")
+        _forget(client, refs)
+        first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
+        _forget(client, refs)
+        jobs = [(ref, step) for ref in refs for step in range(1, batches + 1)]
+        loop = _dataset_loop(work / "loop", loop_template, jobs, workers, trajs / f"{instances[0]}.jsonl")
+        _forget(client, refs)
+    items = tasks * batches
+    return {
+        "environment_images": envs,
+        "task_images": tasks,
+        "items": items,
+        "per_minute": {
+            "pvisor-host": round(items / ours["wall"] * 60, 1),
+            "pull everything first": round(items / first["wall"] * 60, 1),
+            "shell loop": round(items / loop["wall"] * 60, 1),
+        },
+        "ratio_vs_shell_loop": round(loop["wall"] / ours["wall"], 3),
+        "ratio_vs_pull_everything_first": round(first["wall"] / ours["wall"], 3),
+        "first_result_seconds": {
+            "pvisor-host": ours["first"],
+            "pull everything first": first["first"],
+            "shell loop": loop["first"],
+            "one pull plus one replay": round(warm["one_pull"] + warm["one_replay"], 1),
+        },
+        "plan": _swe_plan(work / "plan", session, batches),
+        "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; --plan of 2,000"
+        " items within 5 s with at most one host pvisor run per trajectory",
+    }
+
+
+def swe_session(batches: int) -> str:
+    """A Claude Code session recorded as root in a SWE-style image: ``batches`` tool batches in /testbed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trajgen import Call, Turn, claude_session
+
+    turns = [Turn([Call("Bash", {"command": f"cat README && echo {n} >> progress.txt"}, "task\n")])
+             for n in range(1, batches + 1)]  # fmt: skip
+    events = claude_session("Fix the issue.", turns, cwd="/testbed")
+    return "".join(json.dumps(event) + "\n" for event in events)
+
+
+def _swe_images(client: Any, registry: str, envs: int, tasks: int, *, env_mb: int, own_mb: int) -> list[str]:
+    """``envs`` environment images (``env_mb`` of their own) and ``tasks`` task images spread over them
+    (``own_mb`` each, a README in /testbed), pushed to ``registry`` as SWE-bench names them; none left here."""
+    import io
+
+    base = client.images.get(image()[0]).labels["pvisor-host.base-image"]
+    environments = []
+    for n in range(envs):
+        dockerfile = f"FROM {base}\nRUN head -c {env_mb * 2**20} /dev/urandom > /opt/env-{n}.bin\n"
+        built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+        environments.append(built.id)
+    refs = []
+    for n in range(tasks):
+        dockerfile = (f"FROM {environments[n % envs]}\nRUN mkdir -p /testbed && echo 'task {n}' > /testbed/README "
+                      f"&& head -c {own_mb * 2**20} /dev/urandom > /opt/task.bin\nWORKDIR /testbed\n")  # fmt: skip
+        built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+        ref = f"{registry}/swe/sweb.eval.x86_64.bench_1776_task-{n}:latest"
+        repository, tag = ref.rsplit(":", 1)
+        built.tag(repository, tag)
+        for line in client.images.push(repository, tag, stream=True, decode=True):
+            if "error" in line:
+                raise SystemExit(f"push of {ref} failed: {line['error']}")
+        refs.append(ref)
+    _forget(client, refs)
+    for environment in environments:
+        with contextlib.suppress(Exception):  # still the parent of an image another section left: it stays
+            client.images.remove(environment)
+    return refs
+
+
+def _swe_plan(work: Path, session: str, batches: int) -> dict[str, Any]:
+    """``batch --plan`` of 400 trajectories at every boundary (2,000 items), no agent named."""
+    files = scaled(400, 20)
+    trajs = work / "trajs"
+    trajs.mkdir(parents=True)
+    for n in range(files):  # each file its own content: nothing is cached across files
+        (trajs / f"bench__plan-{n}.jsonl").write_text(session.replace("Fix the issue.", f"Fix issue {n}."))
+    command = [CLI, "batch", "--trajectories", str(trajs / "*.jsonl"), "--after-step", "all", "--plan", "--json",
+               "--out", str(work / "out")]  # fmt: skip
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise SystemExit(f"--plan failed ({done.returncode}): {done.stderr[-800:]}")
+    runs = next((line for line in done.stderr.splitlines() if "host pvisor runs" in line), "")  # see batch --plan
+    return {
+        "trajectories": files,
+        "items": len(json.loads(done.stdout)),
+        "seconds": round(wall, 2),
+        "preflight": runs.removeprefix("pvisor-host: pre-flight: "),
+        "target": f"within 5 s for {files * batches} items, at most one host pvisor run per trajectory",
     }
 
 
@@ -752,10 +891,11 @@ def _forget(client: Any, refs: list[str]) -> None:
             continue
 
 
-def _dataset_batch(manifest: Path, out: Path, workers: int, *extra: str) -> dict[str, Any]:
-    command = [CLI, "batch", str(manifest), "--agent", "claude-code", "--inject", "--image-workspace",
-               "--workspace-path", "/app", "--mode", "replay-only", "--out", str(out), "--workers", str(workers),
-               "--quiet", "--json", *extra]  # fmt: skip
+def _dataset_batch(source: list[str], out: Path, workers: int, *extra: str) -> dict[str, Any]:
+    """One replay-only batch of task images with the agent injected; ``source`` is its input and what names
+    the agent and workspace, if anything does."""
+    command = [CLI, "batch", *source, "--inject", "--image-workspace", "--mode", "replay-only", "--out", str(out),
+               "--workers", str(workers), "--quiet", "--json", *extra]  # fmt: skip
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.time() - started
@@ -782,34 +922,58 @@ def _dataset_batch(manifest: Path, out: Path, workers: int, *extra: str) -> dict
 
 
 def _loop_template(out: Path) -> dict[str, Any]:
-    """The sandbox a pvisor-host record describes: its command and the runtime volume the loop mounts too."""
+    """The sandbox a pvisor-host record describes: its command, the runtime volume the loop mounts too, and the
+    profile it ran under (a task image runs as the image says: its user, a writable root; docs/security.md)."""
     record = json.loads(next(out.glob("*/record.json")).read_text())
-    return {"command": record["container"]["command"], "volume": record["image"]["runtime_volume"]}
+    limits = record["limits"]
+    return {
+        "command": record["container"]["command"],
+        "volume": record["image"]["runtime_volume"],
+        "workspace": record["inputs"]["workspace_path"],
+        "strict": limits.get("profile", "strict") == "strict",
+    }
 
 
-def _dataset_loop(out: Path, template: dict[str, Any], refs: list[str], per_image: int, workers: int) -> dict[str, Any]:
-    """``docker pull IMG && docker run ... && docker rmi IMG`` per item, ``xargs -P workers``; the same sandbox
-    as pvisor-host's (hardening, the injected runtime, the image's /app copied out as the workspace)."""
+def _loop_flags(template: dict[str, Any]) -> str:
+    """``docker run``'s flags for the loop: pvisor-host's limits, and its profile (strict: a non-root uid, a
+    read-only root, HOME=/tmp; a task image: its own user, HOME and working directory, a writable root)."""
+    flags = [flag for flag in HARDENING if flag not in ("/workspace", "-w")]
+    if not template["strict"]:
+        drop = {"--read-only", "--user", "65532:65532", "-e", "HOME=/tmp", "TMPDIR=/tmp"}
+        flags = [flag for flag in flags if flag not in drop]
+    else:
+        flags += ["-w", template["workspace"]]
+    return " ".join(f"'{flag}'" for flag in flags)
+
+
+def _dataset_loop(
+    out: Path, template: dict[str, Any], jobs: list[tuple[str, int]], workers: int, trajectory: Path
+) -> dict[str, Any]:
+    """``docker pull IMG && docker run ... && docker rmi IMG`` per item (an image and a boundary), ``xargs -P
+    workers``; the same sandbox as pvisor-host's (its hardening and profile, the injected runtime, the image's
+    workspace copied out)."""
     out.mkdir()
-    hardening = " ".join(f"'{flag}'" for flag in HARDENING if flag != "/workspace" and flag != "-w")
+    workspace = template["workspace"]
     # pvisor itself, without pvisor-host's entry shim (which sends the output to files of pvisor-host's staging):
     # the loop takes it from `docker run`'s own streams, as a user's would
-    shim = template["command"].index("replay") - 1
-    command = " ".join(f"'{part}'" for part in template["command"][shim:])
-    staged = Path(template["command"][template["command"].index("--trajectory") + 1]).name
+    parts = template["command"][template["command"].index("replay") - 1 :]
+    step = parts.index("--after-step") + 1
+    command = " ".join('"$step"' if n == step else f"'{part}'" for n, part in enumerate(parts))
+    staged = Path(parts[parts.index("--trajectory") + 1]).name
+    owner = 'chown -R 65532:65532 "$dir/run" "$dir/workspace" 2>/dev/null' if template["strict"] else ":"
     script = out / "item.sh"
     script.write_text(f"""#!/bin/sh
-# one item: $1 = the image, $2 = the item's directory
-img=$1; dir=$2; mkdir -p "$dir/input" "$dir/run"
-cp {out.parent / "task.jsonl"} "$dir/input/{staged}"
+# one item: $1 = the image, $2 = the boundary, $3 = the item's directory
+img=$1; step=$2; dir=$3; mkdir -p "$dir/input" "$dir/run"
+cp {trajectory} "$dir/input/{staged}"
 for try in 1 2 3; do  # another item of the image may remove it between this pull and this create
     docker pull -q "$img" >/dev/null || exit 1
     cid=$(docker create "$img" 2>/dev/null) && break
 done
-docker cp "$cid:/app" "$dir/workspace" && docker rm "$cid" >/dev/null
-chown -R 65532:65532 "$dir/run" "$dir/workspace" 2>/dev/null
-docker run --rm {hardening} -w /app -v "{template['volume']}:/pvisor-host/runtime:ro" \
-    -v "$dir/input:/pvisor-host/input:ro" -v "$dir/workspace:/app" -v "$dir/run:/pvisor-host/run" \
+docker cp "$cid:{workspace}" "$dir/workspace" && docker rm "$cid" >/dev/null
+{owner}
+docker run --rm {_loop_flags(template)} -v "{template['volume']}:/pvisor-host/runtime:ro" \
+    -v "$dir/input:/pvisor-host/input:ro" -v "$dir/workspace:{workspace}" -v "$dir/run:/pvisor-host/run" \
     "$img" {command} > "$dir/stdout.log" 2> "$dir/stderr.log"
 code=$?
 docker rmi "$img" >/dev/null 2>&1  # another item of the image may still run: then it stays for the last one
@@ -817,14 +981,17 @@ date +%s.%N > "$dir/done"
 exit $code
 """)  # fmt: skip
     script.chmod(0o755)
-    jobs = "\n".join(f"{ref} {out}/{ref.rsplit('/', 1)[-1].replace(':', '-')}-{n}" for n in range(per_image)
-                     for ref in refs)  # fmt: skip
+    lines = [f"{ref} {step} {out}/{ref.rsplit('/', 1)[-1].replace(':', '-')}-{n}"
+             for n, (ref, step) in enumerate(jobs)]  # fmt: skip
     started = time.time()
-    done = subprocess.run(["xargs", "-P", str(workers), "-L", "1", str(script)], input=jobs, text=True,
+    done = subprocess.run(["xargs", "-P", str(workers), "-L", "1", str(script)], input="\n".join(lines), text=True,
                           capture_output=True)  # fmt: skip
     wall = time.time() - started
     if done.returncode != 0:
         raise SystemExit(f"the shell loop failed: {done.stderr[-800:]}")
+    failed = [p.parent.name for p in out.glob("*/stdout.log") if '"failure":null' not in p.read_text()]
+    if failed:
+        raise SystemExit(f"the shell loop's pvisor failed for {failed[:3]}")
     first = min(float(p.read_text()) for p in out.glob("*/done"))
     return {"wall": wall, "first": round(first - started, 1)}
 
@@ -996,14 +1163,16 @@ def _memory(client: Any, name: str) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset,gateway")
+    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset,swe,gateway")
     parser.add_argument("--results", default=str(ROOT / "bench-results.json"))
     args = parser.parse_args()
     sections = args.only.split(",")
     results: dict[str, Any] = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="pvh-bench-") as scratch:
         work = Path(scratch)
-        engine = {"single", "batch", "scale", "plan", "cache", "dataset", "cluster", "cluster-tasks"} & set(sections)
+        engine = {"single", "batch", "scale", "plan", "cache", "dataset", "swe", "cluster", "cluster-tasks"} & set(
+            sections
+        )
         tag, entrypoint = image() if engine else ("", "")
         if "startup" in sections:
             results["startup"] = startup()
@@ -1023,6 +1192,9 @@ def main() -> int:
         if "dataset" in sections:
             (work / "dataset").mkdir()
             results["dataset"] = dataset(work / "dataset")
+        if "swe" in sections:
+            (work / "swe").mkdir()
+            results["swe"] = swe(work / "swe")
         if "gateway" in sections:
             (work / "gateway").mkdir()
             results["gateway"] = gateway(work / "gateway")

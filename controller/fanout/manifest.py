@@ -15,9 +15,12 @@ memory as 100,000 specs (only its raw rows do, while the items of one image are 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as futures
 import functools
 import glob
 import hashlib
+import os
 import re
 import typing
 from collections.abc import Iterable, Iterator, Mapping
@@ -172,15 +175,17 @@ def batch_items(
     seen: dict[str, int] = {}
     items: list[BatchItem] = []
     problems: list[str] = []
-    for number, entry in enumerate(entries, start=1):
-        fields = entry.model_dump(exclude_unset=True) if isinstance(entry, ReplaySpec) else dict(entry)
-        for _, expanded in rows.expand(number, fields):
-            try:
-                if isinstance(expanded, str):
-                    raise UsageError(expanded)
-                items.append(_item(number, expanded, rows.item_defaults, seen))
-            except UsageError as exc:
-                problems.append(f"item {number}: {exc.one_line()}")
+    numbered = (
+        (number, entry.model_dump(exclude_unset=True) if isinstance(entry, ReplaySpec) else dict(entry))
+        for number, entry in enumerate(entries, start=1)
+    )
+    for number, expanded in rows.expand_all(numbered):
+        try:
+            if isinstance(expanded, str):
+                raise UsageError(expanded)
+            items.append(_item(number, expanded, rows.item_defaults, seen))
+        except UsageError as exc:
+            problems.append(f"item {number}: {exc.one_line()}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UsageError(problems[0] + more)
@@ -262,6 +267,24 @@ class Rows:
         except UsageError as exc:
             yield number, exc.one_line()
 
+    def _expanded(self, number: int, row: dict[str, Any]) -> list[Entry]:
+        return list(self.expand(number, row))
+
+    def expand_all(self, rows: Iterable[Row]) -> Iterator[Entry]:
+        """The items of every row, in order; rows are expanded a few at a time on a small pool, since counting
+        a trajectory's boundaries runs the host's pvisor (once per file: :mod:`..preflight.survey`)."""
+        with futures.ThreadPoolExecutor(max_workers=_EXPANDERS, thread_name_prefix="pvh-rows") as pool:
+            pending: collections.deque[futures.Future[list[Entry]]] = collections.deque()
+            for number, row in rows:
+                if isinstance(row, str):
+                    pending.append(_done([(number, row)]))
+                else:
+                    pending.append(pool.submit(self._expanded, number, row))
+                while len(pending) > _WINDOW or (pending and pending[0].done()):
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+
     def _expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
         row = self.columns.apply(dict(row))
         if self.tables:
@@ -329,6 +352,17 @@ class Rows:
             if needed:
                 raise
             return None
+
+
+#: Rows expanded at once, and rows read ahead of the one being yielded.
+_EXPANDERS = max(2, min(8, os.cpu_count() or 1))
+_WINDOW = 256
+
+
+def _done(value: list[Entry]) -> futures.Future[list[Entry]]:
+    done: futures.Future[list[Entry]] = futures.Future()
+    done.set_result(value)
+    return done
 
 
 def _file_key(path: Path) -> tuple[Path, int, int]:
@@ -449,11 +483,7 @@ class BatchInput(BaseModel):
     def _entries(self) -> Iterator[Entry]:
         rows = self._rows_cached
         source = _manifest_rows(self.manifest) if self.manifest is not None else _glob_rows(self.trajectories or "")
-        for number, row in source:
-            if isinstance(row, str):
-                yield number, row
-            else:
-                yield from rows.expand(number, row)
+        return rows.expand_all(source)
 
 
 def _grouped(entries: Iterable[Entry], default_image: str | None) -> Iterator[Entry]:

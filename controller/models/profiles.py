@@ -8,6 +8,7 @@ profile, not editing the controller.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from functools import cache
@@ -144,6 +145,12 @@ class TrajectoryFormat(_Model):
     A rule is a dotted key (``payload.cwd``) that must exist, or ``key=value`` that must equal."""
     workspace_hint: list[str] = []
     """Dotted keys holding the working directory the recording ran in (first absolute path wins)."""
+
+    @property
+    def fingerprint_key(self) -> str:
+        """The fingerprint as a hashable text (a cache key)."""
+        return json.dumps(self.fingerprint)
+
     version_hint: list[str] = []
     """Dotted keys holding the version of the agent that recorded it (first string wins)."""
     config_defaults: str | None = None

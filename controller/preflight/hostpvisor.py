@@ -9,12 +9,14 @@ code the sandbox runs, without executing a single tool.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,24 @@ from ..errors import InfrastructureError, PreflightRejected, PrerequisiteError
 from ..models.replay import PvisorPlan
 from ..models.result import ReplayResult, ResultFailure, parse_result
 
+#: Where pre-flight's throw-away pvisor directories go: memory, where the host has it (a dataset makes one per
+#: trajectory file, and removing them from a disk costs more than pvisor's run).
+_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 #: Seconds the host's pvisor may take to parse a trajectory (it takes milliseconds).
 _TIMEOUT = 120
 
 
-@cache
+_BINARY_LOCK = threading.Lock()
+
+
 def pvisor_binary() -> Path:
+    """The host's ``pvisor`` executable at the pinned version, found once (see :func:`_pvisor_binary`)."""
+    with _BINARY_LOCK:
+        return _pvisor_binary()
+
+
+@cache
+def _pvisor_binary() -> Path:
     """The host's ``pvisor`` executable at the pinned version.
 
     Raises:
@@ -127,7 +141,7 @@ def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung or could not be run.
     """
-    with tempfile.TemporaryDirectory(prefix="pvisor-host-probe-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="pvisor-host-probe-", dir=_SCRATCH) as scratch:
         root = Path(scratch)
         done = _prepare_only(root, agent, trajectory.absolute(), after_step, ["--run-id", "probe"])
         if done.returncode != 0 and not done.stdout.strip():
@@ -156,6 +170,8 @@ def _prepare_only(
     root: Path, agent: str, trajectory: Path, after_step: int, extra: list[str]
 ) -> subprocess.CompletedProcess[bytes]:
     """``pvisor replay --prepare-only`` with its workspace, state and output under the scratch ``root``."""
+    with _RUNS_LOCK:
+        _RUNS[0] += 1
     (root / "workspace").mkdir()
     command = [
         str(pvisor_binary()), "replay", "--agent", agent, "--trajectory", str(trajectory),
@@ -163,6 +179,16 @@ def _prepare_only(
         "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), *extra,
     ]  # fmt: skip
     return _run(command, timeout=_TIMEOUT, cwd=root)
+
+
+_RUNS = [0]
+_RUNS_LOCK = threading.Lock()
+
+
+def runs() -> int:
+    """How many pre-flight runs of the host's pvisor this process has made (``batch --plan`` says)."""
+    with _RUNS_LOCK:
+        return _RUNS[0]
 
 
 def _run(command: list[str], *, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:

@@ -312,8 +312,18 @@ class _Cache:
                 self._found[key] = _survey(agent, path, sha256)
             return self._found[key]
 
+    def files(self) -> list[tuple[str, str]]:
+        """The (agent, sha256) surveyed so far."""
+        with self._lock:
+            return list(self._found)
+
 
 _CACHE = _Cache()
+
+
+def checked_files() -> list[tuple[str, str]]:
+    """The trajectories (agent, sha256) this process has surveyed."""
+    return _CACHE.files()
 
 
 def survey(agent: str, path: Path, sha256: str | None = None) -> Survey:

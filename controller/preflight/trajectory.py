@@ -7,6 +7,7 @@ reports poorly or late: a missing, empty, binary or oversized file, and a trajec
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import os
 import stat
@@ -152,13 +153,22 @@ def _rule_holds(obj: dict[str, Any], rule: str) -> bool:
 
 
 def sniff(path: Path, profiles: dict[str, AgentProfile]) -> set[str]:
-    """The agents whose trajectory fingerprint one of the first objects of ``path`` matches."""
+    """The agents whose trajectory fingerprint one of the first objects of ``path`` matches (read once per
+    version of the file: a dataset asks once per boundary)."""
+    info = path.stat()
+    key = tuple((name, profile.trajectory.fingerprint_key) for name, profile in sorted(profiles.items()))
+    return set(_sniffed(path.absolute(), info.st_size, info.st_mtime_ns, key))
+
+
+@functools.lru_cache(maxsize=16384)
+def _sniffed(path: Path, size: int, mtime_ns: int, fingerprints: tuple[tuple[str, str], ...]) -> frozenset[str]:
+    rules = {name: json.loads(key) for name, key in fingerprints}
     matches: set[str] = set()
     for obj in _objects(path):
-        for name, profile in profiles.items():
-            if any(all(_rule_holds(obj, rule) for rule in rules) for rules in profile.trajectory.fingerprint):
+        for name, sets in rules.items():
+            if any(all(_rule_holds(obj, rule) for rule in rule_set) for rule_set in sets):
                 matches.add(name)
-    return matches
+    return frozenset(matches)
 
 
 def detect_agent(path: Path, profiles: dict[str, AgentProfile]) -> str:
@@ -198,8 +208,14 @@ def recorded_workspace(path: Path, profile: AgentProfile) -> str | None:
     """The working directory the recording ran in, from the profile's ``workspace_hint`` keys."""
     if not profile.trajectory.workspace_hint:
         return None
+    info = path.stat()
+    return _workspace(path.absolute(), info.st_size, info.st_mtime_ns, tuple(profile.trajectory.workspace_hint))
+
+
+@functools.lru_cache(maxsize=16384)
+def _workspace(path: Path, size: int, mtime_ns: int, hints: tuple[str, ...]) -> str | None:
     for obj in _objects(path):
-        for key in profile.trajectory.workspace_hint:
+        for key in hints:
             found, value = _lookup(obj, key)
             if found and isinstance(value, str) and value.startswith("/"):
                 return os.path.normpath(value)

@@ -101,6 +101,8 @@ def test_every_hardening_default_holds_under_gvisor(tmp_path, claude_image):
         "collect_limit": 4 * 2**30,
         "init": True,
         "runtime": "runsc",
+        "runtime_version": None,
+        "profile": "strict",
         "notes": [GVISOR_PIDS],
     }
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pvisor_host.backend.docker.runtimes import runc_version
+
 from conftest import run_cli, start_cli, wait_for_running
 from trajgen import Call, Turn, claude_files_session, claude_session, codex_files_session, write_jsonl
 
@@ -248,7 +250,7 @@ def _read(out: Path, name: str) -> str:
     return (out / "workspace" / name).read_text().strip()
 
 
-def test_hardened_defaults_are_really_applied(tmp_path, claude_image):
+def test_hardened_defaults_are_really_applied(tmp_path, claude_image, docker_client):
     trajectory = write_jsonl(tmp_path / "probe.jsonl", _probe_session(HARDENING_PROBE))
     out = tmp_path / "run"
     result = replay_only(trajectory, out, "--memory", "768m", "--pids", "300", "--cpus", "1.5")
@@ -279,8 +281,11 @@ def test_hardened_defaults_are_really_applied(tmp_path, claude_image):
         "collect_limit": 4 * 2**30,
         "init": True,
         "runtime": "runc",
+        "runtime_version": runc_version(docker_client),
+        "profile": "strict",
         "notes": [],
     }
+    assert limits["runtime_version"]  # the engine says which runc it runs containers with
 
 
 def test_each_relaxation_has_its_flag(tmp_path, claude_image):

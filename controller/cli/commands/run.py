@@ -228,6 +228,8 @@ def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) ->
 
 def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, json_output: bool) -> int:
     from ...fanout.plan import ImagesPlanned, plan_batch
+    from ...preflight.hostpvisor import runs
+    from ...preflight.survey import checked_files
     from .. import render
 
     rejected: dict[int | None, ItemPlan] = {}  # the first refusal of each exit code; nothing else is kept
@@ -240,6 +242,7 @@ def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, jso
             yield item
 
     render.batch_plan(console(), tallied(), json_output=json_output, images=images)
+    say(f"pvisor-host: pre-flight: {len(checked_files())} trajectory files checked in {runs()} host pvisor runs")
     first = rejected.get(ExitCode.INFRASTRUCTURE)
     if first is not None:
         say(f"pvisor-host: error: {first.id}: {first.reason}")
