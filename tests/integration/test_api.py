@@ -49,15 +49,16 @@ def test_six_items_two_of_them_failing(tmp_path, claude_image):
     lines = sorted(line.split()[:3] for line in done.stdout.splitlines()[:6])
     assert lines == [
         ["step1", "ok"], ["step2", "ok"], ["step3", "ok"], ["step4", "ok"],
-        ["step7", "replay_failed", "trajectory_error"], ["step9", "replay_failed", "trajectory_error"],
+        ["step7", "rejected", "trajectory_error"], ["step9", "rejected", "trajectory_error"],
     ]  # fmt: skip
     assert done.stderr == ""  # the library prints nothing and installs no log sink
     records = complete_records(tmp_path / "out")
     assert {item: r["status"] for item, r in records.items()} == {
-        "step1": "ok", "step2": "ok", "step3": "ok", "step4": "ok", "step7": "replay_failed", "step9": "replay_failed"
+        "step1": "ok", "step2": "ok", "step3": "ok", "step4": "ok"
     }  # fmt: skip
-    assert "trajectory has 4 complete batches" in records["step9"]["failure"]["message"]
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["counts"] == {"ok": 4, "replay_failed": 2}
+    rows = {row["id"]: row for row in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    assert "trajectory has 4 complete batches" in rows["step9"]["message"]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["counts"] == {"ok": 4, "rejected": 2}
 
 
 def test_leaving_the_loop_stops_the_batch_and_a_second_call_runs_only_the_rest(

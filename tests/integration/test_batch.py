@@ -45,7 +45,8 @@ def one_call(command: str, n: int = 0) -> list[dict]:
 
 
 def mixed_manifest(root: Path) -> tuple[Path, dict[str, str]]:
-    """40 items: 32 ok, 2 malformed, 2 of another Claude version, 2 timeouts, 2 OOM kills."""
+    """40 items: 32 ok, 2 malformed, 2 of another Claude version (both refused by pvisor's pre-flight on the
+    host), 2 timeouts, 2 OOM kills."""
     root.mkdir(parents=True, exist_ok=True)
     lines: list[dict] = []
     expected: dict[str, str] = {}
@@ -56,13 +57,13 @@ def mixed_manifest(root: Path) -> tuple[Path, dict[str, str]]:
     for n in range(2):
         (root / f"broken{n}.jsonl").write_text('{"type": "user", "message": {"content": "x"\n')
         lines.append({"id": f"broken{n}", "trajectory": f"broken{n}.jsonl", "after_step": 1})
-        expected[f"broken{n}"] = "replay_failed"
+        expected[f"broken{n}"] = "rejected"
         write_jsonl(
             root / f"old{n}.jsonl",
             claude_session(f"Old {n}.", [Turn([Call("Bash", {"command": "true"})])], version="2.1.0"),
         )
         lines.append({"id": f"old{n}", "trajectory": f"old{n}.jsonl", "after_step": 1})
-        expected[f"old{n}"] = "replay_failed"
+        expected[f"old{n}"] = "rejected"
         write_jsonl(root / f"slow{n}.jsonl", one_call("sleep 60", n))
         lines.append({"id": f"slow{n}", "trajectory": f"slow{n}.jsonl", "after_step": 1, "timeout": "3s"})
         expected[f"slow{n}"] = "timeout"
@@ -98,18 +99,22 @@ def test_mixed_outcomes_reports_resume_and_rerun(tmp_path, claude_image, contain
     result = batch(manifest, out, "--workers", "4", env={"GITHUB_STEP_SUMMARY": str(step_summary)})
     assert result.code == 1, result.stderr
     summary = summary_of(out)
-    assert summary["counts"] == {"ok": 32, "oom": 2, "replay_failed": 4, "timeout": 2}
+    assert summary["counts"] == {"ok": 32, "oom": 2, "rejected": 4, "timeout": 2}
     assert summary["categories"] == {"oom": 2, "timeout": 2, "trajectory_error": 2, "unsupported_version": 2}
-    assert (summary["items"], summary["ran"], summary["skipped"], summary["interrupted"]) == (40, 40, 0, False)
+    assert (summary["items"], summary["ran"], summary["skipped"], summary["interrupted"]) == (40, 36, 0, False)
     assert sorted(summary["failed"]) == sorted(k for k, v in expected.items() if v != "ok")
     assert summary["timings"]["run"]["p50"] > 0 and summary["replays_per_minute"] > 0
     for item, status in expected.items():
+        if status == "rejected":  # refused by pvisor on the host: no sandbox, no record
+            assert not (out / item / "record.json").exists(), item
+            continue
         record = record_of(out / item)
         assert record["status"] == status, item
         assert record["batch"]["item_id"] == item and len(record["batch"]["content_key"]) == 64
         assert record["attempts"] == []  # nothing here is worth a retry (OOM only with --retry-oom)
-    assert record_of(out / "broken0")["failure"]["category"] == "trajectory_error"
-    assert "Claude trajectory requires exact version 2.1.220" in record_of(out / "old0")["failure"]["message"]
+    rows = {row["id"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert rows["broken0"]["category"] == "trajectory_error"
+    assert "Claude trajectory requires exact version 2.1.220" in rows["old0"]["message"]
 
     suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
     assert suite is not None
@@ -128,7 +133,7 @@ def test_mixed_outcomes_reports_resume_and_rerun(tmp_path, claude_image, contain
     again = batch(manifest, out, "--workers", "4")
     assert again.code == 1, again.stderr
     resumed = summary_of(out)
-    assert (resumed["ran"], resumed["skipped"]) == (0, 40)
+    assert (resumed["ran"], resumed["skipped"]) == (0, 36)  # the four refused are refused again, on the host
     assert resumed["counts"] == summary["counts"] and resumed["categories"] == summary["categories"]
     assert [c for c in containers_created(since) if "pvisor-host.run" in c] == []
 
@@ -138,17 +143,18 @@ def test_mixed_outcomes_reports_resume_and_rerun(tmp_path, claude_image, contain
     since = time.time()
     edited = batch(manifest, out, "--workers", "4")
     assert edited.code == 1, edited.stderr
-    assert (summary_of(out)["ran"], summary_of(out)["skipped"]) == (1, 39)
+    assert (summary_of(out)["ran"], summary_of(out)["skipped"]) == (1, 35)
     assert len([c for c in containers_created(since) if "pvisor-host.run" in c]) == 1
     after = record_of(out / "ok07")
     assert after["status"] == "ok" and after["batch"]["content_key"] != before["batch"]["content_key"]
     (kept,) = (out / ".previous" / "ok07").iterdir()
     assert record_of(kept)["run_id"] == before["run_id"]
 
-    # --rerun-failed reruns the eight failures only; --allow-failures turns their count into exit 0.
+    # --rerun-failed reruns the four that failed in a sandbox (the refused four are refused again on the host);
+    # --allow-failures turns the eight failures into exit 0.
     rerun = batch(manifest, out, "--workers", "4", "--rerun-failed", "--allow-failures", "20%")
     assert rerun.code == 0, rerun.stderr
-    assert (summary_of(out)["ran"], summary_of(out)["counts"]) == (8, summary["counts"])
+    assert (summary_of(out)["ran"], summary_of(out)["counts"]) == (4, summary["counts"])
 
 
 def interruptible_manifest(root: Path, items: int, command: str) -> Path:
@@ -344,7 +350,7 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
 
 def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_path, claude_image, monkeypatch):
     """In-process, so the engine calls can be made to fail: the first container create answers 503 (retried
-    in place), the first container start fails (a fresh sandbox, attempt 2); a broken trajectory runs once."""
+    in place), the first container start fails (a fresh sandbox, attempt 2); a broken trajectory is refused."""
     import docker.api.container as api
     import docker.models.containers as containers
     from docker.errors import APIError
@@ -396,9 +402,14 @@ def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_p
     assert [(a["attempt"], a["status"]) for a in good["attempts"]] == [(1, "infra_error"), (2, "ok")]
     assert "cannot start container (injected)" in good["attempts"][0]["failure"]["message"]
     assert record_of(out / "good" / "attempts" / "1")["status"] == "infra_error"
-    broken = record_of(out / "broken")
-    assert broken["status"] == "replay_failed" and broken["failure"]["category"] == "trajectory_error"
-    assert broken["attempts"] == [] and not (out / "broken" / "attempts").exists()
+    # a broken trajectory is refused by pvisor on the host, once: no sandbox, no attempt, no record
+    rows = {row["id"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert (rows["broken"]["status"], rows["broken"]["category"], rows["broken"]["attempts"]) == (
+        "rejected",
+        "trajectory_error",
+        0,
+    )
+    assert not (out / "broken" / "record.json").exists() and not (out / "broken" / "attempts").exists()
 
 
 class _Response:

@@ -21,13 +21,13 @@ import pytest
 from cluster import KEY, Cluster, batch, one, records, remove_engines, slow_manifest, summary
 from conftest import default_signals, run_cli
 from modelserver import StubServer
-from trajgen import claude_files_session, write_jsonl
+from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
 def mixed_manifest(root: Path, model_url: str) -> Path:
-    """30 items: replay-only (ok, a diverging observation, an old agent version, a timeout), prepare-only,
+    """30 items: replay-only (ok, a diverging observation, a stale Claude tool, a timeout), prepare-only,
     and live continuations through the gateway."""
     root.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -43,7 +43,8 @@ def mixed_manifest(root: Path, model_url: str) -> Path:
     for n in range(4):
         add(f"prep{n}", one(f"echo {n}", f"{n}\n", n), mode="prepare-only")
     for n in range(2):
-        add(f"old{n}", one("true", n=n, version="2.1.0"))
+        # a stale Claude tool: pvisor's prepare-only on the host lets it by, the replay in the sandbox refuses it
+        add(f"stale{n}", claude_session(f"Plan {n}.", [Turn([Call("TodoWrite", {"todos": []}, "ok")])]))
         add(f"slow{n}", one("sleep 60", n=n), timeout="4s")
     for n in range(6):
         add(f"live{n}", claude_files_session(), after_step=4, mode="continue", max_steps=8,

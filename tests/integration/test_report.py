@@ -22,9 +22,8 @@ HOG = "python3 -c 'b = bytearray(1 << 30); print(len(b))'"
 LISTING = "printf 'alpha\\nbeta\\ngamma\\n'"
 
 
-def one(command: str, result: str = "", version: str | None = None) -> list[dict]:
-    extra = {"version": version} if version else {}
-    return claude_session("Run it.", [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])], **extra)
+def one(command: str, result: str = "") -> list[dict]:
+    return claude_session("Run it.", [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])])
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +38,13 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def mixed_batch(tmp_path_factory, claude_image) -> Path:
-    """ok (exact), ok but diverging, replay_failed, timeout, oom, and a live continuation."""
+    """ok (exact), ok but diverging, replay_failed (a stale Claude tool: the host's prepare-only pre-flight lets it
+    by, the sandbox's replay refuses it), timeout, oom, and a live continuation."""
     root = tmp_path_factory.mktemp("report")
     items = {
         "exact": (one("echo same", "same\n"), {}),
         "drifts": (one(LISTING, "alpha\nBETA\ngamma\n"), {}),
-        "old-agent": (one("true", version="2.1.0"), {}),
+        "stale": (claude_session("Plan it.", [Turn([Call("TodoWrite", {"todos": []}, "ok")])]), {}),
         "slow": (one("sleep 60"), {"timeout": "3s"}),
         "hog": (one(HOG), {"memory": "200m", "tmp_size": "16m"}),
         "continues": (claude_files_session(), {"after_step": 4, "mode": "continue", "max_steps": 8}),
@@ -76,7 +76,7 @@ def test_batch_writes_the_report_and_report_rewrites_it(mixed_batch):
     assert statuses(mixed_batch) == {
         "exact": "ok",
         "drifts": "ok",
-        "old-agent": "replay_failed",
+        "stale": "replay_failed",
         "slow": "timeout",
         "hog": "oom",
         "continues": "ok",
@@ -100,13 +100,13 @@ def test_the_page_in_a_real_browser(mixed_batch, chromium, tmp_path):
         )
         assert dict(bars) == {"ok": 3, "replay_failed": 1, "timeout": 1, "oom": 1}
         categories = page.js("[...document.querySelectorAll('#chart-category g.bar')].map(g => g.dataset.name)")
-        assert sorted(categories) == ["oom", "timeout", "unsupported_version"]
+        assert sorted(categories) == ["oom", "timeout", "trajectory_error"]
         assert page.js("[...document.querySelectorAll('#chart-phases g.phase')].map(g => g.dataset.phase)") == [
             "preflight", "image", "stage", "create", "run", "collect", "total",
         ]  # fmt: skip
 
         rows = "[...document.querySelectorAll('#items tr.item')].map(r => r.dataset.id)"
-        assert page.js(rows) == ["exact", "drifts", "old-agent", "slow", "hog", "continues"]  # manifest order
+        assert page.js(rows) == ["exact", "drifts", "stale", "slow", "hog", "continues"]  # manifest order
         assert page.js("document.getElementById('shown').textContent") == "6 of 6 items"
         cells = page.js(
             "[...document.querySelectorAll('#items tr.item[data-id=slow] td')].map(td => td.textContent.trim())"
@@ -125,8 +125,8 @@ def test_the_page_in_a_real_browser(mixed_batch, chromium, tmp_path):
         assert page.js("document.getElementById('shown').textContent") == "1 of 6 items"
         assert page.js("location.hash") == "#status=timeout"
         set_control(page, "filter-status", "", "change")
-        set_control(page, "filter-text", "unsupported", "input")
-        assert page.js(rows) == ["old-agent"]
+        set_control(page, "filter-text", "source observation", "input")
+        assert page.js(rows) == ["stale"]
         set_control(page, "filter-text", "", "input")
         page.js("document.getElementById('filter-diverged').click()")
         diverging = {
