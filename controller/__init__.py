@@ -28,7 +28,7 @@ if "loguru" in sys.modules:  # an application that uses loguru: our records go o
     from . import _log  # noqa: F401
 
 if TYPE_CHECKING:
-    from .api import Batch, abatch, batch, build, gc, inspect, replay
+    from .api import Batch, abatch, batch, build, gc, inspect, replay, results
     from .errors import (
         ExitCode,
         ImageBuildError,
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         ResultProtocolError,
         UsageError,
     )
-    from .models.batch import BatchSummary, ItemResult
+    from .models.batch import BatchSummary, ItemResult, VerificationResult
     from .models.housekeeping import GcReport
     from .models.image import BuildOptions, ImageRef
     from .models.record import ReplayRecord
@@ -55,6 +55,7 @@ _EXPORTS = {
     "build": "api",
     "gc": "api",
     "inspect": "api",
+    "results": "api",
     "Batch": "api",
     "TrajectoryReport": "preflight.inspect",
     "ReplaySpec": "models.spec",
@@ -65,6 +66,7 @@ _EXPORTS = {
     "BuildOptions": "models.image",
     "GcReport": "models.housekeeping",
     "ItemResult": "models.batch",
+    "VerificationResult": "models.batch",
     "BatchSummary": "models.batch",
     "ExitCode": "errors",
     "PvisorHostError": "errors",
@@ -87,6 +89,7 @@ __all__ = [
     "build",
     "gc",
     "inspect",
+    "results",
     "Batch",
     # models
     "ReplaySpec",
@@ -97,6 +100,7 @@ __all__ = [
     "BuildOptions",
     "GcReport",
     "ItemResult",
+    "VerificationResult",
     "BatchSummary",
     "TrajectoryReport",
     # errors and exit codes

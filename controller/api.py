@@ -34,6 +34,7 @@ from .attempts import run_replay
 from .backend import AnyBackend, check_cluster_options, open_backend
 from .errors import UsageError
 from .fanout.manifest import BatchItem, batch_items, by_image, image_specs
+from .fanout.results import load_results
 from .fanout.scheduler import BatchOptions, BatchRun, default_workers
 from .models.batch import BatchSummary, ItemResult
 from .models.housekeeping import GcReport
@@ -316,6 +317,18 @@ def inspect(*trajectories: Path | str, agent: str | None = None) -> list[Traject
         PrerequisiteError: the host's pvisor is missing.
     """
     return inspect_files([Path(path) for path in trajectories], agent)
+
+
+def results(out: Path | str) -> list[ItemResult]:
+    """The rows of a finished (or interrupted) batch directory, one per item, as ``pvisor-host results`` gives
+    them: boundary, agent, image and digest, status and category, replayed, diverged and continued counts,
+    verification, tokens and cost, and durations. For pandas: ``pd.DataFrame([r.model_dump() for r in rows])``,
+    or ``pd.json_normalize`` for the nested fields.
+
+    Raises:
+        UsageError: ``out`` is not a batch's directory.
+    """
+    return load_results(Path(out).absolute())
 
 
 def gc(*, dry_run: bool = False, docker_host: str | None = None) -> GcReport:

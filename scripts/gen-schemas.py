@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from pvisor_host.fanout.compare import COMPARE_SCHEMA, Comparison
 from pvisor_host.fanout.manifest import manifest_line_model
-from pvisor_host.models.batch import SUMMARY_SCHEMA, BatchSummary
+from pvisor_host.models.batch import SUMMARY_SCHEMA, BatchSummary, ItemResult
 from pvisor_host.models.record import ReplayRecord
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,9 @@ SCHEMAS: dict[str, tuple[type[BaseModel], str, str, str]] = {
         ReplayRecord, "pvisor-host.record/v1", "record.json of every replay and batch item", "serialization"
     ),
     "summary.schema.json": (BatchSummary, SUMMARY_SCHEMA, "summary.json of a batch", "serialization"),
+    "results-row.schema.json": (
+        ItemResult, "pvisor-host.results-row/v1", "one line of a batch's results.jsonl", "serialization"
+    ),
     "compare.schema.json": (
         Comparison, COMPARE_SCHEMA, "compare --json, and compare.json of batch --baseline", "serialization"
     ),

@@ -3,8 +3,8 @@
 Items are matched by id and boundary (``after_step``); an item whose boundary changed is gone at the old
 one and new at the new one. For each pair it reports, regressions first:
 
-* ``regression`` — it was ``ok`` and is not any more;
-* ``fixed`` — it was not ``ok`` and is now;
+* ``regression`` — it was ``ok`` and is not any more, or its verification (``--verify``) passed and does not now;
+* ``fixed`` — it was not ``ok`` and is now, or its verification failed and passes now;
 * ``status_changed`` — neither is ``ok``, and the status or the failure category differs;
 * ``divergence_moved`` — same status, but the first replayed tool call whose fresh observation differs
   from the recorded one is another call (or there is one now and was none, or the other way round);
@@ -73,6 +73,8 @@ class ItemState(BaseModel):
     """The item's directory, relative to its run directory."""
     model: ModelTotals | None = None
     """A live continuation's model figures (every attempt's)."""
+    verified: bool | None = None
+    """With ``--verify``: whether the task's verifier passed."""
 
 
 class ItemChange(BaseModel):
@@ -194,6 +196,10 @@ def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
         return "regression"
     if was.status != "ok" and now.status == "ok":
         return "fixed"
+    if was.verified is True and now.verified is False:
+        return "regression"
+    if was.verified is False and now.verified is True:
+        return "fixed"
     if (was.status, was.category) != (now.status, now.category):
         return "status_changed"
     if was.first_divergence != now.first_divergence:
@@ -248,6 +254,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         image_id=record.image.id,
         path=str(item_dir.relative_to(run_dir)),
         model=record.model.totals if record.model is not None else None,
+        verified=record.verification.passed if record.verification is not None else None,
     )
 
 
@@ -268,6 +275,8 @@ def _state_line(state: ItemState | None) -> str:
     if state is None:
         return "-"
     line = state.status if state.category in (None, state.status) else f"{state.status} ({state.category})"
+    if state.verified is not None:
+        line += ", verification passed" if state.verified else ", verification failed"
     if state.first_divergence is not None:
         call = state.first_divergence
         line += f", diverges at call {call.index + 1} ({call.tool} {call.call_id})"

@@ -39,6 +39,8 @@ from .tables import ColumnMap, Row, read_rows, strict_columns, text_cells
 from .templates import Template, is_template, parse_template, path_fields
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,119}$")
+#: What a batch item collects of its workspace unless it says: the changes (a dataset's checkouts are large).
+BATCH_COLLECT = "changes"
 #: Replay options a line may not set: the batch names each item's run directory and run ids.
 _BATCH_OWNED = {"out": "<batch out>/<id>/", "run_id": "<id>-<random>"}
 
@@ -134,6 +136,8 @@ def _item(number: int, fields: dict[str, Any], defaults: dict[str, Any], seen: d
         if name in fields:
             raise UsageError(f"{name}: a batch sets it for every item ({value}); drop it from the line")
     merged = {**defaults, **fields}
+    if "collect" not in merged and not merged.get("no_workspace"):
+        merged["collect"] = BATCH_COLLECT
     try:
         spec = ReplaySpec(**merged)
     except ValidationError as exc:

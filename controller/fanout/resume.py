@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..files.trees import remove_tree
-from ..models.batch import FINAL_STATUSES, ItemResult
+from ..models.batch import FINAL_STATUSES, ItemResult, VerificationResult
 from ..models.image import ImageRef
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
@@ -45,12 +45,19 @@ def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageRef, works
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def item_result(record: ReplayRecord, *, item_id: str, line: int, skipped: bool = False) -> ItemResult:
-    """An item's result from its record."""
+def item_result(
+    record: ReplayRecord, *, item_id: str, line: int, skipped: bool = False, run_dir: Path | None = None
+) -> ItemResult:
+    """An item's result from its record (``run_dir``: where it is, to count its diverged observations)."""
+    result = record.result
+    verified = record.verification
     return ItemResult(
         id=item_id,
         line=line,
+        after_step=record.inputs.after_step,
         agent=record.inputs.agent,
+        image=record.image.ref,
+        image_digest=record.image.digest,
         status=record.status,
         category=record.failure.category if record.failure else None,
         message=record.failure.message if record.failure else None,
@@ -58,8 +65,28 @@ def item_result(record: ReplayRecord, *, item_id: str, line: int, skipped: bool 
         attempts=max(1, len(record.attempts)),
         skipped=skipped,
         path=item_id,
+        replayed=result.replayed_tool_calls if result is not None else None,
+        diverged=diverged(record, run_dir) if run_dir is not None else None,
+        continued=result.continued_steps if result is not None else None,
+        verification=VerificationResult(
+            passed=verified.passed,
+            reward=verified.reward,
+            exit_code=verified.exit_code,
+            timed_out=verified.timed_out,
+            seconds=verified.seconds,
+        )
+        if verified is not None
+        else None,  # fmt: skip
         model=record.model.totals if record.model is not None else None,
     )
+
+
+def diverged(record: ReplayRecord, run_dir: Path) -> int | None:
+    """How many fresh observations differed from the recorded ones (pvisor's observation comparison)."""
+    compared = record.artifact_json(run_dir, "observation_comparison")
+    if not isinstance(compared, list):
+        return None
+    return sum(1 for call in compared if isinstance(call, dict) and call.get("exact") is False)
 
 
 def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult | None:
@@ -74,7 +101,7 @@ def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult |
         return None  # the host's disk, not the item: it runs again once there is space
     if rerun_failed and record.status != "ok":
         return None
-    return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True)
+    return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True, run_dir=run_dir)
 
 
 def set_aside(out: Path, item_id: str) -> None:

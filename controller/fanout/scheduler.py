@@ -459,7 +459,10 @@ def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
 
 
 def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResult:
-    base = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="rejected", path=item.id)
+    base = ItemResult(
+        id=item.id, line=item.line, after_step=item.spec.after_step, agent=item.spec.agent, image=item.spec.image,
+        status="rejected", path=item.id,
+    )  # fmt: skip
     if batch.cancel.is_set():
         return _interrupted(item, "not started")
     if batch.full is not None:
@@ -476,8 +479,10 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
             if earlier is not None:
                 return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
             asked.set()
+            waiting = time.monotonic()
             with batch.task_image(spec):
                 image = batch.image(spec)
+                pull_wait = round(time.monotonic() - waiting, 4)
                 key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
                 earlier = finished_result(run_dir, key, batch.options.rerun_failed)
                 if earlier is not None:
@@ -486,12 +491,16 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
                 if remaining is not None and remaining <= 0:
                     return base.model_copy(update={"status": "not_run", "path": None})
                 set_aside(batch.options.out, item.id)
-                if remaining is not None:
-                    spec = spec.model_copy(update={"timeout": max(1.0, min(spec.timeout, remaining))})
+                if remaining is not None:  # the replay, then its verifier, within what is left
+                    timeout = max(1.0, min(spec.timeout, remaining))
+                    verify = max(1.0, min(spec.verify_timeout, remaining - timeout))
+                    spec = spec.model_copy(update={"timeout": timeout, "verify_timeout": verify})
                 checked = check_inputs(
                     spec, per_file=True, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory
                 )
                 prepared = prepare(checked, batch.backend, image=image)
+                if spec.image is not None:  # the time it waited for its task image (pulled just in time)
+                    prepared = prepared.model_copy(update={"timings": {"pull_wait": pull_wait, **prepared.timings}})
                 batch.warn_once(runtime_floor_warning(prepared))
                 record = run_attempts(
                     prepared,
@@ -514,7 +523,7 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
         return base.model_copy(update={"status": "infra_error", "category": "internal", "message": repr(exc)})
     if record.failure is not None and record.failure.disk_full:
         batch.full = batch.full or disk_full(run_dir)
-    return item_result(record, item_id=item.id, line=item.line)
+    return item_result(record, item_id=item.id, line=item.line, run_dir=run_dir)
 
 
 def _finished_before_its_image(item: BatchItem, batch: _Batch, trajectory_sha256: str) -> ItemResult | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ExitCode, UsageError
 from ..files.atomic import write_atomic
-from ..models.batch import PHASES, RESULTS_FILE, BatchSummary, ItemResult, percentile
+from ..models.batch import PHASES, RESULTS_FILE, BatchSummary, ItemResult, VerificationStats, percentile
 from ..models.record import add_totals
 
 #: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
@@ -58,6 +58,21 @@ def summarize(
         replays_per_minute=round(len(ran) / minutes, 2),
         failed=[r.id for r in results if r.status != "ok"],
         model=add_totals([r.model for r in results if r.model is not None and not r.skipped]),
+        verification=_verification(results),
+    )
+
+
+def _verification(results: list[ItemResult]) -> VerificationStats | None:
+    verified = [r.verification for r in results if r.verification is not None]
+    if not verified:
+        return None
+    passed = sum(v.passed for v in verified)
+    rewards = [v.reward for v in verified if v.reward is not None]
+    return VerificationStats(
+        verified=len(verified),
+        passed=passed,
+        pass_rate=round(passed / len(verified), 4),
+        mean_reward=round(sum(rewards) / len(rewards), 4) if rewards else None,
     )
 
 
@@ -67,7 +82,7 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
         "testsuite",
         name="pvisor-host batch",
         tests=str(len(results)),
-        failures=str(sum(r.status in JUNIT_FAILURES for r in results)),
+        failures=str(sum(r.status in JUNIT_FAILURES or _unverified(r) for r in results)),
         errors=str(sum(r.status in JUNIT_ERRORS for r in results)),
         skipped=str(sum(r.status == "not_run" for r in results)),
         time=f"{(summary.finished_at - summary.started_at).total_seconds():.3f}",
@@ -82,7 +97,11 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
             time=f"{r.timings.get('total', 0):.3f}",
         )
         message = f"{r.category}: {r.message}" if r.message else (r.category or r.status)
-        if r.status in JUNIT_FAILURES:
+        if r.status == "ok" and r.verification is not None and not r.verification.passed:
+            verdict = "timed out" if r.verification.timed_out else f"exit {r.verification.exit_code}"
+            text = f"the task's verifier did not pass ({verdict})"
+            ET.SubElement(case, "failure", type="verification_failed", message=text).text = text
+        elif r.status in JUNIT_FAILURES:
             ET.SubElement(case, "failure", type=r.category or r.status, message=message).text = message
         elif r.status in JUNIT_ERRORS:
             ET.SubElement(case, "error", type=r.category or r.status, message=message).text = message
@@ -94,6 +113,11 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
     root.append(suite)
     ET.indent(root)
     return bytes(ET.tostring(root, encoding="utf-8", xml_declaration=True))
+
+
+def _unverified(result: ItemResult) -> bool:
+    """An ok replay whose task verifier did not pass (a JUnit failure of its own)."""
+    return result.status == "ok" and result.verification is not None and not result.verification.passed
 
 
 def markdown(summary: BatchSummary, out: Path) -> str:
@@ -115,6 +139,9 @@ def markdown(summary: BatchSummary, out: Path) -> str:
         lines += [f"| {category} | {count} |" for category, count in summary.categories.items()]
     if summary.model is not None:
         lines += ["", f"Model: {summary.model.describe()}."]
+    if summary.verification is not None:
+        v = summary.verification
+        lines += ["", f"Verification: {v.passed} of {v.verified} passed ({v.pass_rate:.1%})."]
     run = summary.timings.get("total", {})
     lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. Results: `{out}`", ""]
     return "\n".join(lines)

@@ -296,13 +296,18 @@ _KINDS = {
 }
 
 
-def harvest_tree(root: Path, dest: Path, budget: Budget) -> ExtractReport:
+def harvest_tree(root: Path, dest: Path, budget: Budget, *, keep: Callable[[str], bool] | None = None) -> ExtractReport:
     """Copy the untrusted directory tree ``root`` into ``dest``, judged entry by entry exactly as
     :func:`extract_tar` judges an archive's members (see the module docstring). Nothing is followed: a
-    symlink is a member like any other, and only real directories are descended into.
+    symlink is a member like any other, and only real directories are descended into. ``keep``: only the
+    entries whose relative path it accepts (their directories are made as they need them).
     """
     dest.mkdir(parents=True, exist_ok=True)
-    work = _Extractor(dest, budget, mapper=lambda name: name)
+
+    def mapper(name: str) -> str | None:
+        return name if keep is None or keep(name) else None
+
+    work = _Extractor(dest, budget, mapper=mapper)
     for member, path in _members(root):
         if not work.member(member, functools.partial(_open_regular, path)):
             break

@@ -10,22 +10,50 @@ from pydantic import BaseModel
 from ..units import percentile
 from .record import ModelTotals
 
-__all__ = ["FINAL_STATUSES", "PHASES", "RESULTS_FILE", "BatchSummary", "ImageStats", "ItemResult", "percentile"]
+__all__ = [
+    "FINAL_STATUSES",
+    "PHASES",
+    "RESULTS_FILE",
+    "BatchSummary",
+    "ImageStats",
+    "ItemResult",
+    "VerificationResult",
+    "VerificationStats",
+    "percentile",
+]
 
 SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
 #: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
 FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
-PHASES = ("preflight", "image", "stage", "create", "run", "collect", "total")
+PHASES = ("pull_wait", "preflight", "image", "stage", "create", "run", "collect", "total")
+"""Seconds per phase of an item: the wait for its task image (pulled just in time), then its replay's phases."""
 #: One :class:`ItemResult` per line, in manifest order: every item, including those that got no record.
 RESULTS_FILE = "results.jsonl"
 
 
+class VerificationResult(BaseModel):
+    """An item's verification, as a results row carries it (``record.json`` has the command and its output)."""
+
+    passed: bool
+    reward: float | None = None
+    exit_code: int | None = None
+    timed_out: bool = False
+    seconds: float | None = None
+
+
 class ItemResult(BaseModel):
-    """How one batch item ended (this run, or in an earlier run it was skipped for)."""
+    """How one batch item ended (this run, or in an earlier run it was skipped for): one row of
+    ``results.jsonl`` (schema ``docs/schemas/results-row.schema.json``)."""
 
     id: str
     line: int
+    after_step: int | None = None
+    """The boundary it replayed to."""
     agent: str | None = None
+    image: str | None = None
+    """The image as it was asked for (a task image's reference, or the agent image's tag)."""
+    image_digest: str | None = None
+    """The registry digest the image came from (``repo@sha256:...``), when it came from one."""
     status: str
     """A record status (``ok``, ``replay_failed``, ``timeout``, ``oom``, ``infra_error``, ``interrupted``),
     ``rejected`` (refused before a sandbox started) or ``not_run`` (the deadline passed first)."""
@@ -36,8 +64,16 @@ class ItemResult(BaseModel):
     skipped: bool = False
     """Finished in an earlier run with the same content key, so not run again."""
     path: str | None = None
+    replayed: int | None = None
+    """Tool calls pvisor replayed (``replayed_tool_calls``)."""
+    diverged: int | None = None
+    """Of those, how many fresh observations differed from the recorded ones."""
+    continued: int | None = None
+    """Steps the live agent took after the boundary (``continued_steps``)."""
+    verification: VerificationResult | None = None
+    """With ``--verify``: whether the task's verifier passed, and its reward."""
     model: ModelTotals | None = None
-    """A live continuation's model figures, every attempt's calls included."""
+    """A live continuation's model figures (tokens, cost, ...), every attempt's calls included."""
 
     @property
     def ran(self) -> bool:
@@ -69,6 +105,17 @@ class ImageStats(BaseModel):
     ``removed`` and ``peak`` are 0 (each node's own are in ``cluster status``), and ``budget`` is each node's."""
 
 
+class VerificationStats(BaseModel):
+    """The batch's verifications (``--verify``), over the items that have one."""
+
+    verified: int
+    """Items whose verifier ran."""
+    passed: int
+    pass_rate: float
+    """``passed / verified``."""
+    mean_reward: float | None = None
+
+
 class BatchSummary(BaseModel):
     """``summary.json``."""
 
@@ -98,3 +145,5 @@ class BatchSummary(BaseModel):
     model: ModelTotals | None = None
     """Live continuations' model figures over every item of this run that has them (latency: the median of the
     items' medians, and the 90th percentile of their 90th percentiles)."""
+    verification: VerificationStats | None = None
+    """With ``--verify``: how many items' verifiers passed, and the mean reward."""

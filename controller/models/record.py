@@ -267,6 +267,23 @@ class SupersededAttempt(BaseModel):
     started_at: datetime
 
 
+class Verification(BaseModel):
+    """What ``--verify`` found: the task's verifier, run in the sandbox after pvisor ended."""
+
+    command: str
+    exit_code: int | None = None
+    """None: the verifier never finished (the sandbox was stopped first)."""
+    passed: bool
+    """It exited 0 within ``--verify-timeout``."""
+    timed_out: bool = False
+    seconds: float | None = None
+    output_tail: str = ""
+    """The last 4 KiB of its output (the whole, cut at 16 MiB, is ``logs/verify.log``)."""
+    reward: float | None = None
+    """The reward it wrote (``/logs/verifier/reward.txt`` or ``reward.json``), else 1 or 0 from ``passed``."""
+    reward_source: Literal["reward.txt", "reward.json", "exit_code"] | None = None
+
+
 class BatchInfo(BaseModel):
     """Where a batch item came from, and the key that decides whether a rerun may skip it."""
 
@@ -296,6 +313,11 @@ class ReplayRecord(BaseModel):
     """pvisor's parsed ``sandbox-playback.result/v3``, when it printed one."""
     artifacts: list[Artifact] = []
     workspace_changes: WorkspaceChanges | None = None
+    """What the replay added, changed and removed in the workspace (whatever ``--collect`` kept of it)."""
+    collect: str = "full"
+    """What of the workspace was collected: ``full``, ``changes`` (with ``workspace.patch``) or ``none``."""
+    verification: Verification | None = None
+    """With ``--verify``: the task's verifier's outcome and reward."""
     collection: Collection = Collection()
     model: ModelInfo | None = None
     attempt: int = 1

@@ -30,6 +30,7 @@ from ..units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, pars
 from .gateway import Cassette, DriftAction, ModelPrice
 
 Mode = Literal["continue", "replay-only", "prepare-only"]
+Collect = Literal["full", "changes", "none"]
 Network = Literal["none", "bridge"]
 ModelNetwork = Literal["unix", "internal", "pass-through"]
 """How a sandbox reaches its model: a mounted unix socket (no network), an internal Docker network, or
@@ -219,7 +220,18 @@ class ReplaySpec(BaseModel):
     image_workspace: bool = False
     """Start from a copy of the image's own directory at the workspace path (a task checkout, say)."""
     no_workspace: bool = False
-    """Do not collect the final workspace."""
+    """Do not collect the final workspace (the same as ``--collect none``)."""
+    collect: Collect | None = None
+    """What of the final workspace is collected: ``full`` (every file), ``changes`` (the files added and changed,
+    and ``workspace.patch``, which turns the starting workspace into the final one), or ``none``; the record
+    lists what was added, changed and removed whatever it is. Default: ``full`` for ``replay``, ``changes`` for a
+    batch's items."""
+    verify: str | None = None
+    """A shell command run in the sandbox after pvisor ends, in the workspace, under the same limits (the task's
+    tests, say): its exit code decides ``verification.passed``; a reward it writes to /logs/verifier/reward.txt
+    (or reward.json, as Harbor's verifiers do) is recorded, else the reward is 1 or 0."""
+    verify_timeout: Seconds = 1800.0
+    """How long the verifier may run (on top of ``--timeout``); past it, it is killed and does not pass."""
     out: Path | None = None
     """Run directory on the host; default ``./pvisor-runs/<run-id>``. Must be new or empty."""
     timeout: Seconds = 7200.0
@@ -353,7 +365,23 @@ class ReplaySpec(BaseModel):
             raise ValueError("--inject needs --image (the task image to inject the agent's runtime into)")
         if self.image_workspace and self.workspace_dir is not None:
             raise ValueError("--image-workspace and --workspace-dir both set the starting workspace; pass one")
+        if self.no_workspace and self.collect not in (None, "none"):
+            raise ValueError(f"--no-workspace and --collect {self.collect} disagree; pass one")
+        if self.verify is not None and not self.verify.strip():
+            raise ValueError("--verify: an empty command")
         return self
+
+    @property
+    def collect_mode(self) -> Collect:
+        """What of the workspace is collected: ``--collect``, ``none`` with ``--no-workspace``, else ``full``."""
+        if self.no_workspace:
+            return "none"
+        return self.collect or "full"
+
+    @property
+    def wall_limit(self) -> float:
+        """The container's wall-clock limit: ``--timeout``, plus ``--verify-timeout`` when a verifier runs."""
+        return self.timeout + (self.verify_timeout if self.verify else 0.0)
 
     @property
     def continuation(self) -> ModelUpstream | None:

@@ -1,11 +1,13 @@
 """What the batch report shows, gathered from a batch's ``--out`` directory into one typed model.
 
-Per item it reads the record, pvisor's ``manifest.json`` (each call's tool and arguments),
-``observation-comparison.json`` (which calls reproduced exactly) and, for the calls that did not, the
-recorded and fresh observations (see :mod:`.observations`) for a compact diff; for a continued run also
-``next-action-comparison.json``. Items that never got a record (refused before a sandbox, left unstarted
-at the deadline) come from ``results.jsonl``. Nothing here fails on one unreadable item: it is shown with
-what could be read.
+It scales to datasets: every item gets a compact row (from ``results.jsonl``, or the records), and the
+aggregates (by status, category, image, boundary, the tool calls that diverge most often, phase times) are
+over every item. Reading files per item is kept to what needs it: pvisor's ``observation-comparison.json``
+and ``manifest.json`` of the items with a call that did not reproduce (for the groups); and, for as many items
+as the page's budget has room for, failures and divergences first, the record, the calls, the recorded and
+fresh observations of the calls that did not reproduce (a compact diff, :mod:`.observations`) and, for a
+continued run, ``next-action-comparison.json``. Nothing here fails on one unreadable item: it is shown with what
+could be read.
 """
 
 from __future__ import annotations
@@ -16,15 +18,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import UsageError
-from ..models.batch import PHASES, RESULTS_FILE, ItemResult, percentile
-from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
-from .budget import PAGE_BUDGET, base_size, fit
+from ..fanout.results import iter_results
+from ..models.batch import PHASES, ItemResult, percentile
+from ..models.record import ModelTotals, add_totals, load_record
+from .budget import PAGE_BUDGET, fit
 from .model import (
+    INDEXED,
     REPORT_SCHEMA,
+    ROW,
+    ROW_DEFAULTS,
     ActionTool,
+    BoundaryRow,
     CallView,
     DivergenceGroup,
+    ImageRow,
     ItemView,
     NextActionView,
     PhaseStats,
@@ -38,38 +45,272 @@ COMMAND_KEYS = ("command", "cmd", "file_path", "path", "pattern", "url", "query"
 #: At most this many calls of one item get a diff (the first ones that did not reproduce).
 DIFFS_PER_ITEM = 8
 TOP_GROUPS = 15
+#: A row's message is cut to this many characters (the record has the whole).
+MESSAGE_CHARS = 300
 
 
 def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = PAGE_BUDGET) -> ReportData:
-    """Read the batch directory ``out`` (with its items' results when the batch passes them), and fit what
-    the page shows into ``budget`` characters of JSON (see :mod:`.budget`)."""
-    results = results if results is not None else load_results(out)
-    read = [_item(out, result) for result in results]
-    items = [view for view, _ in read]
-    ran = [result for result in results if not result.skipped]
+    """Read the batch directory ``out`` (with its items' results when the batch passes them): every item's row
+    and the aggregates, then the details of as many items as ``budget`` characters of JSON hold beside the rows
+    (see :mod:`.budget`)."""
+    table = _Table()
+    groups = _Groups()
+    images: dict[str, _ImageTally] = {}
+    boundaries: dict[int, list[int]] = {}
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    totals: list[ModelTotals] = []
+    candidates: list[tuple[int, int, str, str]] = []
+    for result in results if results is not None else iter_results(out):
+        view = _row_view(result)
+        if view.dir is not None and not (out / view.dir).is_dir():
+            view.dir = None  # nothing to link to
+        # the calls of an item some of whose calls did not reproduce, or whose row cannot say (an older results file)
+        unknown = result.diverged is None and result.status not in ("rejected", "not_run")
+        calls = _compared(out, view) if view.dir is not None and (unknown or view.diverged > 0) else None
+        if calls is not None:
+            outcomes = Counter(call.outcome for call in calls)
+            view.exact, view.diverged, view.errored = outcomes["exact"], outcomes["diverged"], outcomes["errored"]
+            groups.add(view.id, calls)
+        elif view.replayed and view.status == "ok":
+            view.exact = view.replayed  # every replayed call reproduced (results.jsonl says none diverged)
+        index = table.add(view)
+        _tally(images, boundaries, view)
+        if not result.skipped:
+            for phase in PHASES:
+                if phase in result.timings:
+                    phases[phase].append(result.timings[phase])
+            if result.model is not None:
+                totals.append(result.model)
+        if view.dir is not None:
+            candidates.append((_priority(view), index, view.id, view.dir))
+    summary = _summary(out)
     data = ReportData(
         schema_version=REPORT_SCHEMA,
         title=f"pvisor-host batch {out.name}",
         generated_at=datetime.now(UTC),
-        counts=dict(Counter(item.status for item in items).most_common()),
-        categories=dict(Counter(item.category for item in items if item.category).most_common()),
-        phases={
-            phase: _stats(values)
-            for phase in PHASES
-            if (values := sorted(r.timings[phase] for r in ran if phase in r.timings))
-        },
-        items=[],
-        by_tool=_groups(items, by_command=False),
-        by_command=_groups(items, by_command=True),
+        counts=dict(table.statuses.most_common()),
+        categories=dict(table.categories.most_common()),
+        phases={phase: _stats(sorted(values)) for phase, values in phases.items() if values},
+        rows=table.rows,
+        values=table.values,
+        by_tool=groups.top(by_command=False),
+        by_command=groups.top(by_command=True),
+        by_image=_image_rows(images),
+        by_boundary=[
+            BoundaryRow(after_step=k, items=v[0], ok=v[1], diverged=v[2]) for k, v in sorted(boundaries.items())
+        ],
+        images=summary.get("images"),
+        verification=summary.get("verification"),
         diffs_dropped=0,
         exact_hidden=0,
-        model=_model_line(add_totals([r.model for r in ran if r.model is not None])),
+        model=_model_line(add_totals(totals)),
         defaults=field_defaults(),
     )
-    fixed, base = len(data.page_json()) + 64, base_size(items)
-    unread = _add_diffs([(v, source) for v, source in read if source is not None], budget - fixed - base)
-    dropped, hidden = fit(items, fixed=fixed, base=base, budget=budget)
-    return data.model_copy(update={"items": items, "diffs_dropped": unread + dropped, "exact_hidden": hidden})
+    left = budget - len(data.model_copy(update={"rows": []}).page_json()) - 64  # the rows are not in the budget
+    details, undetailed, dropped, hidden = _details(out, candidates, left)
+    return data.model_copy(
+        update={"details": details, "undetailed": undetailed, "diffs_dropped": dropped, "exact_hidden": hidden}
+    )
+
+
+class _Table:
+    """The rows, with the strings that repeat stored once (:attr:`ReportData.values`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[Any]] = []
+        self.values: list[str | None] = []
+        self._index: dict[str | None, int] = {}
+        self.statuses: Counter[str] = Counter()
+        self.categories: Counter[str] = Counter()
+
+    def value(self, text: str | None) -> int | None:
+        if text is None:
+            return None
+        found = self._index.get(text)
+        if found is None:
+            found = self._index[text] = len(self.values)
+            self.values.append(text)
+        return found
+
+    def add(self, view: ItemView) -> int:
+        self.statuses[view.status] += 1
+        if view.category:
+            self.categories[view.category] += 1
+        fields = view.model_dump(include=set(ROW))
+        if fields["exact"] == max(0, (fields["replayed"] or 0) - fields["diverged"] - fields["errored"]):
+            fields["exact"] = None  # what the page works out from the others
+        if fields["dir"] is not None and fields["dir"] == fields["id"]:
+            fields["dir"] = 1
+        row = [self.value(fields[name]) if name in INDEXED else _compact(fields[name]) for name in ROW]
+        while row and row[-1] == _compact(ROW_DEFAULTS.get(ROW[len(row) - 1])):
+            row.pop()
+        self.rows.append(row)
+        return len(self.rows) - 1
+
+
+def _compact(value: Any) -> Any:
+    """Booleans as 0 and 1, seconds to the millisecond."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float):
+        return round(value, 3)
+    return value
+
+
+class _ImageTally:
+    def __init__(self) -> None:
+        self.items = self.ok = self.verified = self.passed = 0
+        self.waits: list[float] = []
+
+
+def _tally(images: dict[str, _ImageTally], boundaries: dict[int, list[int]], view: ItemView) -> None:
+    if view.image is not None:
+        tally = images.setdefault(view.image, _ImageTally())
+        tally.items += 1
+        tally.ok += view.status == "ok"
+        if view.verified is not None:
+            tally.verified += 1
+            tally.passed += view.verified
+        if view.pull_wait is not None:
+            tally.waits.append(view.pull_wait)
+    if view.after_step is not None:
+        counts = boundaries.setdefault(view.after_step, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += view.status == "ok"
+        counts[2] += view.diverged + view.errored > 0
+
+
+def _image_rows(images: dict[str, _ImageTally]) -> list[ImageRow]:
+    return [
+        ImageRow(
+            image=image, items=t.items, ok=t.ok, verified=t.verified, passed=t.passed,
+            pull_wait_p50=round(percentile(sorted(t.waits), 0.5), 3) if t.waits else None,
+        )
+        for image, t in sorted(images.items(), key=lambda entry: (-entry[1].items, entry[0]))
+    ]  # fmt: skip
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    try:
+        value = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _row_view(result: ItemResult) -> ItemView:
+    """An item's row, from its result alone (no file read)."""
+    verification = result.verification
+    return ItemView(
+        id=result.id,
+        line=result.line,
+        status=result.status,
+        category=result.category,
+        message=_short(result.message, MESSAGE_CHARS) if result.message else None,
+        agent=result.agent,
+        image=result.image,
+        after_step=result.after_step,
+        replayed=result.replayed,
+        continued=result.continued,
+        diverged=result.diverged or 0,
+        duration=round(result.timings["total"], 3) if "total" in result.timings else None,
+        pull_wait=round(result.timings["pull_wait"], 3) if "pull_wait" in result.timings else None,
+        attempts=result.attempts,
+        skipped=result.skipped,
+        dir=result.path,
+        tokens=result.model.input_tokens + result.model.output_tokens if result.model is not None else None,
+        verified=verification.passed if verification is not None else None,
+        reward=verification.reward if verification is not None else None,
+        model=_model_line(result.model),
+    )
+
+
+def _priority(view: ItemView) -> int:
+    """Which items' details the page holds first: failures, then divergences, then the rest."""
+    if view.status != "ok":
+        return 0
+    return 1 if view.diverged + view.errored else 2
+
+
+def _compared(out: Path, view: ItemView) -> list[CallView] | None:
+    """The item's replayed calls from pvisor's output files (no record read): None when there are none."""
+    assert view.dir is not None
+    output = out / view.dir / "output"
+    compared = _read_json(output / "observation-comparison.json")
+    if not isinstance(compared, list):
+        return None
+    return _calls(compared, _arguments(_read_json(output / "manifest.json")))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def _details(
+    out: Path, candidates: list[tuple[int, int, str, str]], room: int
+) -> tuple[dict[str, dict[str, Any]], int, int, int]:
+    """The details of the items the page has ``room`` for, failures and divergences first (then in order):
+    their calls without diffs first; then diffs, each item's first one before any item's second; then the exact
+    calls. Returns the details by id, and how many items went without, diffs dropped, exact listings hidden."""
+    chosen: list[tuple[ItemView, _Observations | None]] = []
+    undetailed = 0
+    for _, _, item_id, directory in sorted(candidates):
+        view, source = _detail_view(out, item_id, directory)
+        cost = _size({item_id: _detail_dump(view, with_exact=False)}) - 1  # its entry in "details", and a comma
+        if cost > room:
+            undetailed += 1
+            continue
+        room -= cost
+        chosen.append((view, source))
+    unread = _add_diffs([(view, source) for view, source in chosen if source is not None], room)
+    views = [view for view, _ in chosen]
+    base = sum(_size(_detail_dump(view, with_exact=False)) for view in views)
+    dropped, hidden = fit(views, fixed=0, base=base, budget=room + base)
+    details = {view.id: _detail_dump(view, with_exact=True) for view in views}
+    return details, undetailed, unread + dropped, hidden
+
+
+def _size(value: Any) -> int:
+    """Characters of ``value`` as the page's JSON has it (compact)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+
+
+def _detail_dump(view: ItemView, *, with_exact: bool) -> dict[str, Any]:
+    calls = view.calls if with_exact else [c for c in view.calls if c.outcome != "exact"]
+    detail: dict[str, Any] = {"calls": [c.model_dump(exclude_defaults=True) for c in calls]}
+    if view.mode is not None:
+        detail["mode"] = view.mode
+    if not view.exact_listed:
+        detail["exact_listed"] = False
+    if view.next_action is not None:
+        detail["next_action"] = view.next_action.model_dump(exclude_defaults=True)
+    if view.model is not None:
+        detail["model"] = view.model
+    return detail
+
+
+def _detail_view(out: Path, item_id: str, directory: str) -> tuple[ItemView, _Observations | None]:
+    """An item's details from its record and the files beside it."""
+    item_dir = out / directory
+    view = ItemView(id=item_id, line=0, status="")
+    try:
+        record = load_record(item_dir / "record.json")
+    except (OSError, ValueError):
+        return view, None
+    view.mode = record.inputs.mode
+    view.model = _model_line(record.model.totals if record.model is not None else None)
+    compared = record.artifact_json(item_dir, "observation_comparison")
+    if isinstance(compared, list):
+        view.calls = _calls(compared, _arguments(record.artifact_json(item_dir, "playback_plan")))
+    view.next_action = _next_action(record.artifact_json(item_dir, "next_action_comparison"))
+    fresh = record.artifact_path(item_dir, "reconstructed_native_trajectory")
+    if fresh is None or not any(call.outcome != "exact" for call in view.calls):
+        return view, None
+    return view, _Observations(Path(record.inputs.trajectory.path), record.inputs.trajectory.size, fresh)
 
 
 def _model_line(totals: ModelTotals | None) -> str | None:
@@ -87,40 +328,6 @@ def _stats(values: list[float]) -> PhaseStats:
     )
 
 
-def load_results(out: Path) -> list[ItemResult]:
-    """The items of the batch directory ``out``: from its ``results.jsonl`` when the batch wrote one (every
-    item), else from its records (the items that got one)."""
-    if not out.is_dir():
-        raise UsageError(f"{out} is not a directory; pass a batch's --out directory")
-    try:
-        lines = (out / RESULTS_FILE).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        lines = None
-    except OSError as exc:
-        raise UsageError(f"cannot read {out / RESULTS_FILE}: {exc.strerror}") from None
-    if lines is not None:
-        try:
-            return [ItemResult.model_validate_json(line) for line in lines if line.strip()]
-        except ValueError:
-            problem = f"{out / RESULTS_FILE} is not a batch's results file"
-            raise UsageError(f"{problem}; rerun the batch into {out} to rewrite it") from None
-    from ..fanout.resume import item_result
-
-    results = []
-    for path in sorted(out.glob("*/record.json")):
-        try:
-            record = load_record(path)
-        except (OSError, ValueError):
-            continue
-        item_id, line = (record.batch.item_id, record.batch.line) if record.batch else (path.parent.name, 0)
-        results.append(item_result(record, item_id=item_id, line=line).model_copy(update={"path": path.parent.name}))
-    if not results:
-        raise UsageError(
-            f"{out} holds no batch results (no results.jsonl or */record.json); pass a batch's --out directory"
-        )
-    return sorted(results, key=lambda r: (r.line, r.id))
-
-
 class _Observations(NamedTuple):
     """Where an item's recorded and fresh observations are, for its diffs."""
 
@@ -130,47 +337,7 @@ class _Observations(NamedTuple):
     fresh: Path
 
 
-def _item(out: Path, result: ItemResult) -> tuple[ItemView, _Observations | None]:
-    view = ItemView(
-        id=result.id,
-        line=result.line,
-        status=result.status,
-        category=result.category,
-        message=result.message,
-        agent=result.agent,
-        duration=round(result.timings["total"], 3) if "total" in result.timings else None,
-        attempts=result.attempts,
-        skipped=result.skipped,
-        dir=result.path,
-        tokens=result.model.input_tokens + result.model.output_tokens if result.model is not None else None,
-        model=_model_line(result.model),
-    )
-    item_dir = out / result.path if result.path is not None else None
-    if item_dir is None or not item_dir.is_dir():
-        view.dir = None  # nothing to link to
-        return view, None
-    try:
-        record = load_record(item_dir / "record.json")
-    except (OSError, ValueError):
-        return view, None
-    view.mode, view.after_step = record.inputs.mode, record.inputs.after_step
-    if record.result is not None:
-        view.replayed, view.continued = record.result.replayed_tool_calls, record.result.continued_steps
-    view.calls = _calls(record, item_dir)
-    outcomes = Counter(call.outcome for call in view.calls)
-    view.exact, view.diverged, view.errored = outcomes["exact"], outcomes["diverged"], outcomes["errored"]
-    view.next_action = _next_action(record.artifact_json(item_dir, "next_action_comparison"))
-    fresh = record.artifact_path(item_dir, "reconstructed_native_trajectory")
-    if fresh is None or not any(call.outcome != "exact" for call in view.calls):
-        return view, None
-    return view, _Observations(Path(record.inputs.trajectory.path), record.inputs.trajectory.size, fresh)
-
-
-def _calls(record: ReplayRecord, item_dir: Path) -> list[CallView]:
-    compared = record.artifact_json(item_dir, "observation_comparison")
-    if not isinstance(compared, list):
-        return []
-    arguments = _arguments(record.artifact_json(item_dir, "playback_plan"))
+def _calls(compared: list[Any], arguments: dict[str, Any]) -> list[CallView]:
     calls = []
     for index, entry in enumerate(c for c in compared if isinstance(c, dict)):
         exact = bool(entry.get("exact"))
@@ -251,29 +418,33 @@ def _tools(action: Any) -> list[ActionTool]:
     ]
 
 
-def _groups(items: list[ItemView], *, by_command: bool) -> list[DivergenceGroup]:
-    calls: Counter[tuple[str, str | None]] = Counter()
-    diverged: Counter[tuple[str, str | None]] = Counter()
-    where: defaultdict[tuple[str, str | None], list[str]] = defaultdict(list)
-    for item in items:
-        for call in item.calls:
-            key = (call.tool, call.command if by_command else None)
-            calls[key] += 1
-            if call.outcome != "exact":
-                diverged[key] += 1
-                if len(where[key]) < 10 and item.id not in where[key]:
-                    where[key].append(item.id)
-    top = sorted(diverged, key=lambda key: (-diverged[key], key[0], key[1] or ""))[:TOP_GROUPS]
-    return [
-        DivergenceGroup(
-            tool=tool,
-            command=command,
-            diverged=diverged[(tool, command)],
-            calls=calls[(tool, command)],
-            items=where[(tool, command)],
-        )
-        for tool, command in top
-    ]
+class _Groups:
+    """The replayed calls that did not reproduce, grouped by tool and by (tool, command), over every item."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str | None]] = Counter()
+        self.diverged: Counter[tuple[str, str | None]] = Counter()
+        self.where: defaultdict[tuple[str, str | None], list[str]] = defaultdict(list)
+
+    def add(self, item_id: str, calls: list[CallView]) -> None:
+        for call in calls:
+            for key in ((call.tool, None), (call.tool, call.command)):
+                self.calls[key] += 1
+                if call.outcome != "exact":
+                    self.diverged[key] += 1
+                    if len(self.where[key]) < 10 and item_id not in self.where[key]:
+                        self.where[key].append(item_id)
+
+    def top(self, *, by_command: bool) -> list[DivergenceGroup]:
+        keys = [key for key in self.diverged if (key[1] is not None) == by_command]
+        top = sorted(keys, key=lambda key: (-self.diverged[key], key[0], key[1] or ""))[:TOP_GROUPS]
+        return [
+            DivergenceGroup(
+                tool=tool, command=command, diverged=self.diverged[(tool, command)], calls=self.calls[(tool, command)],
+                items=self.where[(tool, command)],
+            )
+            for tool, command in top
+        ]  # fmt: skip
 
 
 def _arguments(plan: Any) -> dict[str, Any]:

@@ -55,7 +55,7 @@ class NextActionView(BaseModel):
 
 
 class ItemView(BaseModel):
-    """One row of the item table, and its details."""
+    """One item: its row of the table, and (within the page's budget) its details."""
 
     id: str
     line: int
@@ -63,6 +63,8 @@ class ItemView(BaseModel):
     category: str | None = None
     message: str | None = None
     agent: str | None = None
+    image: str | None = None
+    """The image it ran in, as it was asked for."""
     mode: str | None = None
     after_step: int | None = None
     replayed: int | None = None
@@ -74,19 +76,43 @@ class ItemView(BaseModel):
     errored: int = 0
     duration: float | None = None
     """Seconds, the record's ``total``."""
+    pull_wait: float | None = None
+    """Seconds it waited for its task image (pulled just in time)."""
     attempts: int = 0
     skipped: bool = False
     dir: str | None = None
     """The item's directory, relative to the report (links to its record, logs and artifacts)."""
+    tokens: int | None = None
+    """A live continuation's model tokens, in and out (every attempt's)."""
+    verified: bool | None = None
+    """With ``--verify``: whether the task's verifier passed."""
+    reward: float | None = None
     calls: list[CallView] = []
     """The replayed calls; the exact ones only while the page's budget allows (see ``exact_listed``)."""
     exact_listed: bool = True
     """False when the exact calls were left out of ``calls`` to keep the page small."""
     next_action: NextActionView | None = None
-    tokens: int | None = None
-    """A live continuation's model tokens, in and out (every attempt's)."""
     model: str | None = None
     """Its model figures in one line: calls, tokens, retries, errors, waits, latency, cost."""
+    detailed: bool = True
+    """False when the page had no room for this item's details (its calls, next action): its row only."""
+
+
+#: The row of every item, as the page's JSON holds it: one array per item, in this order, the columns an item
+#: most often leaves at their default last, and those trailing defaults left off (a 100,000-item dataset's rows
+#: are about 6 MB). Strings that repeat across items (status, category, agent, image) are indices into
+#: :attr:`ReportData.values`; booleans are 0 and 1; ``dir`` is 1 when it is the item's id.
+ROW = (
+    "id", "line", "status", "agent", "after_step", "image", "replayed", "duration", "verified", "reward",
+    "pull_wait", "diverged", "errored", "exact", "continued", "tokens", "category", "message", "attempts", "skipped",
+    "dir",
+)  # fmt: skip
+#: What a row's trailing columns default to (left off when they hold it).
+ROW_DEFAULTS: dict[str, Any] = {"diverged": 0, "errored": 0, "exact": None, "attempts": 1, "skipped": 0}
+#: The row's columns that hold indices into :attr:`ReportData.values` (repeated strings, stored once).
+INDEXED = ("status", "agent", "image", "category", "message")
+#: What an item's details hold (its :class:`ItemView` fields beyond the row).
+DETAIL = ("mode", "calls", "exact_listed", "next_action", "model")
 
 
 class PhaseStats(BaseModel):
@@ -112,8 +138,31 @@ class DivergenceGroup(BaseModel):
     """Ids of the items with such a call (the first few)."""
 
 
+class ImageRow(BaseModel):
+    """The items of one task image (or agent image)."""
+
+    image: str
+    items: int
+    ok: int
+    verified: int = 0
+    passed: int = 0
+    pull_wait_p50: float | None = None
+    """Median seconds its items waited for it."""
+
+
+class BoundaryRow(BaseModel):
+    """The items at one boundary."""
+
+    after_step: int
+    items: int
+    ok: int
+    diverged: int
+    """Items with at least one replayed call that did not reproduce its observation."""
+
+
 class ReportData(BaseModel):
-    """Everything ``report.html`` shows."""
+    """Everything ``report.html`` shows. The items are :attr:`rows` (every item, compact) and :attr:`details`
+    (the calls and next action of as many as the page's budget holds, failures and divergences first)."""
 
     schema_version: str
     title: str
@@ -121,17 +170,47 @@ class ReportData(BaseModel):
     counts: dict[str, int]
     categories: dict[str, int]
     phases: dict[str, PhaseStats]
-    items: list[ItemView]
+    rows: list[list[Any]]
+    """Every item, as arrays of :data:`ROW` (indexed columns point into :attr:`values`)."""
+    values: list[str | None]
+    """The strings the rows' indexed columns name."""
+    details: dict[str, dict[str, Any]] = {}
+    """Item id → its details (:data:`DETAIL` fields), for the items the page has room for."""
     by_tool: list[DivergenceGroup]
     by_command: list[DivergenceGroup]
+    by_image: list[ImageRow] = []
+    by_boundary: list[BoundaryRow] = []
+    images: dict[str, Any] | None = None
+    """The task images the batch pulled (``summary.json``'s ``images``)."""
+    verification: dict[str, Any] | None = None
+    """``summary.json``'s ``verification``: the pass rate and mean reward."""
     diffs_dropped: int
     """Calls that did not reproduce and have no diff because the page had no room for one."""
     exact_hidden: int
     """Items whose exact calls were left out to keep the page small."""
+    undetailed: int = 0
+    """Items whose details were left out to keep the page small (their rows are all there)."""
     model: str | None = None
     """The batch's model figures in one line (live continuations only)."""
     defaults: dict[str, dict[str, Any]]
-    """The defaults of ``item`` and ``call`` fields, which the page's JSON leaves out."""
+    """The defaults of ``call`` and ``group`` fields, which the page's JSON leaves out."""
+
+    @property
+    def items(self) -> list[ItemView]:
+        """Every item as a whole :class:`ItemView`: its row and, where the page has them, its details."""
+        views = []
+        for row in self.rows:
+            fields: dict[str, Any] = {name: ROW_DEFAULTS.get(name) for name in ROW}
+            fields |= {name: self.values[value] if name in INDEXED and value is not None else value
+                       for name, value in zip(ROW, row, strict=False)}  # fmt: skip
+            if fields["exact"] is None:
+                fields["exact"] = max(0, (fields["replayed"] or 0) - fields["diverged"] - fields["errored"])
+            if fields["dir"] == 1:
+                fields["dir"] = fields["id"]
+            detail = self.details.get(fields["id"])
+            fields["detailed"] = detail is not None
+            views.append(ItemView(**fields, **(detail or {})))
+        return views
 
     def page_json(self) -> str:
         """The JSON embedded in the page: no field that holds its default."""

@@ -81,7 +81,8 @@ def item(
     (directory / "record.json").write_text(json.dumps(record))
     return ItemResult(id=item_id, line=line, agent="claude-code", status=status, timings=record["timings"],
                       attempts=1, path=item_id, category=None if status == "ok" else status,
-                      message=None if status == "ok" else f"it ended {status}")  # fmt: skip
+                      message=None if status == "ok" else f"it ended {status}",
+                      after_step=record["inputs"]["after_step"], replayed=len(calls))  # fmt: skip
 
 
 @pytest.fixture
@@ -244,8 +245,8 @@ def test_the_page_embeds_the_data_so_that_no_string_can_break_out(tmp_path):
     embedded = re.search(r'<script id="report-data" type="application/json">(.*?)</script>', page, re.S)
     assert embedded is not None
     data = json.loads(embedded.group(1))
-    assert data["items"][0]["calls"][0]["command"] == hostile
-    assert data["items"][0]["calls"][0]["diff"] == f"@@ -1 +1 @@\n-a\n+{hostile}"
+    assert data["details"]["x"]["calls"][0]["command"] == hostile
+    assert data["details"]["x"]["calls"][0]["diff"] == f"@@ -1 +1 @@\n-a\n+{hostile}"
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page  # offline
 
 
@@ -275,9 +276,10 @@ def test_a_small_batch_keeps_everything(batch_dir):
     out, results = batch_dir
     data = gather(out, results)
     assert (data.diffs_dropped, data.exact_hidden) == (0, 0)
-    tight = gather(out, results, budget=len(gather(out, results).page_json()) - 40)
-    assert tight.diffs_dropped == 0 and tight.exact_hidden == 1  # the last item's exact calls go first
-    assert [i.exact_listed for i in tight.items] == [True, True, True, False, True, True]
+    beside_rows = len(data.model_copy(update={"rows": []}).page_json())
+    tight = gather(out, results, budget=beside_rows - 40)
+    assert tight.diffs_dropped == 0 and tight.exact_hidden == 1  # the exact calls go first, one item's here
+    assert sum(not i.exact_listed for i in tight.items) == 1
 
 
 def test_codex_observations_are_read_from_function_call_outputs(tmp_path):
@@ -330,7 +332,7 @@ def test_no_room_for_diffs_reads_no_trajectory(batch_dir, monkeypatch):
     out, results = batch_dir
     read: list[object] = []
     monkeypatch.setattr(gather_module, "read_observations", lambda *args: read.append(args) or {})
-    data = gather(out, results, budget=1000)  # less than the rows alone
+    data = gather(out, results, budget=1)  # no room for any detail: the rows only
     assert read == []
-    assert [c.diff for i in data.items for c in i.calls] == [None, None, None]  # the 3 calls that diverged
-    assert data.diffs_dropped == 3
+    assert [i.calls for i in data.items] == [[]] * 6 and data.undetailed == 4  # the 4 with a directory
+    assert [i.diverged + i.errored for i in data.items] == [0, 1, 2, 0, 0, 0]  # the counts are whole all the same

@@ -1,4 +1,4 @@
-"""``compare`` and ``report``: what finished batches say, side by side or on one page."""
+"""``results``, ``compare`` and ``report``: what finished batches say, as rows, side by side, or on one page."""
 
 from __future__ import annotations
 
@@ -52,6 +52,32 @@ def report(
     return ExitCode.OK
 
 
+def results(
+    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A batch's --out directory.", show_default=False)],
+    form: Annotated[
+        str, typer.Option("--format", metavar="jsonl|csv|parquet", help="Rows as JSON Lines, CSV or Parquet.")
+    ] = "jsonl",
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to this file (Parquet needs one); default: stdout.")
+    ] = None,
+) -> int:
+    """One row per item of a batch, to analyse (pandas, a spreadsheet, CI): its boundary, agent, image and
+    digest, status and category, replayed, diverged and continued counts, verification, tokens and cost, and
+    durations, the wait for its image included. CSV and Parquet have one column per field (dotted for nested
+    ones: verification.passed, timings.run).
+    """
+    from ...errors import UsageError
+    from ...fanout.results import load_results, write_results
+
+    if form not in ("jsonl", "csv", "parquet"):
+        raise UsageError(f"--format {form!r}: pass jsonl, csv or parquet")
+    data = write_results(load_results(run_dir.absolute()), form, output)  # type: ignore[arg-type]
+    if data is not None:
+        typer.echo(data.decode(), nl=False)
+    return ExitCode.OK
+
+
 def register(app: typer.Typer) -> None:
+    app.command()(results)
     app.command()(compare)
     app.command()(report)

@@ -19,8 +19,15 @@ from pydantic import BaseModel
 
 from ...._log import logger
 from ....files.archive import Budget, ExtractReport, harvest_tree
+from ....files.atomic import write_atomic
+from ....files.patch import workspace_patch
+from ....files.trees import Entry, WorkspaceChanges, diff_trees, snapshot
+from ....models.spec import Collect
 from ....units import format_size
 from .stage import LOG_FILES
+
+#: With ``--collect changes``: the patch from the starting workspace to the final one, in the run directory.
+PATCH_NAME = "workspace.patch"
 
 #: Logs beyond this many bytes per stream are cut (the record says so).
 LOG_LIMIT = 64 * 1024 * 1024
@@ -33,6 +40,10 @@ class Collected(BaseModel):
 
     reports: dict[str, ExtractReport] = {}
     """Tree name (``output``, ``state``, ``workspace``) → what its extraction wrote and skipped."""
+    changes: WorkspaceChanges | None = None
+    """What the replay added, changed and removed in the workspace (whatever was collected of it)."""
+    patch: int | None = None
+    """With ``--collect changes``: the bytes of ``workspace.patch``."""
 
 
 def collect_logs(staged: Path, logs: Path, *, limit: int = LOG_LIMIT) -> tuple[bool, bytes]:
@@ -42,7 +53,7 @@ def collect_logs(staged: Path, logs: Path, *, limit: int = LOG_LIMIT) -> tuple[b
     truncated = False
     tail = b""
     for name in LOG_FILES:
-        source, size = _open_log(staged / name)
+        source, size = open_log(staged / name)
         with source, (logs / name).open("wb") as sink:
             left = limit
             while left > 0 and (chunk := source.read(min(left, 2**20))):
@@ -55,7 +66,7 @@ def collect_logs(staged: Path, logs: Path, *, limit: int = LOG_LIMIT) -> tuple[b
     return truncated, tail
 
 
-def _open_log(path: Path) -> tuple[IO[bytes], int]:
+def open_log(path: Path) -> tuple[IO[bytes], int]:
     """A log file the sandbox wrote, read as untrusted: the files are ours and the sandbox user cannot replace
     them, but a sandbox let run as root could have; anything but a regular file reads as an empty stream.
     Returns the file and its size."""
@@ -70,16 +81,50 @@ def _open_log(path: Path) -> tuple[IO[bytes], int]:
     return os.fdopen(fd, "rb"), info.st_size
 
 
-def collect_trees(trees: dict[str, Path], run_dir: Path, limit: int) -> Collected:
-    """Copy each of ``trees`` (name → its directory in the staging area) to ``run_dir/<name>``, within
-    ``limit`` bytes in all. A tree the sandbox never created is left out."""
-    budget = Budget(limit)
+def collect_trees(trees: dict[str, Path], run_dir: Path, budget: Budget) -> Collected:
+    """Copy each of ``trees`` (name → its directory in the staging area) to ``run_dir/<name>``, within the
+    attempt's byte ``budget``. A tree the sandbox never created is left out."""
     collected = Collected()
     for name, path in trees.items():
         if not path.is_dir() or path.is_symlink():
             continue  # pvisor failed before creating it
         collected.reports[name] = harvest_tree(path, run_dir / name, budget)
-    if budget.exhausted:
-        limit_text = format_size(limit)
-        logger.warning("the collect limit ({}) was reached; record.json lists what was not collected", limit_text)
     return collected
+
+
+def collect_workspace(
+    collected: Collected,
+    workspace: Path,
+    run_dir: Path,
+    budget: Budget,
+    *,
+    mode: Collect,
+    before: list[Entry],
+    origin: Path | None,
+) -> None:
+    """The final ``workspace`` as ``mode`` says (``full``: every file; ``changes``: the files added and changed,
+    and ``workspace.patch`` from the starting workspace, whose files are under ``origin``, None: it started
+    empty; ``none``: nothing), into ``collected``; its changes are listed whatever the mode."""
+    if mode == "full":
+        report = harvest_tree(workspace, run_dir / "workspace", budget)
+        collected.reports["workspace"] = report
+        collected.changes = diff_trees(before, report.entries, complete=not report.truncated)
+        return
+    after = snapshot(workspace)
+    collected.changes = diff_trees(before, after)
+    if mode == "none":
+        return
+    changed = {path for path in (*collected.changes.added, *collected.changes.changed) if not path.endswith("/")}
+    keep = changed | {path.rstrip("/") for path in collected.changes.added if path.endswith("/")}
+    collected.reports["workspace"] = harvest_tree(workspace, run_dir / "workspace", budget, keep=keep.__contains__)
+    patch = workspace_patch(before, after, origin, workspace)
+    write_atomic(run_dir / PATCH_NAME, patch)
+    collected.patch = len(patch)
+
+
+def warn_if_cut(budget: Budget, limit: int) -> None:
+    """One warning when the attempt's collection stopped at ``--collect-limit``."""
+    if budget.exhausted:
+        logger.warning(
+            "the collect limit ({}) was reached; record.json lists what was not collected", format_size(limit)
+        )

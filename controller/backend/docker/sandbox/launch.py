@@ -11,7 +11,7 @@ from ..build.inject import RUNTIME_MOUNT
 from ..build.recipe import RELAY_PATH
 from ..gateway import SOCKET_MOUNT, ModelAccess
 from . import container as sandbox
-from .stage import INPUT_MOUNT, LOGS_MOUNT, RUN_MOUNT, Staging
+from .stage import INPUT_MOUNT, LOGS_MOUNT, RUN_MOUNT, VERIFIER_MOUNT, Staging
 
 GVISOR_PIDS = (
     "pids: under gVisor the limit counts the sandbox's host threads (several per process inside it), "
@@ -87,6 +87,12 @@ def container_spec(
     ]
     if prepared.image.runtime_volume:
         mounts.append(sandbox.VolumeMount(volume=prepared.image.runtime_volume, target=RUNTIME_MOUNT))
+    if staging.verifier_dir is not None:
+        mounts.append(sandbox.BindMount(source=staging.verifier_dir, target=VERIFIER_MOUNT))
+        environment |= {
+            "PVISOR_HOST_WORKSPACE": prepared.workspace_path,
+            "PVISOR_HOST_VERIFY_TIMEOUT": f"{spec.verify_timeout:g}",
+        }
     network: str = spec.network
     if model is not None:
         network = model.network
@@ -132,7 +138,7 @@ def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
         cpus=cspec.cpus,
         pids=cspec.pids,
         tmp_size=cspec.tmpfs_size,
-        timeout=prepared.spec.timeout,
+        timeout=prepared.spec.wall_limit,
         collect_limit=prepared.spec.collect_limit,
         runtime=cspec.runtime or "runc",
         runtime_version=prepared.runtime.version,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ...._version import __version__
 from ....files.digest import hash_file
-from ....files.trees import diff_trees
 from ....gateway.journal import totals
 from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
@@ -31,12 +30,13 @@ from ....models.record import (
     ReplayRecord,
     ReplayStatus,
     TrajectoryRef,
+    Verification,
 )
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import ReplayResult
 from ....units import format_duration, format_size
 from . import container as sandbox
-from .collect import Collected
+from .collect import PATCH_NAME, Collected
 from .launch import limits
 from .stage import Staging
 
@@ -60,6 +60,7 @@ class AttemptState:
         self.result: ReplayResult | None = None
         self.protocol_error: str | None = None
         self.collected = Collected()
+        self.verification: Verification | None = None
         self.logs_truncated = False
         self.interrupted = False
         self.infra_error: str | None = None
@@ -159,10 +160,6 @@ def build_record(
     info.oom_killed = state.outcome.oom_killed
     info.timed_out = state.outcome.timed_out
     reports = state.collected.reports
-    workspace = reports.get("workspace")
-    changes = None
-    if workspace is not None:
-        changes = diff_trees(staging.workspace_before, workspace.entries, complete=not workspace.truncated)
     state.timings["total"] = round(sum(v for k, v in state.timings.items() if k != "total"), 4)
     return ReplayRecord(
         pvisor_host_version=__version__,
@@ -178,7 +175,9 @@ def build_record(
         container=info,
         result=state.result,
         artifacts=_artifacts(state),
-        workspace_changes=changes,
+        workspace_changes=state.collected.changes,
+        collect=prepared.spec.collect_mode,
+        verification=state.verification,
         collection=Collection(
             truncated=any(r.truncated for r in reports.values()),
             bytes=sum(r.bytes for r in reports.values()),
@@ -224,7 +223,8 @@ def _artifacts(state: AttemptState) -> list[Artifact]:
     out = state.attempt.run_dir
     roles = _result_roles(state.result)
     artifacts: list[Artifact] = []
-    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", MODEL_JOURNAL, MODEL_CASSETTE):
+    for name in ("result.json", "logs/stdout.log", "logs/stderr.log", "logs/verify.log", PATCH_NAME, MODEL_JOURNAL,
+                 MODEL_CASSETTE):  # fmt: skip
         path = out / name
         if path.is_file():
             size, digest = hash_file(path)

@@ -35,12 +35,13 @@ from ..cleanup import usage
 from ..gateway import Gateway, ModelAccess
 from . import container as sandbox
 from . import launch
-from .collect import collect_logs, collect_trees
+from .collect import collect_logs, collect_trees, collect_workspace, warn_if_cut
 from .container import Leftovers
 from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
 from .stage import Staging, remove_staging, stage, staging_root
+from .verify import read_verification
 
 
 def run_attempt(
@@ -116,6 +117,7 @@ def _run(
             env=launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env}),
             workspace_seed=_image_seed(client, ownership, prepared, seeds),
             fill=fill,
+            verify=prepared.spec.verify,
         )
         clock = state.phase("stage", clock)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
@@ -168,7 +170,7 @@ def _config_fill(prepared: PreparedReplay, files: ImageFiles) -> Callable[[bytes
 
 def _image_seed(
     client: docker.DockerClient, ownership: Ownership, prepared: PreparedReplay, seeds: Seeds
-) -> Callable[[Path], list[Entry]] | None:
+) -> Callable[[Path], tuple[list[Entry], Path]] | None:
     if not prepared.spec.image_workspace:
         return None
     budget = Budget(prepared.spec.collect_limit)
@@ -206,19 +208,27 @@ def _run_container(
         )
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
-        state.outcome = sandbox.wait(box, spec.timeout)
+        state.outcome = sandbox.wait(box, spec.wall_limit)
         clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
         state.logs_truncated, tail = collect_logs(staging.logs_dir, out / "logs")
         _parse(state, tail)
+        budget = Budget(spec.collect_limit)
         trees = {
             "output": staging.run_dir / "output" / state.attempt.run_id,
             "state": staging.run_dir / "state" / state.attempt.run_id,
         }
-        if not spec.no_workspace:
-            trees["workspace"] = staging.workspace_dir
-        state.collected = collect_trees(trees, out, spec.collect_limit)
+        if staging.verifier_dir is not None:
+            trees["verifier"] = staging.verifier_dir
+        state.collected = collect_trees(trees, out, budget)
+        collect_workspace(
+            state.collected, staging.workspace_dir, out, budget, mode=spec.collect_mode,
+            before=staging.workspace_before, origin=staging.workspace_origin,
+        )  # fmt: skip
+        warn_if_cut(budget, spec.collect_limit)
+        if spec.verify is not None:
+            state.verification = read_verification(spec.verify, staging, out, timed_out=state.outcome.timed_out)
         state.phase("collect", clock)
 
 

@@ -81,9 +81,9 @@ class Seeds:
         budget: Budget,
         *,
         place: Path,
-    ) -> list[Entry]:
+    ) -> tuple[list[Entry], Path]:
         """Fill the new directory ``dest`` with ``path`` of the image (copied out of it, into ``place``, the
-        first time); return the snapshot of what it holds."""
+        first time); return the snapshot of what it holds, and the read-only copy it was filled from."""
         key = (image_id, path, place)
         with self._lock:
             lock = self._keys.setdefault(key, threading.Lock())
@@ -98,7 +98,7 @@ class Seeds:
                 with self._lock:
                     self._made[key] = (source, entries)
             source, _ = self._made[key]
-        return copy_tree(source, dest)
+        return copy_tree(source, dest), source
 
     def drop(self, image_id: str) -> None:
         """Remove the copies out of an image (it is gone)."""

@@ -39,6 +39,11 @@ RUN_MOUNT = "/pvisor-host/run"
 LOGS_MOUNT = "/pvisor-host/logs"
 #: The streams entry.sh writes to, in the logs directory.
 LOG_FILES = ("stdout.log", "stderr.log")
+#: With ``--verify``: the verifier's script (in the input directory), and what entry.sh writes of its run.
+VERIFY_SCRIPT = "verify.sh"
+VERIFY_FILES = ("verify.log", "verify.json")
+#: Where a verifier writes its reward (Harbor's convention): a directory of the staging, bound read-write.
+VERIFIER_MOUNT = "/logs/verifier"
 
 
 class Staging(BaseModel):
@@ -57,6 +62,11 @@ class Staging(BaseModel):
     """Keys of the trajectory's saved config filled with the agent's own defaults in the copy the sandbox reads."""
     staged_sha256: str | None = None
     """That copy's sha256, when it differs from the trajectory's."""
+    workspace_origin: Path | None = None
+    """Where the files the workspace started from are on the host (``--workspace-dir``, or the copy out of the
+    image): the patch of ``--collect changes`` is made against them. None: it started empty."""
+    verifier_dir: Path | None = None
+    """With ``--verify``: bound read-write at /logs/verifier, where a verifier writes its reward."""
 
 
 def staging_root(out_dir: Path) -> Path:
@@ -92,8 +102,9 @@ def stage(
     workspace_source: Path | None,
     user: str,
     env: dict[str, str],
-    workspace_seed: Callable[[Path], list[Entry]] | None = None,
+    workspace_seed: Callable[[Path], tuple[list[Entry], Path]] | None = None,
     fill: Callable[[bytes], tuple[bytes, list[str]]] | None = None,
+    verify: str | None = None,
 ) -> Staging:
     """Create the staging directory under ``root`` for one run (see the module docstring). ``fill`` gives the
     trajectory's bytes with what its saved config lacks filled in, and the keys it filled (mini-swe-agent)."""
@@ -127,11 +138,18 @@ def stage(
         if owner_uid is not None:
             os.chown(env_file, owner_uid, owner_gid if owner_gid is not None else owner_uid)
 
+    if verify is not None:
+        script = input_dir / VERIFY_SCRIPT
+        script.write_text(verify + "\n", encoding="utf-8")
+        script.chmod(0o555)
+
     workspace = layout.workspace_dir
+    origin: Path | None = None
     if workspace_source is not None:
         before = copy_tree(workspace_source, workspace, uid=owner_uid, gid=owner_gid)
+        origin = workspace_source
     elif workspace_seed is not None:
-        before = workspace_seed(workspace)
+        before, origin = workspace_seed(workspace)
         if owner_uid is not None:
             chown_tree(workspace, owner_uid, owner_gid if owner_gid is not None else owner_uid)
     else:
@@ -144,17 +162,29 @@ def stage(
     if owner_uid is not None:
         os.chown(run_dir, owner_uid, owner_gid or owner_uid)
     layout.logs_dir.mkdir(mode=0o755)
-    for name in LOG_FILES:
+    for name in (*LOG_FILES, *(VERIFY_FILES if verify is not None else ())):
         (layout.logs_dir / name).touch(mode=0o600)
         (layout.logs_dir / name).chmod(0o622)  # the sandbox user may write (it is not us, as root); only we read
+    verifier = None
+    if verify is not None:
+        verifier = root / "verifier"
+        verifier.mkdir(mode=0o755)
+        if owner_uid is not None:
+            os.chown(verifier, owner_uid, owner_gid if owner_gid is not None else owner_uid)
     return layout.model_copy(
-        update={"workspace_before": before, "trajectory_filled": filled, "staged_sha256": staged_sha256}
+        update={
+            "workspace_before": before,
+            "trajectory_filled": filled,
+            "staged_sha256": staged_sha256,
+            "workspace_origin": origin,
+            "verifier_dir": verifier,
+        }
     )
 
 
 def _sandbox_name(name: str) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
-    if not safe or safe in {"entry.sh", "env.sh"}:
+    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT}:
         safe = "trajectory" + (Path(name).suffix or ".jsonl")
     return safe
 
