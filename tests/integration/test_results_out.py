@@ -1,0 +1,161 @@
+"""A dataset's outputs and results, for real: ``--collect changes`` keeps the changed files and a patch that
+turns the starting workspace into the final one (in a git repository and out of one), ``--verify`` runs the
+task's verifier in the sandbox (passing, failing, timing out, writing a reward), compare sees a verification
+flip as a regression, and the results read back the same as CSV and Parquet."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from trajgen import Call, Turn, claude_session, write_jsonl
+
+#: What the replay does to the workspace: a changed file, an added one, a removed one, a mode change, a binary.
+EDITS = [
+    "printf 'def add(a, b):\\n    return a + b\\n' > calc.py",
+    "mkdir -p tests && printf 'from calc import add\\nassert add(2, 2) == 4\\n' > tests/test_calc.py",
+    "rm obsolete.txt",
+    "chmod +x run.sh",
+    "head -c 300 /dev/zero | tr '\\0' '\\1' > data.bin",
+]
+
+
+def edits_session() -> list[dict]:
+    return claude_session("Fix calc.", [Turn([Call("Bash", {"command": command}, "")]) for command in EDITS])
+
+
+def starting_workspace(root: Path, *, git: bool) -> Path:
+    root.mkdir(parents=True)
+    (root / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (root / "obsolete.txt").write_text("gone soon\n")
+    (root / "run.sh").write_text("#!/bin/sh\npython3 -c 'import calc'\n")
+    (root / "README").write_text("a task\n" * 200)
+    if git:
+        for command in (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-qm", "start"]):
+            subprocess.run(["git", "-c", "user.email=t@example.invalid", "-c", "user.name=t", *command], cwd=root,
+                           check=True)  # fmt: skip
+    return root
+
+
+def tree(root: Path) -> dict[str, tuple[bytes, bool]]:
+    """Every file under ``root`` but .git/, with its content and executable bit."""
+    return {
+        str(path.relative_to(root)): (path.read_bytes(), bool(path.stat().st_mode & 0o100))
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and ".git" not in path.relative_to(root).parts
+    }
+
+
+@pytest.mark.parametrize("git", [False, True], ids=["plain", "git"])
+def test_collect_changes_keeps_the_changed_files_and_a_patch_that_gives_the_final_workspace(
+    tmp_path, claude_image, git
+):
+    workspace = starting_workspace(tmp_path / "task", git=git)
+    trajectory = write_jsonl(tmp_path / "t.jsonl", edits_session())
+    runs = {}
+    for mode in ("changes", "full"):
+        out = tmp_path / mode
+        result = run_cli(
+            "replay", "--trajectory", trajectory, "--after-step", str(len(EDITS)), "--mode", "replay-only",
+            "--workspace-dir", workspace, "--collect", mode, "--out", out,
+        )  # fmt: skip
+        assert result.code == 0, result.stderr
+        runs[mode] = json.loads((out / "record.json").read_text())
+    changes = runs["changes"]
+    assert changes["collect"] == "changes"
+    assert (
+        changes["workspace_changes"]
+        == runs["full"]["workspace_changes"]
+        == {
+            "added": ["data.bin", "tests/", "tests/test_calc.py"],
+            "changed": ["calc.py", "run.sh"],
+            "removed": ["obsolete.txt"],
+            "complete": True,
+        }
+    )
+    collected = tree(tmp_path / "changes" / "workspace")
+    assert sorted(collected) == ["calc.py", "data.bin", "run.sh", "tests/test_calc.py"]  # README is not copied
+    # the patch turns a copy of the starting workspace into the final one, text, binary and modes alike
+    applied = tmp_path / "applied"
+    shutil.copytree(workspace, applied, symlinks=True)
+    done = subprocess.run(["git", "apply", "--whitespace=nowarn", str(tmp_path / "changes" / "workspace.patch")],
+                          cwd=applied, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert tree(applied) == tree(tmp_path / "full" / "workspace")
+    assert not filecmp.cmp(workspace / "calc.py", applied / "calc.py", shallow=False)
+    patch = next(a for a in changes["artifacts"] if a["path"] == "workspace.patch")
+    assert patch["size"] == (tmp_path / "changes" / "workspace.patch").stat().st_size > 0
+
+
+def verify_manifest(root: Path, verifies: dict[str, str]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "t.jsonl", claude_session("Make it.", [Turn([Call("Bash", {"command": "echo ok > done.txt"})])]))
+    lines = [
+        {"id": item, "trajectory": "t.jsonl", "after_step": 1, "verify": command, "verify_timeout": "3s"}
+        for item, command in verifies.items()
+    ]
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+VERIFIES = {
+    "passes": "test -f done.txt",
+    "fails": "echo 'no such file' >&2; test -f missing.txt",
+    "hangs": "sleep 60",
+    "rewarded": "echo 0.75 > /logs/verifier/reward.txt",
+}
+
+
+def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, claude_image):
+    manifest = verify_manifest(tmp_path / "data", VERIFIES)
+    out = tmp_path / "before"
+    result = run_cli("batch", manifest, "--mode", "replay-only", "--out", out, "--workers", "2", "--json")
+    assert result.code == 0, result.stderr  # every replay is ok; the verifications are their own figures
+    summary = json.loads(result.stdout)
+    assert summary["verification"] == {"verified": 4, "passed": 2, "pass_rate": 0.5, "mean_reward": 0.4375}
+    rows = {row["id"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    seen = {item: (row["verification"]["passed"], row["verification"]["reward"], row["verification"]["timed_out"])
+            for item, row in rows.items()}  # fmt: skip
+    assert seen == {
+        "passes": (True, 1.0, False),
+        "fails": (False, 0.0, False),
+        "hangs": (False, 0.0, True),
+        "rewarded": (True, 0.75, False),
+    }
+    record = json.loads((out / "fails" / "record.json").read_text())
+    assert record["verification"]["exit_code"] == 1 and "no such file" in record["verification"]["output_tail"]
+    assert json.loads((out / "rewarded" / "record.json").read_text())["verification"]["reward_source"] == "reward.txt"
+    assert (out / "rewarded" / "verifier" / "reward.txt").read_text() == "0.75\n"
+    assert rows["passes"]["after_step"] == 1 and rows["passes"]["replayed"] == 1 and rows["passes"]["diverged"] == 0
+    junit = (out / "junit.xml").read_text()
+    assert junit.count('type="verification_failed"') == 2
+
+    # The same rows as CSV and as Parquet, read back.
+    parquet = tmp_path / "rows.parquet"
+    done = run_cli("results", out, "--format", "parquet", "--output", parquet)
+    assert done.code == 0, done.stderr
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pq.read_table(parquet).to_pylist()
+    assert [row["id"] for row in table] == list(rows)
+    assert [row["verification.passed"] for row in table] == [r["verification"]["passed"] for r in rows.values()]
+    assert [row["timings.run"] for row in table] == [r["timings"]["run"] for r in rows.values()]
+    as_csv = run_cli("results", out, "--format", "csv")
+    assert as_csv.code == 0 and as_csv.stdout.splitlines()[0].startswith("id,line,after_step,agent,")
+    assert len(as_csv.stdout.splitlines()) == 5
+
+    # The same batch where the item that passed no longer does: compare calls it a regression.
+    flipped = verify_manifest(tmp_path / "data2", {**VERIFIES, "passes": "test -f missing.txt"})
+    after = tmp_path / "after"
+    again = run_cli("batch", flipped, "--mode", "replay-only", "--out", after, "--workers", "2")
+    assert again.code == 0, again.stderr
+    compared = run_cli("compare", out, after, "--json")
+    assert compared.code == 1, compared.stderr
+    changes = json.loads(compared.stdout)["changes"]
+    assert [(c["id"], c["kind"]) for c in changes if c["kind"] == "regression"] == [("passes", "regression")]
