@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,57 @@ def _record(item_dir: Path) -> dict:
 def _comparison(item_dir: Path) -> list[dict]:
     path = item_dir / "output" / "observation-comparison.json"
     return json.loads(path.read_text()) if path.exists() else []
+
+
+def dataset_copy(batch: Path, target: Path, items: int) -> Path:
+    """A batch directory of ``items`` items made of copies of ``batch``'s: each item directory's files hard-linked
+    (records, pvisor's outputs, logs), its results row under a new id. What a dataset of that size leaves."""
+    rows = [json.loads(line) for line in (batch / "results.jsonl").read_text().splitlines()]
+    target.mkdir()
+    sources = {row["id"]: [p for p in (batch / row["path"]).rglob("*") if p.is_file()] for row in rows if row["path"]}
+    with (target / "results.jsonl").open("w") as handle:
+        for n in range(items):
+            row = dict(rows[n % len(rows)])
+            original = row["id"]
+            row["id"], row["line"] = f"{original}-{n:06d}", n + 1
+            if row["path"]:
+                row["path"] = row["id"]
+                for source in sources[original]:
+                    link = target / row["id"] / source.relative_to(batch / original)
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(source, link)
+            handle.write(json.dumps(row) + "\n")
+    shutil.copyfile(batch / "summary.json", target / "summary.json")
+    return target
+
+
+def test_the_report_of_a_hundred_thousand_items(mixed_batch, chromium, tmp_path):
+    """Within 10 MB and 300 MB of memory to write, every item in its aggregates, its rows paged and filtered."""
+    big = dataset_copy(mixed_batch, tmp_path / "big", 100_000)
+    cli = str(Path(sys.executable).parent / "pvisor-host")
+    process = subprocess.Popen([cli, "report", str(big)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    assert process.returncode == 0, process.stderr.read() if process.stderr else ""
+    assert usage.ru_maxrss * 1024 <= 300 * 2**20, f"writing the report took {usage.ru_maxrss // 1024} MiB"
+    page = big / "report.html"
+    assert page.stat().st_size <= 10 * 2**20, f"report.html is {page.stat().st_size} bytes"
+    with Browser(chromium, timeout=90) as browser:
+        view = browser.open(page.as_uri())
+        view.wait_for("document.querySelectorAll('#items tr.item').length > 0")
+        assert view.js("document.getElementById('shown').textContent") == "100000 of 100000 items"
+        assert view.js("document.querySelectorAll('#items tr.item').length") == 100  # one page at a time
+        assert view.js("document.getElementById('page').textContent") == "page 1 of 1000"
+        bars = view.js(
+            "[...document.querySelectorAll('#chart-status g.bar')].map(g => [g.dataset.name, +g.dataset.count])"
+        )
+        assert sum(count for _, count in bars) == 100_000  # the aggregates count every item
+        set_control(view, "filter-status", "timeout", "change")
+        assert view.js("document.getElementById('shown').textContent") == "16667 of 100000 items"
+        view.js("document.getElementById('page-next').click()")
+        assert view.js("document.getElementById('page').textContent") == "page 2 of 167"
+        ids = view.js("[...document.querySelectorAll('#items tr.item')].map(r => r.dataset.id)")
+        assert len(ids) == 100 and all(i.startswith("slow-") for i in ids)
+        set_control(view, "filter-status", "", "change")
+        set_control(view, "filter-text", "drifts-000007", "input")
+        assert view.js("[...document.querySelectorAll('#items tr.item')].map(r => r.dataset.id)") == ["drifts-000007"]
