@@ -45,6 +45,8 @@ COMMAND_KEYS = ("command", "cmd", "file_path", "path", "pattern", "url", "query"
 #: At most this many calls of one item get a diff (the first ones that did not reproduce).
 DIFFS_PER_ITEM = 8
 TOP_GROUPS = 15
+#: Below this much room no item's details fit (an id and an empty list of calls).
+_LEAST_DETAIL = 48
 #: A row's message is cut to this many characters (the record has the whole).
 MESSAGE_CHARS = 300
 
@@ -149,11 +151,11 @@ class _Table:
 
 
 def _compact(value: Any) -> Any:
-    """Booleans as 0 and 1, seconds to the millisecond."""
+    """Booleans as 0 and 1, seconds to the hundredth."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, float):
-        return round(value, 3)
+        return round(value, 2)
     return value
 
 
@@ -259,6 +261,9 @@ def _details(
     chosen: list[tuple[ItemView, _Observations | None]] = []
     undetailed = 0
     for _, _, item_id, directory in sorted(candidates):
+        if room < _LEAST_DETAIL:  # full: the rest are counted, not read
+            undetailed += 1
+            continue
         view, source = _detail_view(out, item_id, directory)
         cost = _size({item_id: _detail_dump(view, with_exact=False)}) - 1  # its entry in "details", and a comma
         if cost > room:

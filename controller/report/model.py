@@ -103,9 +103,8 @@ class ItemView(BaseModel):
 #: are about 6 MB). Strings that repeat across items (status, category, agent, image) are indices into
 #: :attr:`ReportData.values`; booleans are 0 and 1; ``dir`` is 1 when it is the item's id.
 ROW = (
-    "id", "line", "status", "agent", "after_step", "image", "replayed", "duration", "verified", "reward",
-    "pull_wait", "diverged", "errored", "exact", "continued", "tokens", "category", "message", "attempts", "skipped",
-    "dir",
+    "id", "line", "dir", "status", "agent", "after_step", "image", "replayed", "duration", "diverged", "errored",
+    "continued", "exact", "verified", "reward", "pull_wait", "tokens", "category", "message", "attempts", "skipped",
 )  # fmt: skip
 #: What a row's trailing columns default to (left off when they hold it).
 ROW_DEFAULTS: dict[str, Any] = {"diverged": 0, "errored": 0, "exact": None, "attempts": 1, "skipped": 0}
