@@ -23,6 +23,10 @@ drifts hit both alike; medians, with the spread of the per-pair ratios. Sections
   own, every boundary of a 5-batch trajectory per task image, brought as a glob with an image template, no agent
   and ``--after-step all``: against the shell loop and every image first, as ``dataset``; then ``--plan`` of 2,000
   items (400 trajectories x 5 boundaries), its wall time and the host pvisor runs it took.
+* ``collect`` the bytes an item writes with ``--collect changes`` and with ``full``: a task image with a 200 MB
+  checkout, a replay that changes 3 files.
+* ``report``  ``report.html`` of 2,000 and of 100,000 items (copies of a real batch's): the page's size, the
+  memory and time to write it, and the time to its first rows in headless Chromium (median of 3).
 * ``gateway`` the model gateway's added latency per call, against the stub model server called directly: 1 and
   32 concurrent streamed answers, time to the first byte and to the whole answer, p50 and p99; and the
   gateway process's peak RSS while 32 streams of 10 MB each pass through it. No engine needed.
@@ -503,6 +507,15 @@ def table(results: dict[str, Any]) -> str:
         )
         lines.append(f"  first result (s): {w['first_result_seconds']}")
         lines.append(f"  --plan: {w['plan']}")
+    if "collect" in results:
+        c = results["collect"]
+        lines.append(
+            f"collect, a {c['checkout_bytes'] // 2**20} MB checkout, 3 files changed: an item writes "
+            f"{c['changes']['item_bytes']} B with changes, {c['full']['item_bytes']} B with full"
+        )
+    if "report" in results:
+        for items, row in results["report"]["rows"].items():
+            lines.append(f"report of {items} items: {row}")
     if "gateway" in results:
         g = results["gateway"]
         for row, added in g["added_latency"].items():
@@ -776,6 +789,113 @@ def swe(work: Path) -> dict[str, Any]:
         "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; --plan of 2,000"
         " items within 5 s with at most one host pvisor run per trajectory",
     }
+
+
+def collect(work: Path) -> dict[str, Any]:
+    """Bytes an item writes with ``--collect changes`` and with ``full``: a task image with a 200 MB checkout at
+    /testbed, a replay that changes 3 files in it."""
+    import io
+
+    import docker
+
+    client = docker.from_env(timeout=600)
+    base = client.images.get(image()[0]).labels["pvisor-host.base-image"]
+    megabytes = scaled(200, 20)
+    blobs = f"for n in $(seq 1 200); do head -c {megabytes * 2**20 // 200} /dev/urandom > blob$n.bin; done"
+    files = "printf 'a = 1\\n' > /testbed/app.py && printf 'b = 2\\n' > /testbed/lib.py"
+    dockerfile = f"FROM {base}\nRUN mkdir -p /testbed/src && cd /testbed/src && {blobs} && {files}\nWORKDIR /testbed\n"
+    built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+    tag = "pvisor-host-bench/checkout:latest"
+    built.tag("pvisor-host-bench/checkout", "latest")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from trajgen import Call, Turn, claude_session
+
+    edits = ["printf 'a = 10\\n' > app.py", "printf 'c = 3\\n' > new.py", "rm lib.py"]
+    events = claude_session("Edit.", [Turn([Call("Bash", {"command": c}, "")]) for c in edits], cwd="/testbed")
+    trajectory = work / "edits.jsonl"
+    trajectory.write_text("".join(json.dumps(event) + "\n" for event in events))
+    sizes: dict[str, Any] = {}
+    try:
+        for mode in ("changes", "full"):
+            out = work / mode
+            command = [CLI, "replay", "--image", tag, "--inject", "--image-workspace", "--trajectory", str(trajectory),
+                       "--after-step", "3", "--mode", "replay-only", "--collect", mode, "--out", str(out)]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"replay --collect {mode} failed: {done.stderr[-800:]}")
+            record = json.loads((out / "record.json").read_text())
+            sizes[mode] = {
+                "item_bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink()),
+                "changes": record["workspace_changes"],
+            }
+    finally:
+        client.images.remove(tag, force=True)
+    return {
+        "checkout_bytes": megabytes * 2**20,
+        "changes": sizes["changes"],
+        "full": sizes["full"],
+        "ratio_full_to_changes": round(sizes["full"]["item_bytes"] / sizes["changes"]["item_bytes"], 1),
+        "target": "an item's directory at most 1 MB under --collect changes, with the 3 changes and their patch",
+    }
+
+
+def report(work: Path) -> dict[str, Any]:
+    """The report of 100,000 items copied from a real batch of 6 (the test suite's way): the page's size, the
+    memory and time to write it, and the time to its first rows in Chromium, against the 2,000-item page."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from browser import Browser, chromium_path
+
+    source = work / "source"
+    manifest = write_manifest(work / "report.jsonl", 6, "r")
+    done = subprocess.run(batch_command(manifest, source, "replay-only", "--quiet"), capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"the report's source batch failed: {done.stderr[-800:]}")
+    chromium = chromium_path()
+    rows: dict[str, Any] = {}
+    for items in (2_000, scaled(100_000, 2_000)):
+        big = _linked_copy(source, work / f"copy-{items}", items)
+        started = time.time()
+        process = subprocess.Popen([CLI, "report", str(big)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        written = time.time() - started
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"report of {items} items failed")
+        row: dict[str, Any] = {
+            "page_bytes": (big / "report.html").stat().st_size,
+            "write_seconds": round(written, 2),
+            "write_peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        }
+        if chromium is not None:
+            renders = []
+            for _ in range(3):
+                with Browser(chromium, timeout=120) as browser:
+                    opened = time.time()
+                    page = browser.open((big / "report.html").as_uri())
+                    page.wait_for("document.querySelectorAll('#items tr.item').length > 0")
+                    renders.append(time.time() - opened)
+            row["first_render_seconds"] = round(median(renders), 2)
+        rows[str(items)] = row
+    return {
+        "rows": rows,
+        "target": "100,000 items: a page of at most 10 MB, written in at most 300 MB, first rows within 3 s",
+    }
+
+
+def _linked_copy(batch: Path, target: Path, items: int) -> Path:
+    """``items`` items of ``batch``'s results under new ids, each item's directory a link to a real one."""
+    rows = [json.loads(line) for line in (batch / "results.jsonl").read_text().splitlines()]
+    target.mkdir()
+    with (target / "results.jsonl").open("w") as handle:
+        for n in range(items):
+            row = dict(rows[n % len(rows)])
+            original = row["id"]
+            row["id"], row["line"] = f"{original}-{n:06d}", n + 1
+            if row.get("path"):
+                row["path"] = row["id"]
+                (target / row["id"]).symlink_to(batch / original, target_is_directory=True)
+            handle.write(json.dumps(row) + "\n")
+    shutil.copyfile(batch / "summary.json", target / "summary.json")
+    return target
 
 
 def swe_session(batches: int) -> str:
@@ -1163,7 +1283,7 @@ def _memory(client: Any, name: str) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset,swe,gateway")
+    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset,swe,collect,report,gateway")
     parser.add_argument("--results", default=str(ROOT / "bench-results.json"))
     args = parser.parse_args()
     sections = args.only.split(",")
@@ -1195,6 +1315,12 @@ def main() -> int:
         if "swe" in sections:
             (work / "swe").mkdir()
             results["swe"] = swe(work / "swe")
+        if "collect" in sections:
+            (work / "collect").mkdir()
+            results["collect"] = collect(work / "collect")
+        if "report" in sections:
+            (work / "report").mkdir()
+            results["report"] = report(work / "report")
         if "gateway" in sections:
             (work / "gateway").mkdir()
             results["gateway"] = gateway(work / "gateway")
