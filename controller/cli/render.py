@@ -336,8 +336,12 @@ def batch_plan(
         console.file.write("[]\n" if separator == "[" else "\n]\n")
         return
     actions: Counter[str] = Counter()
+    writes, unknown = 0, 0
     for plan in plans:
         actions[plan.action] += 1
+        if plan.action == "run" and plan.collect is not None:
+            writes += plan.write_bytes or 0
+            unknown += plan.write_bytes is None
         style = {"run": "green", "skip": "dim", "reject": "red"}[plan.action]
         console.print(f"[bold]{plan.id}[/bold] (line {plan.line}): [{style}]{plan.action}[/{style}]", highlight=False)
         grid = Table.grid(padding=(0, 2))
@@ -361,8 +365,14 @@ def batch_plan(
             if plan.model_gateway:
                 grid.add_row("model", f"host-side gateway over {plan.model_gateway}")
             grid.add_row("command", shlex.join(plan.command))
+            if plan.collect is not None:
+                size = format_size(plan.write_bytes) if plan.write_bytes is not None else "its workspace from the image"
+                grid.add_row("writes", f"about {size} (--collect {plan.collect})")
             grid.add_row("key", plan.content_key or "known once the image is built")
         console.print(grid)
+    if writes or unknown:
+        more = f", plus the workspaces of {unknown} items from their images" if unknown else ""
+        console.print(f"about {format_size(writes)} to write{more}", highlight=False)
     console.print(
         f"{actions.total()} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
     )

@@ -21,8 +21,10 @@ from pydantic import BaseModel
 from ..backend.base import AnyBackend
 from ..errors import ExitCode, PvisorHostError
 from ..files.digest import tree_sha256
+from ..files.space import tree_bytes
 from ..models.image import ImageCost, ImagePlan, ImagePreview
 from ..models.record import Limits
+from ..models.spec import ReplaySpec
 from ..preflight.checks import agent_checks, check_inputs, runtime_checks
 from ..preflight.prepare import assemble
 from ..units import format_size
@@ -61,6 +63,11 @@ class ItemPlan(BaseModel):
     """For a task image (``image``): whether the engine has it already."""
     pull_bytes: int | None = None
     """For a task image the engine does not have: what pulling it downloads (its registry's manifest)."""
+    collect: str | None = None
+    """What of the workspace it collects: ``full``, ``changes`` or ``none``."""
+    write_bytes: int | None = None
+    """About how many bytes its run directory will take: its record, logs and pvisor's output, plus the whole
+    workspace with ``full`` (None: the workspace comes from an image, whose size is known once it is pulled)."""
 
 
 class ImagesPlanned:
@@ -92,6 +99,7 @@ def plan_batch(
     """Plan every item, one at a time (see the module docstring); ``images`` collects the task images."""
     previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
     workspaces: Memo[str] = Memo()
+    sizes: Memo[int] = Memo()
     images = images if images is not None else ImagesPlanned()
     for item in items:
         try:
@@ -102,7 +110,7 @@ def plan_batch(
                 if not cost.present:
                     yield _plan_unpulled(item, cost, options)
                     continue
-            yield _plan_item(item, backend, options, previews, workspaces)
+            yield _plan_item(item, backend, options, previews, workspaces, sizes)
         except PvisorHostError as exc:
             yield ItemPlan(
                 id=item.id,
@@ -139,6 +147,7 @@ def _plan_item(
     options: BatchOptions,
     previews: Memo[tuple[ImagePlan, ImagePreview]],
     workspaces: Memo[str],
+    sizes: Memo[int],
 ) -> ItemPlan:
     spec = item.spec
     run_dir = options.out / item.id
@@ -175,7 +184,23 @@ def _plan_item(
         image_present=True if spec.image is not None else None,
         pull_bytes=0 if spec.image is not None else None,
     )
+    result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, sizes)
     earlier = finished_result(run_dir, key, options.rerun_failed) if key is not None else None
     if earlier is not None:
         result = result.model_copy(update={"action": "skip", "reason": f"finished earlier: {earlier.status}"})
     return result
+
+
+#: What a replay writes beside its workspace, about: its record, logs, and pvisor's output and state trees.
+RUN_BYTES = 256 * 1024
+
+
+def _write_bytes(spec: ReplaySpec, sizes: Memo[int]) -> int | None:
+    """About how many bytes an item's run directory takes (see :attr:`ItemPlan.write_bytes`): a changed
+    workspace is not known before the replay, so ``changes`` counts as its record's share only."""
+    if spec.collect_mode != "full":
+        return RUN_BYTES
+    if spec.workspace_dir is not None:
+        source = spec.workspace_dir
+        return RUN_BYTES + sizes.get(source, lambda: tree_bytes(source))
+    return None if spec.image_workspace else RUN_BYTES
