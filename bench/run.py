@@ -946,8 +946,8 @@ def _swe_plan(work: Path, session: str, batches: int) -> dict[str, Any]:
     trajs.mkdir(parents=True)
     for n in range(files):  # each file its own content: nothing is cached across files
         (trajs / f"bench__plan-{n}.jsonl").write_text(session.replace("Fix the issue.", f"Fix issue {n}."))
-    command = [CLI, "batch", "--trajectories", str(trajs / "*.jsonl"), "--after-step", "all", "--plan", "--json",
-               "--out", str(work / "out")]  # fmt: skip
+    command = [CLI, "batch", "--trajectories", str(trajs / "*.jsonl"), "--after-step", "all", "--mode", "replay-only",
+               "--plan", "--json", "--out", str(work / "out")]  # fmt: skip
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True)
     wall = time.time() - started
