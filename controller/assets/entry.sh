@@ -9,29 +9,35 @@ if [ -n "${PVISOR_HOST_RELAY:-}" ]; then
     # shellcheck disable=SC2086 # "PORT SOCKET" is two arguments
     "${PVISOR_HOST_RELAY_BIN}" $PVISOR_HOST_RELAY &
 fi
-if [ -r /pvisor-host/input/env.sh ]; then
-    set -a
-    . /pvisor-host/input/env.sh
-    set +a
-fi
 if [ ! -r /pvisor-host/input/verify.sh ]; then
+    if [ -r /pvisor-host/input/env.sh ]; then
+        set -a
+        . /pvisor-host/input/env.sh
+        set +a
+    fi
     exec "$@"
 fi
-# --verify: pvisor first (its exit code stays the sandbox's), then the task's verifier in the workspace, with
-# its own time limit where the image has coreutils' timeout (else the container's wall limit bounds it).
+# --verify (see pvisor_host/backend/docker/sandbox/verify.py). pvisor first, with the --env values; then,
+# with nothing of the replay left running and none of its values in the environment, the task's verifier,
+# once the host has collected the workspace as pvisor left it. The sandbox's exit code is the verifier's.
 set +e
-"$@"
+(
+    if [ -r /pvisor-host/input/env.sh ]; then
+        set -a
+        . /pvisor-host/input/env.sh
+        set +a
+    fi
+    exec "$@"
+)
 code=$?
-clock() { now=$(date +%s.%N 2>/dev/null); case "$now" in *N*|"") date +%s ;; *) echo "$now" ;; esac; }
+printf '{"exit_code": %d}\n' "$code" >/pvisor-host/logs/pvisor.json
+kill -KILL -1 2>/dev/null  # every process but this shell and init: the agent's leftovers, the relay
+rm -rf /logs/verifier/* /logs/verifier/.[!.]* 2>/dev/null
+waited=0
+until [ -e /pvisor-host/input/verify.go ]; do
+    sleep 0.1 2>/dev/null || sleep 1
+    waited=$((waited + 1))
+    [ "$waited" -lt 36000 ] || exit 125  # no word from the host: it is gone
+done
 cd "${PVISOR_HOST_WORKSPACE:-/}" 2>/dev/null || cd /
-started=$(clock)
-if command -v timeout >/dev/null 2>&1; then
-    timeout -k 10 "${PVISOR_HOST_VERIFY_TIMEOUT:-1800}" /bin/sh /pvisor-host/input/verify.sh \
-        >/pvisor-host/logs/verify.log 2>&1 </dev/null
-else
-    /bin/sh /pvisor-host/input/verify.sh >/pvisor-host/logs/verify.log 2>&1 </dev/null
-fi
-verified=$?
-printf '{"exit_code": %d, "started": %s, "ended": %s}\n' "$verified" "$started" "$(clock)" \
-    >/pvisor-host/logs/verify.json
-exit "$code"
+exec /bin/sh /pvisor-host/input/verify.sh >/pvisor-host/logs/verify.log 2>&1 </dev/null

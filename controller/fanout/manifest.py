@@ -136,12 +136,12 @@ def _item(number: int, fields: dict[str, Any], defaults: dict[str, Any], seen: d
         if name in fields:
             raise UsageError(f"{name}: a batch sets it for every item ({value}); drop it from the line")
     merged = {**defaults, **fields}
-    if "collect" not in merged and not merged.get("no_workspace"):
-        merged["collect"] = BATCH_COLLECT
     try:
         spec = ReplaySpec(**merged)
     except ValidationError as exc:
         raise UsageError(describe_validation_error(exc, flags=False)) from None
+    if spec.collect is None and not spec.no_workspace:
+        spec = spec.model_copy(update={"collect": BATCH_COLLECT})
     _host_checks(spec)
     item_id = str(raw_id) if raw_id is not None else default_item_id(spec)
     if not _ID.match(item_id):
@@ -270,6 +270,8 @@ class Rows:
             yield from self._expand(number, row)
         except UsageError as exc:
             yield number, exc.one_line()
+        except OSError as exc:  # the trajectory went while it was read
+            yield number, f"cannot read {exc.filename or 'the trajectory'}: {exc.strerror}"
 
     def _expanded(self, number: int, row: dict[str, Any]) -> list[Entry]:
         return list(self.expand(number, row))
@@ -277,8 +279,9 @@ class Rows:
     def expand_all(self, rows: Iterable[Row]) -> Iterator[Entry]:
         """The items of every row, in order; rows are expanded a few at a time on a small pool, since counting
         a trajectory's boundaries runs the host's pvisor (once per file: :mod:`..preflight.survey`)."""
-        with futures.ThreadPoolExecutor(max_workers=_EXPANDERS, thread_name_prefix="pvh-rows") as pool:
-            pending: collections.deque[futures.Future[list[Entry]]] = collections.deque()
+        pool = futures.ThreadPoolExecutor(max_workers=_EXPANDERS, thread_name_prefix="pvh-rows")
+        pending: collections.deque[futures.Future[list[Entry]]] = collections.deque()
+        try:
             for number, row in rows:
                 if isinstance(row, str):
                     pending.append(_done([(number, row)]))
@@ -288,6 +291,10 @@ class Rows:
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
+        finally:  # Ctrl-C, an error, or a reader that stopped early: what is queued is not run
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
         row = self.columns.apply(dict(row))
@@ -304,6 +311,7 @@ class Rows:
         trajectory = fields.get("trajectory")
         if not isinstance(trajectory, str | Path) or not str(trajectory):
             raise UsageError("trajectory: is required")
+        check_stat(Path(trajectory))
         if "after_step" in fields:
             steps = parse_steps(fields.pop("after_step"))
         elif self.default_steps is not None:
@@ -312,16 +320,16 @@ class Rows:
             raise UsageError("after_step: is required")
         agent = fields.get("agent", self.item_defaults.get("agent"))
         image = fields.get("image", self.item_defaults.get("image") or self.image_template)
-        inject = fields.get("inject", self.item_defaults.get("inject"))
+        inject = _flag(fields.get("inject", self.item_defaults.get("inject")))
         if agent is None:  # an image's label may name it, unless the agent is to be injected into the image
-            agent = self._detect(Path(trajectory), needed=image is None or bool(inject))
+            agent = self._detect(Path(trajectory), needed=image is None or inject)
             if agent is not None:
                 fields["agent"] = agent
         values = {**{k: v for k, v in row.items() if isinstance(v, str | int | float)}, **path_fields(trajectory)}
         explicit_id = fields.pop("id", None)
+        values["id"] = explicit_id if explicit_id is not None else Path(trajectory).stem
         if explicit_id is None and self.id_template is not None:
             explicit_id = self.id_template.render(values)
-        values["id"] = explicit_id if explicit_id is not None else Path(trajectory).stem
         if image_template is not None:
             fields["image"] = image_template.render(values)
         for step in self._steps(steps, agent, Path(trajectory)):
@@ -361,6 +369,13 @@ class Rows:
 #: Rows expanded at once, and rows read ahead of the one being yielded.
 _EXPANDERS = max(2, min(8, os.cpu_count() or 1))
 _WINDOW = 256
+
+
+def _flag(value: Any) -> bool:
+    """A boolean field as a row gives it: ``true``, or a table's ``"true"``, ``"1"``, ``"yes"``."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def _done(value: list[Entry]) -> futures.Future[list[Entry]]:

@@ -481,8 +481,8 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
             asked.set()
             waiting = time.monotonic()
             with batch.task_image(spec):
+                pull_wait = round(time.monotonic() - waiting, 4)  # the task image is here (pulled, or waited for)
                 image = batch.image(spec)
-                pull_wait = round(time.monotonic() - waiting, 4)
                 key = content_key(spec, trajectory.sha256, image.image, batch.workspace_sha256(spec.workspace_dir))
                 earlier = finished_result(run_dir, key, batch.options.rerun_failed)
                 if earlier is not None:

@@ -64,6 +64,8 @@ def parse_steps(value: Any, *, name: str = "after_step") -> StepSelection:
     """
     if isinstance(value, bool):  # bool is an int to Python, never a boundary
         raise _bad(name, value)
+    if isinstance(value, float) and value.is_integer():  # a Parquet column of integers with a null in it
+        value = int(value)
     if isinstance(value, int):
         return StepSelection(steps=(_positive(value, name),), plain=True)
     if isinstance(value, str):

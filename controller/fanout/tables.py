@@ -31,6 +31,8 @@ _JSONL = {".jsonl", ".ndjson", ".json"}
 _CSV = {".csv": ",", ".tsv": "\t"}
 _PARQUET = {".parquet", ".pq"}
 _PARQUET_BATCH = 4096
+#: The largest CSV cell read (csv's own limit is 128 KiB).
+_CELL_LIMIT = 256 * 1024 * 1024
 
 
 class ColumnMap(BaseModel):
@@ -122,6 +124,12 @@ def read_rows(path: Path) -> Iterator[Row]:
 
 def _jsonl(path: Path) -> Iterator[Row]:
     with path.open("r", encoding="utf-8") as handle:
+        if handle.read(1) == "[":
+            raise UsageError(
+                f"--manifest {path} is one JSON array; write JSON Lines, an object per line "
+                "(pandas: to_json(orient='records', lines=True))"
+            )
+        handle.seek(0)
         for number, text in enumerate(handle, start=1):
             if not text.strip() or text.lstrip().startswith("#"):
                 continue
@@ -134,18 +142,27 @@ def _jsonl(path: Path) -> Iterator[Row]:
 
 
 def _csv(path: Path, delimiter: str) -> Iterator[Row]:
+    csv.field_size_limit(_CELL_LIMIT)  # a dataset's cells (a patch, a problem statement) outgrow csv's 128 KiB
     with path.open("r", encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle, delimiter=delimiter)
-        if not reader.fieldnames:
-            return
-        for row in reader:
-            number = reader.line_num
-            if None in row:  # DictReader's key for cells past the header's columns
-                yield number, f"more cells than the header's {len(reader.fieldnames)} columns"
-                continue
-            cells = {k.strip(): v for k, v in row.items() if k and v is not None and v.strip() != ""}
-            if cells:
-                yield number, cells
+        try:
+            if not reader.fieldnames:
+                return
+            yield from _csv_rows(reader)
+        except csv.Error as exc:
+            raise UsageError(f"--manifest {path}:{reader.line_num}: not CSV ({exc})") from None
+
+
+def _csv_rows(reader: csv.DictReader[str]) -> Iterator[Row]:
+    columns = len(reader.fieldnames or [])
+    for row in reader:
+        number = reader.line_num
+        if None in row:  # DictReader's key for cells past the header's columns
+            yield number, f"more cells than the header's {columns} columns"
+            continue
+        cells = {k.strip(): v for k, v in row.items() if k and v is not None and v.strip() != ""}
+        if cells:
+            yield number, cells
 
 
 def _parquet(path: Path) -> Iterator[Row]:

@@ -314,6 +314,25 @@ def harvest_tree(root: Path, dest: Path, budget: Budget, *, keep: Callable[[str]
     return work.report
 
 
+def snapshot_tree(root: Path) -> list[Entry]:
+    """The untrusted tree ``root`` as :func:`harvest_tree` would list what it copies, without copying: each
+    regular file hashed, links as links (never followed), directories the sandbox locked unlocked (we own them),
+    devices, FIFOs and sockets left out."""
+    entries: list[Entry] = []
+    for member, path in _members(root):
+        if member.type == tarfile.DIRTYPE:
+            entries.append(Entry(path=member.name, kind="dir"))
+        elif member.type == tarfile.SYMTYPE:
+            entries.append(Entry(path=member.name, kind="symlink", target=member.linkname))
+        elif member.type == tarfile.REGTYPE:
+            with _open_regular(path) as handle:
+                size, digest = copy_hashing(handle)
+            entries.append(
+                Entry(path=member.name, kind="file", size=size, sha256=digest, executable=bool(member.mode & 0o100))
+            )
+    return entries
+
+
 def _members(root: Path) -> Iterator[tuple[tarfile.TarInfo, Path]]:
     """Every entry below ``root`` as a tar member (depth first, by name), with its path."""
     pending = [""]

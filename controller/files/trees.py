@@ -91,48 +91,6 @@ def copy_tree(source: Path, dest: Path, *, uid: int | None = None, gid: int | No
     return entries
 
 
-def snapshot(root: Path) -> list[Entry]:
-    """The snapshot of ``root`` as :func:`copy_tree` would return it, without copying: each regular file hashed,
-    links as links (never followed), devices, FIFOs and sockets left out. A directory or file the sandbox made
-    unreadable is unlocked first (we own it, as the staging's owner)."""
-    entries: list[Entry] = []
-
-    def walk(directory: Path, relative: str) -> None:
-        try:
-            listing = os.scandir(directory)
-        except PermissionError:
-            os.chmod(directory, 0o700)
-            listing = os.scandir(directory)
-        with listing:
-            items = sorted(listing, key=lambda e: e.name)
-        for item in items:
-            rel = f"{relative}{item.name}"
-            info = item.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
-                entries.append(Entry(path=rel, kind="symlink", target=os.readlink(item.path)))
-            elif stat.S_ISDIR(info.st_mode):
-                entries.append(Entry(path=rel, kind="dir"))
-                walk(Path(item.path), rel + "/")
-            elif stat.S_ISREG(info.st_mode):
-                size, digest = _hash_untrusted(Path(item.path))
-                executable = bool(info.st_mode & 0o111)
-                entries.append(Entry(path=rel, kind="file", size=size, sha256=digest, executable=executable))
-
-    walk(root, "")
-    return entries
-
-
-def _hash_untrusted(path: Path) -> tuple[int, str]:
-    """Size and sha256 of a regular file a sandbox wrote, not following a link put in its place."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except PermissionError:  # a file the sandbox made unreadable; as its owner we may read it again
-        os.chmod(path, 0o600)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as handle:
-        return copy_hashing(handle)
-
-
 def _copy_file(source: Path, target: Path, relative: str, mode: int) -> Entry:
     executable = bool(mode & 0o111)
     with source.open("rb") as reader, target.open("xb") as writer:

@@ -25,8 +25,9 @@ __all__ = [
 SUMMARY_SCHEMA = "pvisor-host.batch-summary/v1"
 #: Record statuses that count as finished (``interrupted`` does not: a rerun runs the item again).
 FINAL_STATUSES = frozenset({"ok", "replay_failed", "timeout", "oom", "infra_error"})
-PHASES = ("pull_wait", "preflight", "image", "stage", "create", "run", "collect", "total")
-"""Seconds per phase of an item: the wait for its task image (pulled just in time), then its replay's phases."""
+PHASES = ("pull_wait", "preflight", "image", "stage", "create", "run", "collect", "verify", "total")
+"""Seconds per phase of an item: the wait for its task image (pulled just in time), its replay's phases, and its
+verifier's (``--verify``)."""
 #: One :class:`ItemResult` per line, in manifest order: every item, including those that got no record.
 RESULTS_FILE = "results.jsonl"
 

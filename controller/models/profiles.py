@@ -156,7 +156,7 @@ class TrajectoryFormat(_Model):
     config_defaults: str | None = None
     """A JSON file in the agent's image with the agent's own default configurations (mini-swe-agent: its
     ``mini.yaml`` and ``mini_textbased.yaml``): what a saved trajectory's config lacks and pvisor's runner needs
-    is filled from it (:func:`pvisor_host.preflight.trajectory.fill_config`)."""
+    is filled from it (:func:`pvisor_host.backend.docker.sandbox.native.fill_config`)."""
 
 
 class NativeArtifacts(_Model):

@@ -272,16 +272,21 @@ class Verification(BaseModel):
 
     command: str
     exit_code: int | None = None
-    """None: the verifier never finished (the sandbox was stopped first)."""
+    """None: the verifier did not run to its end (see ``note``)."""
     passed: bool
     """It exited 0 within ``--verify-timeout``."""
     timed_out: bool = False
+    """Killed at ``--verify-timeout``."""
+    oom_killed: bool = False
+    """Killed because the sandbox ran out of memory while it ran."""
     seconds: float | None = None
     output_tail: str = ""
     """The last 4 KiB of its output (the whole, cut at 16 MiB, is ``logs/verify.log``)."""
     reward: float | None = None
     """The reward it wrote (``/logs/verifier/reward.txt`` or ``reward.json``), else 1 or 0 from ``passed``."""
     reward_source: Literal["reward.txt", "reward.json", "exit_code"] | None = None
+    note: str | None = None
+    """Why it did not run to its end, when it did not."""
 
 
 class BatchInfo(BaseModel):

@@ -379,11 +379,6 @@ class ReplaySpec(BaseModel):
         return self.collect or "full"
 
     @property
-    def wall_limit(self) -> float:
-        """The container's wall-clock limit: ``--timeout``, plus ``--verify-timeout`` when a verifier runs."""
-        return self.timeout + (self.verify_timeout if self.verify else 0.0)
-
-    @property
     def continuation(self) -> ModelUpstream | None:
         """The upstream of a live continuation (``--mode continue`` with ``--model-base-url``), else None."""
         return self.upstream if self.mode == "continue" else None
@@ -452,6 +447,17 @@ def parse_user(user: str) -> tuple[int, int]:
         return 0, 0
     uid_text, _, gid_text = user.partition(":")
     return int(uid_text), int(gid_text or uid_text)
+
+
+def known_user(configured: str) -> str | None:
+    """``uid:gid`` of an image's configured user (``USER``) when its text alone says it (``""`` and ``root`` are
+    root); None when only the image's ``/etc/passwd`` can (a name, or a uid alone, whose group is its entry's)."""
+    user, _, group = configured.partition(":")
+    if user in ("", "root", "0") and group in ("", "root", "0"):
+        return "0:0"
+    if user.isdigit() and group.isdigit():
+        return f"{user}:{group}"
+    return None
 
 
 def default_user() -> str:

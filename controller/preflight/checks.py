@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import tempfile
 import time
@@ -34,7 +33,7 @@ from ..models.replay import (
     SandboxProfile,
     TrajectoryInfo,
 )
-from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
+from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, known_user, parse_user
 from .hostpvisor import prepare_only
 from .survey import prefix_model_turns, survey
 from .trajectory import check_agent, check_file, detect_agent, recorded_workspace
@@ -328,16 +327,11 @@ def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfil
     """
     if checked.spec.user is not None or profile == "strict":
         return checked.user
-    configured = image.user or ""
-    if configured in ("", "root"):
-        user = "0:0"
-    elif re.match(r"^\d+:\d+$", configured):
-        user = configured
-    elif configured.isdigit():
-        user = f"{configured}:0"  # the engine's rule for a uid with no passwd entry
-    else:
+    user = known_user(image.user or "")
+    if user is None:  # a local engine read the image's /etc/passwd already; a cluster's driver has no image
         raise UsageError(
-            f"task image {image.ref} runs as user {configured!r}, which cannot be resolved before a node has the image",
+            f"task image {image.ref} runs as user {image.user!r}, which only the image's /etc/passwd can say, "
+            "and no node has the image yet",
             hint="pass --user UID[:GID] (or --strict)",
         )
     uid, _ = parse_user(user)

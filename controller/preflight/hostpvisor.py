@@ -31,6 +31,8 @@ from ..models.result import ReplayResult, ResultFailure, parse_result
 #: Where pre-flight's throw-away pvisor directories go: memory, where the host has it (a dataset makes one per
 #: trajectory file, and removing them from a disk costs more than pvisor's run).
 _SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+#: The free memory there that makes it the scratch (a trajectory's prefix is copied once per run).
+_SCRATCH_ROOM = 512 * 1024 * 1024
 #: Seconds the host's pvisor may take to parse a trajectory (it takes milliseconds).
 _TIMEOUT = 120
 
@@ -81,44 +83,30 @@ def prepare_only(
     session_id: str | None = None,
     boundary_user_prompt: str | None = None,
 ) -> tuple[ReplayResult, PvisorPlan]:
-    """Run ``pvisor replay --prepare-only`` on the host in a temporary directory.
+    """Run ``pvisor replay --prepare-only`` on the host at one boundary, as the sandbox will run it.
 
     Raises:
         PreflightRejected: pvisor reported a failure (its category and message are kept).
         ResultProtocolError: pvisor printed no v3 result.
-        InfrastructureError: pvisor hung or could not be run.
+        InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
     extra = ["--run-id", run_id]
     if session_id:
         extra += ["--session-id", session_id]
     if boundary_user_prompt:
         extra += ["--boundary-user-prompt", boundary_user_prompt]
-    with tempfile.TemporaryDirectory(prefix="pvisor-host-preflight-") as scratch:
-        root = Path(scratch)
-        done = _prepare_only(root, agent, trajectory, after_step, extra)
-        if done.returncode != 0 and not done.stdout.strip():
-            # clap argument errors print usage text on stderr and no JSON.
-            message = done.stderr.decode(errors="replace").strip().splitlines()
-            raise PreflightRejected("configuration_error", message[0] if message else f"exit {done.returncode}")
-        _, result = parse_result(done.stdout)
-        if result.failure is not None:
-            raise PreflightRejected(result.failure.category, result.failure.message)
-        manifest = root / "output" / run_id / "manifest.json"
-        tool_calls = _manifest_tool_calls(manifest)
+    result, manifest = _ask(agent, trajectory, after_step, extra)
+    if result.failure is not None:
+        raise PreflightRejected(result.failure.category, result.failure.message)
+    tool_calls = sum(len(batch) for batch in _tools(manifest))
     return result, PvisorPlan(
         after_step=after_step, prefix_model_turns=result.prefix_model_turns or after_step, tool_calls=tool_calls
     )
 
 
-def _manifest_tool_calls(manifest: Path) -> int:
-    try:
-        boundary = json.loads(manifest.read_text(encoding="utf-8")).get("boundary", {})
-        return int(boundary.get("tool_calls", 0))
-    except (OSError, ValueError, TypeError):
-        return 0
-
-
 _BATCHES = re.compile(r"^requested after-step (\d+), trajectory has (\d+) complete batches$")
+#: pvisor's failure categories that say something about the host (its disk, its processes), not the trajectory.
+_HOST_CATEGORIES = frozenset({"executor_error", "internal_error", "workspace_error", "ambiguous_execution"})
 
 
 class Probe(BaseModel):
@@ -139,23 +127,71 @@ def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
 
     Raises:
         ResultProtocolError: pvisor printed no v3 result.
-        InfrastructureError: pvisor hung or could not be run.
+        InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
-    with tempfile.TemporaryDirectory(prefix="pvisor-host-probe-", dir=_SCRATCH) as scratch:
+    result, manifest = _ask(agent, trajectory.absolute(), after_step, ["--run-id", "probe"])
+    if result.failure is not None:
+        found = _BATCHES.match(result.failure.message)
+        return Probe(after_step=after_step, failure=result.failure, complete=int(found.group(2)) if found else None)
+    return Probe(after_step=after_step, prefix_model_turns=result.prefix_model_turns, batches=_tools(manifest))
+
+
+def _ask(agent: str, trajectory: Path, after_step: int, extra: list[str]) -> tuple[ReplayResult, dict[str, Any]]:
+    """pvisor's result and (when it wrote one) its ``manifest.json``, from a ``--prepare-only`` run in a scratch
+    directory. A refusal of the request itself (clap's usage errors print no JSON) is a ``configuration_error``
+    result; a pvisor that was killed, or failed for the host's reasons, is an infrastructure error.
+
+    Raises:
+        ResultProtocolError: pvisor printed no v3 result.
+        InfrastructureError: see above.
+    """
+    with _scratch() as scratch:
         root = Path(scratch)
-        done = _prepare_only(root, agent, trajectory.absolute(), after_step, ["--run-id", "probe"])
+        done = _prepare_only(root, agent, trajectory, after_step, extra)
+        if done.returncode < 0:
+            raise InfrastructureError(f"the host's pvisor was killed by signal {-done.returncode} during pre-flight")
         if done.returncode != 0 and not done.stdout.strip():
-            message = done.stderr.decode(errors="replace").strip().splitlines()
-            failure = ResultFailure(category="configuration_error", message=message[0] if message else "no result")
-            return Probe(after_step=after_step, failure=failure)
+            lines = done.stderr.decode(errors="replace").strip().splitlines()
+            if not any(line.startswith(("error:", "Usage:")) for line in lines):
+                detail = lines[0] if lines else f"exit {done.returncode}"
+                raise InfrastructureError(f"the host's pvisor failed during pre-flight: {detail}")
+            failure = ResultFailure(category="configuration_error", message=lines[0])
+            return ReplayResult.model_validate({**_EARLY, "failure": failure.model_dump()}), {}
         _, result = parse_result(done.stdout)
-        if result.failure is not None:
-            found = _BATCHES.match(result.failure.message)
-            complete = int(found.group(2)) if found else None
-            return Probe(after_step=after_step, failure=result.failure, complete=complete)
-        manifest = _read_json(root / "output" / "probe" / "manifest.json")
-    batches = [[str(call.get("name")) for call in batch.get("tool_calls", [])] for batch in manifest.get("batches", [])]
-    return Probe(after_step=after_step, prefix_model_turns=result.prefix_model_turns, batches=batches)
+        if result.failure is not None and result.failure.category in _HOST_CATEGORIES:
+            raise InfrastructureError(
+                f"the host's pvisor failed during pre-flight ({result.failure.category}): {result.failure.message}"
+            )
+        run_id = extra[extra.index("--run-id") + 1]
+        manifest = _read_json(root / "output" / run_id / "manifest.json") if result.failure is None else {}
+    return result, manifest
+
+
+#: The fields of pvisor's early-failure shape, for a refusal that printed no JSON.
+_EARLY: dict[str, Any] = {
+    "schema_version": "sandbox-playback.result/v3", "phase": None, "quality": None, "agent_status": "not_started",
+    "run_id": None, "state_dir": None, "output_dir": None, "artifacts": [], "retryable": False,
+}  # fmt: skip
+
+
+def _tools(manifest: dict[str, Any]) -> list[list[str]]:
+    """The tool names of each batch of pvisor's ``manifest.json``."""
+    batches = manifest.get("batches")
+    return [
+        [str(call.get("name")) for call in batch.get("tool_calls", []) if isinstance(call, dict)]
+        for batch in (batches if isinstance(batches, list) else [])
+        if isinstance(batch, dict)
+    ]
+
+
+def _scratch() -> tempfile.TemporaryDirectory[str]:
+    """A throw-away directory for one pvisor run: in memory where the host has room there (a dataset makes one
+    per trajectory file, and removing them from a disk costs more than pvisor's run), else on disk."""
+    try:
+        roomy = _SCRATCH is not None and shutil.disk_usage(_SCRATCH).free >= _SCRATCH_ROOM
+    except OSError:
+        roomy = False
+    return tempfile.TemporaryDirectory(prefix="pvisor-host-preflight-", dir=_SCRATCH if roomy else None)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -159,3 +159,29 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     assert compared.code == 1, compared.stderr
     changes = json.loads(compared.stdout)["changes"]
     assert [(c["id"], c["kind"]) for c in changes if c["kind"] == "regression"] == [("passes", "regression")]
+
+
+def test_what_the_replay_leaves_cannot_forge_the_verifiers_reward(tmp_path, claude_image):
+    """A replayed call writes a reward and leaves a process that would write it again; the verifier fails. The
+    reward is the failure's 0, what the verifier wrote is not a change of the replay's, and the --env value the
+    replay had is not in the verifier's environment."""
+    forge = (
+        "echo 1 > /logs/verifier/reward.txt; (sleep 3; echo 1 > /logs/verifier/reward.txt) >/dev/null 2>&1 & "
+        "echo made > made.txt"
+    )
+    trajectory = write_jsonl(tmp_path / "t.jsonl", claude_session("Forge.", [Turn([Call("Bash", {"command": forge})])]))
+    out = tmp_path / "run"
+    result = run_cli(
+        "replay", "--trajectory", trajectory, "--after-step", "1", "--mode", "replay-only", "--out", out,
+        "--env", "PVH_VERIFY_SECRET", "--collect", "changes",
+        "--verify", "sleep 5; touch by-verifier.txt; env | grep -c PVH_VERIFY_SECRET; exit 1",
+        env={"PVH_VERIFY_SECRET": "s3cret-value"},
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    record = json.loads((out / "record.json").read_text())
+    verification = record["verification"]
+    assert (verification["passed"], verification["exit_code"], verification["reward"]) == (False, 1, 0.0)
+    assert verification["reward_source"] == "exit_code" and verification["output_tail"] == "0\n"
+    assert not (out / "verifier" / "reward.txt").exists()
+    assert record["workspace_changes"]["added"] == ["made.txt"]  # not by-verifier.txt
+    assert "s3cret-value" not in (out / "record.json").read_text()

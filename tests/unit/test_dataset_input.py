@@ -226,3 +226,67 @@ def test_the_python_api_expands_rows_as_a_manifest_does(tmp_path):
         ("task-after2", "claude-code", 2),
         ("task-after3", "claude-code", 3),
     ]
+
+
+def test_a_missing_trajectory_with_all_is_one_line_not_a_crash(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"trajectory": "gone.jsonl", "after_step": "all", "agent": "claude-code"}) + "\n")
+    checked = BatchInput.parse(manifest=path, defaults={}).check()
+    assert [p.message for p in checked.problems] == [f"trajectory {tmp_path}/gone.jsonl: does not exist"]
+
+
+def test_a_large_csv_cell_is_read(tmp_path):
+    claude(tmp_path / "t.jsonl", 1)
+    big = write_csv(tmp_path / "big.csv", ["trajectory", "after_step", "patch"], ["t.jsonl", "1", "x" * 300_000])
+    assert BatchInput.parse(manifest=big, defaults={}).check().items == 1
+
+
+def test_text_cells_say_false_and_a_parquet_float_is_a_boundary(tmp_path):
+    claude(tmp_path / "t.jsonl", 3)
+    path = write_csv(
+        tmp_path / "d.csv",
+        ["trajectory", "after_step", "no_workspace", "inject", "image"],
+        ["t.jsonl", "1", "false", "false", "reg/x:1"],
+        ["t.jsonl", "2", "true", "", ""],
+    )
+    items = list(BatchInput.parse(manifest=path, defaults={}).items())
+    assert [(i.spec.collect_mode, i.spec.inject) for i in items] == [("changes", False), ("none", False)]
+    assert parse_steps(3.0).expand(None) == [3]
+
+
+def test_the_id_template_does_not_change_what_id_means_in_the_image_template(tmp_path):
+    (tmp_path / "trajs").mkdir()
+    claude(tmp_path / "trajs" / "django__django-11099.jsonl", 1)
+    source = BatchInput.parse(
+        trajectories=str(tmp_path / "trajs" / "*.jsonl"), after_step="1", id="{parent}-{stem}",
+        defaults={"image": "@swebench", "inject": True},
+    )  # fmt: skip
+    [item] = list(source.items())
+    assert item.id == "trajs-django__django-11099"
+    assert item.spec.image == "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
+
+
+def test_a_json_array_is_one_line(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"trajectory": "t.jsonl", "after_step": 1}]))
+    with pytest.raises(UsageError, match="is one JSON array; write JSON Lines"):
+        BatchInput.parse(manifest=path, defaults={}).check()
+
+
+def test_a_reader_that_stops_early_runs_no_more_rows(tmp_path):
+    from pvisor_host.fanout.manifest import Rows
+
+    rows = Rows(defaults={"after_step": 1, "agent": "claude-code"}, base=tmp_path, strict=True)
+    claude(tmp_path / "t.jsonl", 1)
+    expanded: list[int] = []
+    original = rows._expanded
+
+    def counted(number, row):
+        expanded.append(number)
+        return original(number, row)
+
+    rows._expanded = counted  # type: ignore[method-assign]
+    stream = rows.expand_all((n, {"trajectory": "t.jsonl"}) for n in range(1, 100_000))
+    next(stream)
+    stream.close()
+    assert len(expanded) < 1000  # the window's rows at most, not the other 99,000

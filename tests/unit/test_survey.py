@@ -167,3 +167,20 @@ def test_a_mini_config_without_its_agent_templates_is_filled_with_the_agents_def
     ]
     assert textbased["info"]["config"]["agent"] == {"system_template": "mine", "instance_template": "inst-text"}
     assert fill_config(textbased, defaults) == []  # nothing left to fill: the copy stays the file
+
+
+def test_a_pvisor_killed_or_failing_on_the_host_is_no_verdict_on_the_file(tmp_path, monkeypatch):
+    import subprocess
+
+    import pvisor_host.preflight.hostpvisor as hostpvisor
+    from pvisor_host.errors import InfrastructureError
+
+    path = write_jsonl(tmp_path / "t.jsonl", claude_session("t", [bash(1)]))
+    killed = subprocess.CompletedProcess(args=[], returncode=-9, stdout=b"", stderr=b"")
+    monkeypatch.setattr(hostpvisor, "_prepare_only", lambda *args: killed)
+    with pytest.raises(InfrastructureError, match="killed by signal 9"):
+        probe("claude-code", path, 1)
+    spaceless = subprocess.CompletedProcess(args=[], returncode=1, stdout=b"", stderr=b"No space left on device\n")
+    monkeypatch.setattr(hostpvisor, "_prepare_only", lambda *args: spaceless)
+    with pytest.raises(InfrastructureError, match="No space left on device"):
+        _survey("claude-code", path, "sha")

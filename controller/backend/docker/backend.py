@@ -165,7 +165,7 @@ class DockerBackend:
         from .build import resolve
 
         with engine_errors("look the image up"):
-            return resolve.preview(self.client, plan)
+            return resolve.preview(self.client, self._users, plan)
 
     # -- images named by reference ----------------------------------------------------------------------------
 

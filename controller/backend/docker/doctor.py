@@ -37,7 +37,8 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
     default, known = registered(client)
-    return [engine, _architecture(info), _disk(info), _runtimes(info), _escape_fixes(known[default]), *_images(client)]
+    floor = _escape_fixes(known.get(default) or Runtime(name=default))
+    return [engine, _architecture(info), _disk(info), _runtimes(info), floor, *_images(client)]
 
 
 def _escape_fixes(runtime: Runtime) -> Check:

@@ -155,8 +155,9 @@ def materialize(
     return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest, "user": user}))
 
 
-def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
-    """What :func:`materialize` would give, found without building, probing or filling anything."""
+def preview(client: docker.DockerClient, users: ImageUsers, plan: ImagePlan) -> ImagePreview:
+    """What :func:`materialize` would give, found without building, probing or filling anything (a task image's
+    user is read from its ``/etc/passwd`` when its configuration names one)."""
     profile = plan.profile
     if isinstance(plan, LabelledPlan):
         entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
@@ -164,19 +165,23 @@ def preview(client: docker.DockerClient, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image, exists=True)
     if isinstance(plan, ProbePlan):
         note = "a probe container confirms the versions before the first run"
-        image = _ref(plan.ref, plan.id, profile, "probe").model_copy(update={"user": plan.user})
+        image = _ref(plan.ref, plan.id, profile, "probe").model_copy(update={"user": users.resolve(plan.id, plan.user)})
         return ImagePreview(image=image, exists=True, note=note)
     tag = expected_tag(client, None if isinstance(plan, BuildPlan) and plan.pvisor_only else profile, profile.suite)
     agent_image = find_image(client, tag) if tag is not None else None
     if agent_image is None:
         stand_in = _ref("(to be built)", "(to be built)", profile, "build")
+        if isinstance(plan, InjectPlan):  # the task image is here: it runs as a task image does
+            stand_in = _ref(plan.ref, plan.id, profile, "inject")
+            stand_in = stand_in.model_copy(update={"user": users.resolve(plan.id, plan.user)})
         note = f"to be built first: {tag or f'a {profile.suite} base, then the {profile.agent} image'}"
         return ImagePreview(image=stand_in, exists=False, note=note)
     assert tag is not None
     if isinstance(plan, BuildPlan):
         return ImagePreview(image=_ref(tag, agent_image.id, profile, "build"), exists=True)
     note = "a probe of the task image (libc, architecture) comes before the first run"
-    return ImagePreview(image=injected_image(plan, agent_image.id, tag), exists=True, note=note)
+    image = injected_image(plan, agent_image.id, tag).model_copy(update={"user": users.resolve(plan.id, plan.user)})
+    return ImagePreview(image=image, exists=True, note=note)
 
 
 def injected_image(plan: InjectPlan, agent_image_id: str, agent_tag: str) -> ImageRef:

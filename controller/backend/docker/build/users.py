@@ -10,13 +10,11 @@ alone takes its entry's primary group, else group 0.
 
 from __future__ import annotations
 
-import re
 import threading
 
 from ....errors import UsageError
+from ....models.spec import known_user
 from .files import ImageFiles
-
-_NUMERIC = re.compile(r"^\d+(:\d+)?$")
 
 
 class ImageUsers:
@@ -34,11 +32,10 @@ class ImageUsers:
             UsageError: the image names a user its ``/etc/passwd`` does not have (the engine would refuse to
                 start it too).
         """
+        known = known_user(configured)
+        if known is not None:
+            return known
         user, _, group = configured.partition(":")
-        if user in ("", "root", "0") and group in ("", "root", "0"):
-            return "0:0"
-        if _NUMERIC.match(configured) and group:
-            return configured
         key = (image_id, configured)
         with self._lock:
             if key in self._found:

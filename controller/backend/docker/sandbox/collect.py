@@ -18,10 +18,9 @@ from typing import IO
 from pydantic import BaseModel
 
 from ...._log import logger
-from ....files.archive import Budget, ExtractReport, harvest_tree
-from ....files.atomic import write_atomic
-from ....files.patch import workspace_patch
-from ....files.trees import Entry, WorkspaceChanges, diff_trees, snapshot
+from ....files.archive import Budget, ExtractReport, harvest_tree, snapshot_tree
+from ....files.patch import write_patch
+from ....files.trees import Entry, WorkspaceChanges, diff_trees
 from ....models.spec import Collect
 from ....units import format_size
 from .stage import LOG_FILES
@@ -53,17 +52,25 @@ def collect_logs(staged: Path, logs: Path, *, limit: int = LOG_LIMIT) -> tuple[b
     truncated = False
     tail = b""
     for name in LOG_FILES:
-        source, size = open_log(staged / name)
-        with source, (logs / name).open("wb") as sink:
-            left = limit
-            while left > 0 and (chunk := source.read(min(left, 2**20))):
-                sink.write(chunk)
-                left -= len(chunk)
-            truncated = truncated or size > limit
-            if name == "stdout.log":
-                source.seek(max(0, size - TAIL))
-                tail = source.read(TAIL)
+        cut, end = copy_log(staged / name, logs / name, limit=limit, tail=TAIL)
+        truncated = truncated or cut
+        if name == "stdout.log":
+            tail = end
     return truncated, tail
+
+
+def copy_log(source: Path, target: Path, *, limit: int, tail: int) -> tuple[bool, bytes]:
+    """Copy a log the sandbox wrote (read as untrusted, :func:`open_log`) cut at ``limit`` bytes; return whether it
+    was cut, and its last ``tail`` bytes (the end of the whole, whatever its length)."""
+    handle, size = open_log(source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with handle, target.open("wb") as sink:
+        left = limit
+        while left > 0 and (chunk := handle.read(min(left, 2**20))):
+            sink.write(chunk)
+            left -= len(chunk)
+        handle.seek(max(0, size - tail))
+        return size > limit, handle.read(tail)
 
 
 def open_log(path: Path) -> tuple[IO[bytes], int]:
@@ -110,16 +117,17 @@ def collect_workspace(
         collected.reports["workspace"] = report
         collected.changes = diff_trees(before, report.entries, complete=not report.truncated)
         return
-    after = snapshot(workspace)
+    after = snapshot_tree(workspace)
     collected.changes = diff_trees(before, after)
     if mode == "none":
         return
     changed = {path for path in (*collected.changes.added, *collected.changes.changed) if not path.endswith("/")}
     keep = changed | {path.rstrip("/") for path in collected.changes.added if path.endswith("/")}
     collected.reports["workspace"] = harvest_tree(workspace, run_dir / "workspace", budget, keep=keep.__contains__)
-    patch = workspace_patch(before, after, origin, workspace)
-    write_atomic(run_dir / PATCH_NAME, patch)
-    collected.patch = len(patch)
+    target = run_dir / PATCH_NAME
+    with target.open("wb") as sink:
+        collected.patch = write_patch(before, after, origin, workspace, sink, max(0, budget.bytes))
+    budget.bytes -= collected.patch
 
 
 def warn_if_cut(budget: Budget, limit: int) -> None:

@@ -17,7 +17,7 @@ import io
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,9 @@ class Leftovers:
 
 
 _WAIT_SLICE = 30.0
+#: How often ``wait(until=...)`` looks: first at once, then backing off to every 2 s.
+_FIRST_POLL = 0.2
+_LAST_POLL = 2.0
 
 
 class BindMount(BaseModel):
@@ -150,11 +153,13 @@ class ContainerSpec(BaseModel):
 
 
 class WaitOutcome(BaseModel):
-    """How the container's main process ended."""
+    """How the container's main process ended (or that it runs on: :func:`wait` with ``until``)."""
 
     exit_code: int | None
     timed_out: bool = False
     oom_killed: bool = False
+    running: bool = False
+    """``until`` came true while the container ran on."""
 
 
 @retrying()
@@ -229,18 +234,24 @@ def start(container: Container) -> None:
         container.start()
 
 
-def wait(container: Container, timeout: float | None) -> WaitOutcome:
-    """Wait for the container to exit; past ``timeout`` seconds kill it and report ``timed_out``."""
+def wait(container: Container, timeout: float | None, *, until: Callable[[], bool] | None = None) -> WaitOutcome:
+    """Wait for the container to exit; past ``timeout`` seconds kill it and report ``timed_out``. With ``until``:
+    stop waiting, the container still running, as soon as it is true (asked at least every 2 s)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     timed_out = False
+    poll = _FIRST_POLL
     while True:
+        if until is not None and not timed_out and until():
+            return WaitOutcome(exit_code=None, running=True)
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             timed_out = True
             kill(container)
             deadline = None
             remaining = None
-        status = _wait_slice(container, min(_WAIT_SLICE, remaining) if remaining else _WAIT_SLICE)
+        slice_ = _WAIT_SLICE if until is None or timed_out else poll
+        poll = min(poll * 1.5, _LAST_POLL)
+        status = _wait_slice(container, min(slice_, remaining) if remaining else slice_)
         if status is not None:
             break
     state = inspect_state(container)

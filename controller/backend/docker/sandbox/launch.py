@@ -89,10 +89,7 @@ def container_spec(
         mounts.append(sandbox.VolumeMount(volume=prepared.image.runtime_volume, target=RUNTIME_MOUNT))
     if staging.verifier_dir is not None:
         mounts.append(sandbox.BindMount(source=staging.verifier_dir, target=VERIFIER_MOUNT))
-        environment |= {
-            "PVISOR_HOST_WORKSPACE": prepared.workspace_path,
-            "PVISOR_HOST_VERIFY_TIMEOUT": f"{spec.verify_timeout:g}",
-        }
+        environment["PVISOR_HOST_WORKSPACE"] = prepared.workspace_path
     network: str = spec.network
     if model is not None:
         network = model.network
@@ -138,7 +135,7 @@ def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
         cpus=cspec.cpus,
         pids=cspec.pids,
         tmp_size=cspec.tmpfs_size,
-        timeout=prepared.spec.wall_limit,
+        timeout=prepared.spec.timeout,
         collect_limit=prepared.spec.collect_limit,
         runtime=cspec.runtime or "runc",
         runtime_version=prepared.runtime.version,

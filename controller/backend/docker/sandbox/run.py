@@ -41,7 +41,7 @@ from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
 from .stage import Staging, remove_staging, stage, staging_root
-from .verify import read_verification
+from .verify import PVISOR_DONE, go_ahead, pvisor_exit_code, read_verification
 
 
 def run_attempt(
@@ -152,10 +152,13 @@ def _config_fill(prepared: PreparedReplay, files: ImageFiles) -> Callable[[bytes
     if path is None or prepared.spec.mode == "prepare-only":
         return None
     raw = files.read(prepared.image.id, path)
-    if raw is None:
-        logger.debug("{} has no {}: the trajectory's config is passed as it is", prepared.image.ref, path)
+    try:
+        defaults = json.loads(raw) if raw is not None else None
+    except ValueError:
+        defaults = None
+    if not isinstance(defaults, dict):
+        logger.debug("{} has no readable {}: the trajectory's config is passed as it is", prepared.image.ref, path)
         return None
-    defaults = json.loads(raw)
 
     def fill(data: bytes) -> tuple[bytes, list[str]]:
         try:
@@ -208,10 +211,17 @@ def _run_container(
         )
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
-        state.outcome = sandbox.wait(box, spec.wall_limit)
+        pvisor_done = staging.logs_dir / PVISOR_DONE
+        if spec.verify is None:
+            state.outcome = sandbox.wait(box, spec.timeout)
+        else:  # pvisor's phase ends with its marker; the verifier starts when the host says (see .verify)
+            state.outcome = sandbox.wait(box, spec.timeout, until=lambda: pvisor_done.stat().st_size > 0)
         clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
+        verifying = state.outcome.running
+        if verifying:  # pvisor has ended and the sandbox waits: its exit code is the marker's
+            state.outcome = sandbox.WaitOutcome(exit_code=pvisor_exit_code(pvisor_done))
         state.logs_truncated, tail = collect_logs(staging.logs_dir, out / "logs")
         _parse(state, tail)
         budget = Budget(spec.collect_limit)
@@ -219,17 +229,23 @@ def _run_container(
             "output": staging.run_dir / "output" / state.attempt.run_id,
             "state": staging.run_dir / "state" / state.attempt.run_id,
         }
-        if staging.verifier_dir is not None:
-            trees["verifier"] = staging.verifier_dir
         state.collected = collect_trees(trees, out, budget)
         collect_workspace(
             state.collected, staging.workspace_dir, out, budget, mode=spec.collect_mode,
             before=staging.workspace_before, origin=staging.workspace_origin,
         )  # fmt: skip
-        warn_if_cut(budget, spec.collect_limit)
+        clock = state.phase("collect", clock)
         if spec.verify is not None:
-            state.verification = read_verification(spec.verify, staging, out, timed_out=state.outcome.timed_out)
-        state.phase("collect", clock)
+            verified = None
+            if verifying:
+                go_ahead(staging)
+                verified = sandbox.wait(box, spec.verify_timeout)
+                if cancel is not None and cancel.is_set():
+                    raise KeyboardInterrupt
+            seconds = time.monotonic() - clock
+            state.verification = read_verification(spec.verify, staging, out, budget, verified, seconds)
+            state.phase("verify", clock)
+        warn_if_cut(budget, spec.collect_limit)
 
 
 def _parse(state: AttemptState, stdout_tail: bytes) -> None:

@@ -39,9 +39,10 @@ RUN_MOUNT = "/pvisor-host/run"
 LOGS_MOUNT = "/pvisor-host/logs"
 #: The streams entry.sh writes to, in the logs directory.
 LOG_FILES = ("stdout.log", "stderr.log")
-#: With ``--verify``: the verifier's script (in the input directory), and what entry.sh writes of its run.
+#: With ``--verify``: the verifier's script (in the input directory), and what entry.sh writes: the verifier's
+#: output, pvisor's exit code once it has ended (see :mod:`.verify`).
 VERIFY_SCRIPT = "verify.sh"
-VERIFY_FILES = ("verify.log", "verify.json")
+VERIFY_FILES = ("verify.log", "pvisor.json")
 #: Where a verifier writes its reward (Harbor's convention): a directory of the staging, bound read-write.
 VERIFIER_MOUNT = "/logs/verifier"
 

@@ -1,12 +1,16 @@
-"""``--verify``: what the task's verifier, run in the sandbox after pvisor, found.
+"""``--verify``: the task's verifier, run in the sandbox after pvisor, and what it found.
 
-The entry shim runs the command (``/pvisor-host/input/verify.sh``) in the workspace once pvisor has ended,
-whatever pvisor's outcome, with coreutils' ``timeout`` at ``--verify-timeout`` where the image has it (the
-container's wall limit bounds it where it does not). It writes the verifier's output to ``logs/verify.log`` and
-its exit code and clock to ``logs/verify.json``, both files of the host's staging that the sandbox may write but
-not replace. A verifier may also leave a reward in ``/logs/verifier/reward.txt`` (a number) or
-``reward.json`` (``{"reward": x}``), as Harbor's do; the directory is the staging's, collected as
-``verifier/``. Everything read here is the sandbox's and read as such: capped, parsed defensively.
+The entry shim runs pvisor with the ``--env`` values (and the model relay); when pvisor ends it writes pvisor's
+exit code to ``logs/pvisor.json`` (:data:`PVISOR_DONE`), kills every process the replay left running, empties
+``/logs/verifier`` and waits. The host then collects the workspace as pvisor left it (so the verifier's own
+effects, an applied test patch or ``__pycache__``, are no part of the replay's changes), and says go
+(:func:`go_ahead`: a file in the read-only input directory, which only the host can write). The shim then
+``exec`` s the verifier in the workspace, without the ``--env`` values in its environment: the sandbox's exit
+code is the verifier's, as the engine reports it, and the host bounds it by ``--verify-timeout`` (so no
+``timeout`` binary is needed in the image). A reward the verifier writes to ``/logs/verifier/reward.txt`` (a
+number) or ``reward.json`` (``{"reward": x}``), as Harbor's do, counts only when it ran to its end; the directory
+is the staging's, collected as ``verifier/``. Everything read here is the sandbox's, read as such: capped,
+parsed defensively, never followed.
 """
 
 from __future__ import annotations
@@ -15,65 +19,72 @@ import json
 import math
 from pathlib import Path
 
+from ....files.archive import Budget, harvest_tree
 from ....models.record import Verification
-from .collect import open_log
+from .collect import copy_log, open_log
+from .container import WaitOutcome
 from .stage import Staging
 
+#: Where the shim writes pvisor's exit code once pvisor has ended (in the staging's logs directory).
+PVISOR_DONE = "pvisor.json"
+#: The file in the input directory that lets the shim start the verifier.
+GO_AHEAD = "verify.go"
 #: The end of the verifier's output kept in the record.
 TAIL = 4096
 #: The most of its output kept in ``logs/verify.log``.
 LOG_LIMIT = 16 * 1024 * 1024
-#: ``timeout``'s exit codes for a command it ended (TERM, then KILL after its grace).
-_TIMED_OUT = (124, 137)
 
 
-def read_verification(command: str, staging: Staging, out: Path, *, timed_out: bool) -> Verification:
-    """The verifier's verification, from what the shim and the verifier left (``timed_out``: the container ran
-    past its wall limit, so the verifier may never have finished)."""
-    output = _copy_log(staging.logs_dir / "verify.log", out / "logs" / "verify.log")
-    facts = _facts(staging.logs_dir / "verify.json")
-    code = facts.get("exit_code")
-    exit_code = code if isinstance(code, int) else None
-    started, ended = facts.get("started"), facts.get("ended")
-    seconds = round(ended - started, 3) if isinstance(started, int | float) and isinstance(ended, int | float) else None
-    killed = timed_out and exit_code is None or exit_code in _TIMED_OUT
-    passed = exit_code == 0 and not killed
-    reward, source = _reward(out / "verifier")
+def pvisor_exit_code(marker: Path) -> int | None:
+    """pvisor's exit code, as the shim wrote it (None: unreadable)."""
+    handle, _ = open_log(marker)
+    with handle:
+        raw = handle.read(256)
+    try:
+        code = json.loads(raw).get("exit_code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def go_ahead(staging: Staging) -> None:
+    """Let the waiting shim start the verifier (the workspace has been collected)."""
+    (staging.input_dir / GO_AHEAD).touch(mode=0o444)
+
+
+def read_verification(
+    command: str, staging: Staging, out: Path, budget: Budget, outcome: WaitOutcome | None, seconds: float
+) -> Verification:
+    """What the verifier found: ``outcome`` is how the sandbox ended once it had the go-ahead, ``seconds`` after
+    it (None: it never started, because pvisor's phase ended the sandbox first)."""
+    if outcome is None:
+        return Verification(command=command, passed=False, note="never ran: the sandbox ended during the replay")
+    _, tail = copy_log(staging.logs_dir / "verify.log", out / "logs" / "verify.log", limit=LOG_LIMIT, tail=TAIL)
+    ended = outcome.exit_code is not None and not outcome.timed_out and not outcome.oom_killed
+    note = None
+    if outcome.timed_out:
+        note = "killed at --verify-timeout"
+    elif outcome.oom_killed:
+        note = "killed: the sandbox ran out of memory"
+    reward, source = None, None
+    if ended and staging.verifier_dir is not None:
+        harvest_tree(staging.verifier_dir, out / "verifier", budget)
+        reward, source = _reward(out / "verifier")
+    passed = ended and outcome.exit_code == 0
     if reward is None:
         reward, source = (1.0 if passed else 0.0), "exit_code"
     return Verification(
         command=command,
-        exit_code=exit_code,
+        exit_code=outcome.exit_code if ended else None,
         passed=passed,
-        timed_out=killed,
-        seconds=seconds,
-        output_tail=output[-TAIL:].decode("utf-8", errors="replace"),
+        timed_out=outcome.timed_out,
+        oom_killed=outcome.oom_killed,
+        seconds=round(seconds, 3),
+        output_tail=tail.decode("utf-8", errors="replace"),
         reward=reward,
         reward_source=source,
+        note=note,
     )
-
-
-def _copy_log(source: Path, target: Path) -> bytes:
-    """Copy the verifier's log (cut at :data:`LOG_LIMIT`); return its end."""
-    handle, size = open_log(source)
-    with handle, target.open("wb") as sink:
-        left = LOG_LIMIT
-        while left > 0 and (chunk := handle.read(min(left, 2**20))):
-            sink.write(chunk)
-            left -= len(chunk)
-        handle.seek(max(0, min(size, LOG_LIMIT) - TAIL))
-        return handle.read(TAIL)
-
-
-def _facts(path: Path) -> dict[str, object]:
-    handle, _ = open_log(path)
-    with handle:
-        raw = handle.read(4096)
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _reward(verifier: Path) -> tuple[float | None, str | None]:
