@@ -697,23 +697,47 @@ def dataset(work: Path) -> dict[str, Any]:
         manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
         items = len(lines)
         source = [str(manifest), "--agent", "claude-code", "--workspace-path", "/app"]
-        # One run first: the injected runtime's volume is filled, and its sandbox's command is the loop's.
-        warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={budget}")
-        template = _loop_template(work / "warm")
-        _forget(client, refs)
-        ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={budget}")
-        _forget(client, refs)
-        first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
-        _forget(client, refs)
         jobs = [(ref, 1) for _ in range(per_image) for ref in refs]
-        loop = _dataset_loop(work / "loop", template, jobs, workers, trajectory)
-        _forget(client, refs)
-    images = ours["summary"]["images"]
+        ways = _three_ways(client, work, source, refs, jobs, trajectory, workers=workers, budget=budget)
+    images = ways.pop("summary")["images"]
     return {
         "images": count,
         "items": items,
         "image_bytes": size,
         "budget_bytes": budget,
+        **ways,
+        "peak_image_bytes": images["peak"],
+        "peak_within_budget": images["peak"] <= budget,
+        "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; peak <= budget",
+    }
+
+
+def _three_ways(
+    client: Any,
+    work: Path,
+    source: list[str],
+    refs: list[str],
+    jobs: list[tuple[str, int]],
+    trajectory: Path,
+    *,
+    workers: int,
+    budget: int,
+) -> dict[str, Any]:
+    """A dataset of task images run by pvisor-host (within ``budget``), by pvisor-host pulling every image first,
+    and by the shell loop (``jobs``: an image and a boundary each), every image removed between the runs: the
+    throughputs, their ratios, and the time to the first result against one pull plus one replay."""
+    # One run first: the injected runtime's volume is filled, and its sandbox's command is the loop's.
+    warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={budget}")
+    template = _loop_template(work / "warm")
+    _forget(client, refs)
+    ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={budget}")
+    _forget(client, refs)
+    first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
+    _forget(client, refs)
+    loop = _dataset_loop(work / "loop", template, jobs, workers, trajectory)
+    _forget(client, refs)
+    items = len(jobs)
+    return {
         "per_minute": {
             "pvisor-host": round(items / ours["wall"] * 60, 1),
             "pull everything first": round(items / first["wall"] * 60, 1),
@@ -727,9 +751,7 @@ def dataset(work: Path) -> dict[str, Any]:
             "shell loop": loop["first"],
             "one pull plus one replay": round(warm["one_pull"] + warm["one_replay"], 1),
         },
-        "peak_image_bytes": images["peak"],
-        "peak_within_budget": images["peak"] <= budget,
-        "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; peak <= budget",
+        "summary": ours["summary"],
     }
 
 
@@ -757,34 +779,15 @@ def swe(work: Path) -> dict[str, Any]:
         template = f"{registry.name}/swe/sweb.eval.x86_64.{{stem|swebench}}:latest"
         source = ["--trajectories", str(trajs / "*.jsonl"), "--after-step", "all", "--image", template]
         disk = sum(_pull_size(client, ref) for ref in refs[:1]) * 4
-        warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={disk}")
-        loop_template = _loop_template(work / "warm")
-        _forget(client, refs)
-        ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={disk}")
-        _forget(client, refs)
-        first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
-        _forget(client, refs)
         jobs = [(ref, step) for ref in refs for step in range(1, batches + 1)]
-        loop = _dataset_loop(work / "loop", loop_template, jobs, workers, trajs / f"{instances[0]}.jsonl")
-        _forget(client, refs)
-    items = tasks * batches
+        trajectory = trajs / f"{instances[0]}.jsonl"
+        ways = _three_ways(client, work, source, refs, jobs, trajectory, workers=workers, budget=disk)
+    ways.pop("summary")
     return {
         "environment_images": envs,
         "task_images": tasks,
-        "items": items,
-        "per_minute": {
-            "pvisor-host": round(items / ours["wall"] * 60, 1),
-            "pull everything first": round(items / first["wall"] * 60, 1),
-            "shell loop": round(items / loop["wall"] * 60, 1),
-        },
-        "ratio_vs_shell_loop": round(loop["wall"] / ours["wall"], 3),
-        "ratio_vs_pull_everything_first": round(first["wall"] / ours["wall"], 3),
-        "first_result_seconds": {
-            "pvisor-host": ours["first"],
-            "pull everything first": first["first"],
-            "shell loop": loop["first"],
-            "one pull plus one replay": round(warm["one_pull"] + warm["one_replay"], 1),
-        },
+        "items": tasks * batches,
+        **ways,
         "plan": _swe_plan(work / "plan", session, batches),
         "targets": "at least 1.5x the shell loop; the first result within one pull plus one replay; --plan of 2,000"
         " items within 5 s with at most one host pvisor run per trajectory",
@@ -844,6 +847,7 @@ def report(work: Path) -> dict[str, Any]:
     memory and time to write it, and the time to its first rows in Chromium, against the 2,000-item page."""
     sys.path.insert(0, str(ROOT / "tests"))
     from browser import Browser, chromium_path
+    from trajgen import linked_copy
 
     source = work / "source"
     manifest = write_manifest(work / "report.jsonl", 6, "r")
@@ -853,7 +857,7 @@ def report(work: Path) -> dict[str, Any]:
     chromium = chromium_path()
     rows: dict[str, Any] = {}
     for items in (2_000, scaled(100_000, 2_000)):
-        big = _linked_copy(source, work / f"copy-{items}", items)
+        big = linked_copy(source, work / f"copy-{items}", items)
         started = time.time()
         process = subprocess.Popen([CLI, "report", str(big)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _, status, usage = os.wait4(process.pid, 0)
@@ -879,23 +883,6 @@ def report(work: Path) -> dict[str, Any]:
         "rows": rows,
         "target": "100,000 items: a page of at most 10 MB, written in at most 300 MB, first rows within 3 s",
     }
-
-
-def _linked_copy(batch: Path, target: Path, items: int) -> Path:
-    """``items`` items of ``batch``'s results under new ids, each item's directory a link to a real one."""
-    rows = [json.loads(line) for line in (batch / "results.jsonl").read_text().splitlines()]
-    target.mkdir()
-    with (target / "results.jsonl").open("w") as handle:
-        for n in range(items):
-            row = dict(rows[n % len(rows)])
-            original = row["id"]
-            row["id"], row["line"] = f"{original}-{n:06d}", n + 1
-            if row.get("path"):
-                row["path"] = row["id"]
-                (target / row["id"]).symlink_to(batch / original, target_is_directory=True)
-            handle.write(json.dumps(row) + "\n")
-    shutil.copyfile(batch / "summary.json", target / "summary.json")
-    return target
 
 
 def swe_session(batches: int) -> str:

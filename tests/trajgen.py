@@ -15,6 +15,7 @@ Run as a script to regenerate ``examples/claude-code-demo.jsonl``.
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -573,3 +574,22 @@ if __name__ == "__main__":
     root = Path(__file__).resolve().parents[1] / "examples"
     write_jsonl(root / "claude-code-demo.jsonl", demo_session())
     print(root / "claude-code-demo.jsonl")
+
+
+def linked_copy(batch: Path, target: Path, items: int) -> Path:
+    """A batch directory of ``items`` items made of ``batch``'s: each item's results row under a new id, its
+    directory (its record, pvisor's outputs, logs) a link to one of the real batch's. What a dataset of that
+    size leaves, as the report reads it (the tests' and the benchmark's 100,000-item report)."""
+    rows = [json.loads(line) for line in (batch / "results.jsonl").read_text().splitlines()]
+    target.mkdir()
+    with (target / "results.jsonl").open("w") as handle:
+        for n in range(items):
+            row = dict(rows[n % len(rows)])
+            original = row["id"]
+            row["id"], row["line"] = f"{original}-{n:06d}", n + 1
+            if row.get("path"):
+                row["path"] = row["id"]
+                (target / row["id"]).symlink_to(batch / original, target_is_directory=True)
+            handle.write(json.dumps(row) + "\n")
+    shutil.copyfile(batch / "summary.json", target / "summary.json")
+    return target

@@ -16,7 +16,7 @@ import pytest
 from browser import Browser, chromium_path
 from conftest import run_cli
 from modelserver import StubServer
-from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+from trajgen import Call, Turn, claude_files_session, claude_session, linked_copy, write_jsonl
 
 pytestmark = pytest.mark.docker
 
@@ -198,28 +198,9 @@ def _comparison(item_dir: Path) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def dataset_copy(batch: Path, target: Path, items: int) -> Path:
-    """A batch directory of ``items`` items made of copies of ``batch``'s: each item's directory (its record,
-    pvisor's outputs, logs) a link to one of the real batch's, its results row under a new id. What a dataset of
-    that size leaves, as the report reads it."""
-    rows = [json.loads(line) for line in (batch / "results.jsonl").read_text().splitlines()]
-    target.mkdir()
-    with (target / "results.jsonl").open("w") as handle:
-        for n in range(items):
-            row = dict(rows[n % len(rows)])
-            original = row["id"]
-            row["id"], row["line"] = f"{original}-{n:06d}", n + 1
-            if row["path"]:
-                row["path"] = row["id"]
-                (target / row["id"]).symlink_to(batch / original, target_is_directory=True)
-            handle.write(json.dumps(row) + "\n")
-    shutil.copyfile(batch / "summary.json", target / "summary.json")
-    return target
-
-
 def test_the_report_of_a_hundred_thousand_items(mixed_batch, chromium, tmp_path):
     """Within 10 MB and 300 MB of memory to write, every item in its aggregates, its rows paged and filtered."""
-    big = dataset_copy(mixed_batch, tmp_path / "big", 100_000)
+    big = linked_copy(mixed_batch, tmp_path / "big", 100_000)
     cli = str(Path(sys.executable).parent / "pvisor-host")
     process = subprocess.Popen([cli, "report", str(big)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
