@@ -57,7 +57,7 @@ test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mi
 	$(BIN)/pytest -m faults
 
 bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; writes bench-results.json
-	$(BIN)/python bench/run.py
+	$(BIN)/python -m bench
 
 lint: venv ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
 	$(BIN)/ruff check controller tests examples bench scripts
