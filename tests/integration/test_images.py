@@ -178,12 +178,12 @@ def test_image_with_the_wrong_agent_version_is_refused_after_a_probe(tmp_path, f
     assert not out.exists()
 
 
-def test_unlabelled_image_needs_agent(tmp_path, base_image):
-    result, _ = _replay(tmp_path, "--image", base_image)
+def test_an_unlabelled_image_is_probed_for_the_agent_its_trajectory_names(tmp_path, base_image):
+    result, _ = _replay(tmp_path, "--image", base_image)  # no --agent: the trajectory is Claude Code's
     line = _one_line(result, 2)
     assert line == (
-        f"image {base_image} was not built by pvisor-host (no pvisor-host.agent label) "
-        "(pass --agent to say which agent it holds)"
+        f"image {base_image} has no pvisor; pvisor-host needs pvisor 0.3.1 in the image "
+        "(pvisor-host build --agent claude-code)"
     )
 
 
