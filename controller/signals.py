@@ -11,7 +11,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -38,17 +38,24 @@ def ignore_interrupts() -> None:
 
 
 @contextlib.contextmanager
-def deferred_interrupts(*, reraise: bool = True) -> Iterator[None]:
+def deferred_interrupts(*, reraise: bool = True, hurry: Callable[[], None] | None = None) -> Iterator[None]:
     """Defer SIGINT, SIGTERM and SIGHUP until the block is done (a no-op outside the main thread); an
     ignored signal stays ignored. With ``reraise=False`` an interrupt received meanwhile is dropped: for work
-    that finishes something already over, where an interrupt has nothing left to stop."""
+    that finishes something already over, where an interrupt has nothing left to stop. ``hurry`` is called
+    at each one (the user insists: the block should skip what it may, waits on pulls say)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if hurry is not None:
+            hurry()
+
     previous = {sig: signal.getsignal(sig) for sig in _HANDLED if signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in previous:
-        signal.signal(sig, lambda signum, frame: received.append(signum))
+        signal.signal(sig, note)
     try:
         yield
     finally:

@@ -10,21 +10,27 @@ that outlives ``--timeout`` ends ``timeout``; :meth:`FakeBackend.cancel` stops t
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pvisor_host.backend.docker.cache import ImageCache, Ledger, Priced
+from pvisor_host.backend.docker.cache.layers import Layer
+from pvisor_host.backend.docker.registry import ManifestError
 from pvisor_host.errors import ImageUnavailable, Interrupted, UsageError
 from pvisor_host.models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
 from pvisor_host.models.image import (
     BuildOptions,
     BuildPlan,
     ImageCost,
+    ImageHold,
     ImagePlan,
     ImagePreview,
     ImageRef,
     ImageRequest,
+    ImageUsage,
     InjectPlan,
     PulledImage,
     ResolvedImage,
@@ -58,6 +64,62 @@ class FakeRegistry:
 
     def __init__(self, images: dict[str, tuple[int, float] | str]) -> None:
         self.images = images
+
+
+class FakeCacheEngine:
+    """The fake backend's engine and registry as the image cache asks them: one layer per image, as big as the
+    registry says it is unpacked (half of that downloaded)."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self._backend = backend
+
+    def present(self, ref: str) -> PulledImage | None:
+        found = self._backend.present.get(ref)
+        return None if found is None else PulledImage(ref=ref, id=f"sha256:{ref}", size=found[0])
+
+    def has(self, image: str) -> bool:
+        return any(f"sha256:{ref}" == image for ref in self._backend.present)
+
+    def layers(self, image_id: str) -> list[Layer]:
+        ref = image_id.removeprefix("sha256:")
+        found = self._backend.present.get(ref)
+        return [] if found is None else [Layer(chain=f"sha256:layer-{ref}", size=found[0])]
+
+    def chain_sizes(self) -> dict[str, int]:
+        return {f"sha256:layer-{ref}": size for ref, (size, _) in dict(self._backend.present).items()}
+
+    def price(self, ref: str) -> Priced:
+        found = self._backend.registry.images.get(ref) if self._backend.registry else None
+        if not isinstance(found, tuple):
+            raise ManifestError(f"{ref}: not found in the registry", status=404)
+        return Priced(id=f"sha256:{ref}", diff_ids=[f"sha256:layer-{ref}"], compressed=[found[0] // 2])
+
+    def pull(self, ref: str, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
+        backend = self._backend
+        found = backend.registry.images.get(ref, "image_not_found") if backend.registry else "image_not_found"
+        if isinstance(found, str):
+            raise ImageUnavailable(found, f"image {ref}: {found.replace('_', ' ')} (fake)")
+        size, seconds = found
+        with backend._lock:
+            backend.events.append(("pulling", ref))
+        if cancel is not None and cancel.wait(seconds):
+            raise Interrupted(f"interrupted while pulling {ref}")
+        with backend._lock:
+            backend.pulls.append(ref)
+            backend.events.append(("pull", ref))
+            backend.present[ref] = (size, True)
+            backend.peak = max(backend.peak, sum(size for size, pulled in backend.present.values() if pulled))
+        return PulledImage(ref=ref, id=f"sha256:{ref}", size=size, pulled=True, downloaded=size // 2, seconds=seconds)
+
+    def remove(self, ref: str, image_id: str) -> bool:
+        backend = self._backend
+        with backend._lock:
+            if ref in backend.running_images:
+                raise AssertionError(f"{ref} was removed while a sandbox used it")
+            backend.present.pop(ref, None)
+            backend.removals.append(ref)
+            backend.events.append(("remove", ref))
+        return True
 
 
 class FakeBackend:
@@ -99,6 +161,7 @@ class FakeBackend:
         self.images_made = 0
         self.gateways: list[FakeGateway] = []
         self.running_images: dict[str, int] = {}
+        self._cache: ImageCache | None = None
 
     @property
     def ownership(self) -> Ownership:
@@ -137,44 +200,39 @@ class FakeBackend:
             return ImageCost(ref=ref, present=False, error="not found (fake)")
         return ImageCost(ref=ref, present=False, id=f"sha256:{ref}", layers={"sha256:l1": found[0] // 2})
 
-    def pull_image(self, ref: str, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
-        with self._lock:
-            if ref in self.present:
-                return PulledImage(ref=ref, id=f"sha256:{ref}", size=self.present[ref][0], pulled=False)
-        found = self.registry.images.get(ref, "image_not_found") if self.registry else "image_not_found"
-        if isinstance(found, str):
-            raise ImageUnavailable(found, f"image {ref}: {found.replace('_', ' ')} (fake)")
-        size, seconds = found
-        with self._lock:
-            self.events.append(("pulling", ref))
-        if cancel is not None and cancel.wait(seconds):
-            raise Interrupted(f"interrupted while pulling {ref}")
-        with self._lock:
-            self.pulls.append(ref)
-            self.events.append(("pull", ref))
-            self.present[ref] = (size, True)
-            self.peak = max(self.peak, sum(size for size, pulled in self.present.values() if pulled))
-        return PulledImage(ref=ref, id=f"sha256:{ref}", size=size, pulled=True, downloaded=size // 2, seconds=seconds)
+    # -- task images: the real image cache, over this fake engine (see FakeCacheEngine) -------------------------
 
-    def remove_image(self, image: PulledImage) -> bool:
+    @property
+    def cache(self) -> ImageCache:
         with self._lock:
-            if image.ref in self.running_images:
-                raise AssertionError(f"{image.ref} was removed while a sandbox used it")
-            self.present.pop(image.ref, None)
-            self.removals.append(image.ref)
-            self.events.append(("remove", image.ref))
-        return True
+            if self._cache is None:
+                ledger = Ledger(Path(tempfile.mkdtemp(prefix="fake-cache-")) / "cache.json", self._ownership)
+                self._cache = ImageCache(FakeCacheEngine(self), ledger, self._ownership)
+            return self._cache
 
-    def keep_image(self, image: PulledImage) -> None:
+    def reserve_image(self, ref: str, *, budget: int | None, cancel: threading.Event | None = None) -> ImageHold:
+        return self.cache.reserve(ref, budget=budget, cancel=cancel)
+
+    def fill_image(self, hold: ImageHold, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
+        return self.cache.fill(hold, progress=progress, cancel=cancel)
+
+    def release_image(self, hold: ImageHold) -> None:
+        self.cache.release(hold)
         with self._lock:
-            self.events.append(("keep", image.ref))
+            self.events.append(("done", hold.ref))
+
+    def finish_images(self, *, keep: bool = False) -> list[str]:
+        if keep:
+            kept = [("keep", entry.ref) for entry in self.cache.entries()]
+            with self._lock:
+                self.events += kept
+        return self.cache.finish(keep=keep)
+
+    def image_usage(self) -> ImageUsage | None:
+        return self.cache.usage().model_copy(update={"peak": self.cache.peak(self._ownership.session)})
 
     def node_pulls(self) -> int | None:
         return None
-
-    def image_done(self, image: PulledImage) -> None:
-        with self._lock:
-            self.events.append(("done", image.ref))
 
     def image_budget(self, given: int | None = None) -> int | None:
         return given

@@ -30,9 +30,11 @@ if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
     from ..models.image import (
         BuildOptions,
         ImageCost,
+        ImageHold,
         ImagePlan,
         ImagePreview,
         ImageRequest,
+        ImageUsage,
         PulledImage,
         PullProgress,
         ResolvedImage,
@@ -95,36 +97,48 @@ class Backend(Protocol[GatewayT]):
         """What having the image ``ref`` costs, found without pulling: present already, or the layers its
         registry lists (with the registry's digest)."""
 
-    def pull_image(
+    def reserve_image(self, ref: str, *, budget: int | None, cancel: threading.Event | None = None) -> ImageHold:
+        """Hold the image ``ref`` from now until :meth:`release_image`: present, at once; else with room made
+        for its pull within ``budget`` (images nobody holds removed, least recently used first; a wait while
+        only held images could make room) and the pull noted for ``gc`` before it starts.
+
+        Raises:
+            UsageError: the pull alone downloads more than ``budget``.
+            Interrupted: ``cancel`` was set while it waited for room.
+        """
+
+    def fill_image(
         self,
-        ref: str,
+        hold: ImageHold,
         *,
         progress: Callable[[PullProgress], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> PulledImage:
-        """Make the image ``ref`` present: nothing to do when it is, else pull it, reporting ``progress``,
-        retrying what a registry means as passing (a rate limit for as long as it asks).
+        """Make the held image present: nothing to do when it is, else pull it, reporting ``progress``,
+        retrying what a registry means as passing (a rate limit for as long as it asks). A failed pull is
+        forgotten.
 
         Raises:
             ImageUnavailable: no such image, or the registry refuses our credentials (``category`` says which).
             RegistryError: the registry stayed unreachable or failing past the retries.
+            UsageError: the image alone takes more than the budget once unpacked.
             Interrupted: ``cancel`` was set.
         """
 
-    def remove_image(self, image: PulledImage) -> bool:
-        """Remove an image pulled on a batch's behalf. False when the engine keeps it because something still
-        uses it (a container, another name); never an error."""
+    def release_image(self, hold: ImageHold) -> None:
+        """The holder is done with the image (its last container is gone). On a cluster, its nodes may then
+        let their copies go."""
 
-    def keep_image(self, image: PulledImage) -> None:
-        """The batch leaves ``image`` where it is for good (``--keep-images``): no longer its to remove, nor
-        ``gc``'s once the batch has ended."""
+    def finish_images(self, *, keep: bool = False) -> list[str]:
+        """The batch has ended: remove the images it pulled that nobody holds (``keep``: leave them for good,
+        no longer anyone's to remove). Returns the references removed."""
+
+    def image_usage(self) -> ImageUsage | None:
+        """What the engine's image cache holds, and its peak while this batch used it (None: a cluster, whose
+        nodes each keep their own; ``cluster status`` shows them)."""
 
     def node_pulls(self) -> int | None:
         """On a cluster, the pulls of task images its nodes made so far, summed over nodes (None: one engine)."""
-
-    def image_done(self, image: PulledImage) -> None:
-        """Every item that asked for ``image`` has ended (a cluster's nodes may then let it go; one engine's
-        batch removes its images itself)."""
 
     def push_image(self, ref: str, registry: str) -> str:
         """Push the image ``ref`` (built here) to ``registry`` (``HOST[:PORT][/PATH]``) under its own name and

@@ -220,17 +220,18 @@ class BatchRun:
         on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
         self._items = items
-        self._images = images
+        self._images = list(images)
         self._reports = reports
         self._total = total
-        window = None
+        self._batch = _Batch(backend, options)
         if task_images:
-            budget = backend.image_budget(options.image_budget)
-            window = ImageWindow(
-                backend, task_images, budget=budget, workers=options.pull_workers, keep=options.keep_images,
-                progress=on_pull, open_images=backend.capacity(),  # a cluster: its nodes pull, one per slot
+            specs = {spec.image: spec for spec in self._images if spec.image is not None}
+            self._batch.window = ImageWindow(
+                backend, task_images, budget=backend.image_budget(options.image_budget), workers=options.pull_workers,
+                keep=options.keep_images, progress=on_pull,
+                open_images=backend.capacity(),  # a cluster: its nodes pull, one per slot
+                ready=lambda ref: self._batch.image(specs[ref]) if ref in specs else None,
             )  # fmt: skip
-        self._batch = _Batch(backend, options, window)
         self._stop = threading.Event()
         self._every_item_ended = False
         self._core: Iterator[ItemResult] | None = None
@@ -267,13 +268,16 @@ class BatchRun:
             except (KeyboardInterrupt, GeneratorExit, _Cancelled) as exc:
                 interrupt = exc
             except BaseException:
-                with deferred_interrupts():
+                window = self._batch.window
+                with deferred_interrupts(hurry=window.hurry if window is not None else None):
                     self._batch.close()
-                    if self._batch.window is not None:
-                        self._batch.window.close()
+                    if window is not None:
+                        window.close()
                 raise
-            # The batch has stopped: a Ctrl-C now has nothing left to stop and must not cost the reports.
-            with deferred_interrupts(reraise=False):
+            # The batch has stopped: a Ctrl-C now has nothing left to stop and must not cost the reports (it
+            # only stops the wait for pulls still closing).
+            window = self._batch.window
+            with deferred_interrupts(reraise=False, hurry=window.hurry if window is not None else None):
                 self._batch.close()
                 pulls = self._batch.window.close() if self._batch.window is not None else None
                 self.results.sort(key=lambda r: r.line)

@@ -180,6 +180,8 @@ class PullProgress(BaseModel):
     """Bytes to download, once the engine knows every layer's size."""
     seconds: float = 0.0
     """Since the pull started."""
+    finished: bool = False
+    """The pull has ended (done, failed or stopped)."""
 
     @property
     def rate(self) -> float:
@@ -200,6 +202,39 @@ class PulledImage(BaseModel):
     """Pulled now; False: it was already there (then nobody may remove it on the batch's behalf)."""
     downloaded: int = 0
     seconds: float = 0.0
+
+
+class ImageHold(BaseModel):
+    """One item's (or a batch's look-ahead's) hold on a task image, from the moment it asks for it until its
+    container is gone: an image held is never removed to make room."""
+
+    ref: str
+    token: str
+    key: str | None = None
+    """The image as the engine's cache knows it (None: nothing the cache keeps: an image it did not pull, or
+    an image a cluster's nodes pull)."""
+    present: PulledImage | None = None
+    """Set when the image was there already: nothing to pull."""
+    added: int = 0
+    """Bytes its pull is expected to add to the cache's layers."""
+    compressed: int = 0
+    """Bytes its pull is expected to download."""
+    budget: int | None = None
+    evicted: list[str] = []
+    """The images removed to make its room."""
+    over_budget: bool = False
+    """It went ahead over the budget (nothing more could go)."""
+
+
+class ImageUsage(BaseModel):
+    """What an engine's image cache holds: what ``cluster status`` and a batch's summary show."""
+
+    images: int
+    bytes: int
+    """Bytes its images' layers take on disk, each layer once."""
+    peak: int
+    """The most bytes they took while the batch (for ``cluster status``: the latest batch) used the cache."""
+    budget: int | None
 
 
 class ImageCost(BaseModel):

@@ -5,7 +5,7 @@ and is removed. The real cluster runs in ``tests/integration/test_cluster.py``."
 from __future__ import annotations
 
 import io
-import json
+import socket
 import tarfile
 import tempfile
 import threading
@@ -14,10 +14,11 @@ from types import SimpleNamespace
 
 import docker.errors
 import pytest
+from fakecache import MB, Clock, FakeEngine
 
 from pvisor_host.backend.cluster.node import tasks as node
 from pvisor_host.backend.docker.images import ImageStore
-from pvisor_host.errors import InfrastructureError
+from pvisor_host.errors import ImageUnavailable, InfrastructureError, RegistryError
 from pvisor_host.files.archive import Budget, extract_tar, tar_stream
 
 IMAGE_ID = "sha256:" + "cd" * 32
@@ -166,144 +167,134 @@ def test_scratch_defaults_to_the_temp_dir(monkeypatch):
 
 
 class TaskBackend:
-    """A node's Docker backend as :mod:`~pvisor_host.backend.cluster.node.images` uses it: images by id, each
-    pull giving the id asked for with ``size`` bytes; removals and injections recorded."""
+    """A node's Docker backend as :mod:`~pvisor_host.backend.cluster.node.images` uses it: the real image cache
+    over a fake engine (:mod:`fakecache`), images named ``r/tN`` pulled by digest; injections recorded."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.held: set[str] = set()
-        self.removed: list[str] = []
-        self.images = SimpleNamespace(has=lambda image_id: image_id in self.held)
-        self.fails: BaseException | None = None
+    def __init__(self, tmp_path: Path, session: str = "s1", budget: int | None = None) -> None:
+        from pvisor_host.backend.docker.cache import ImageCache, Ledger
+        from pvisor_host.models.ownership import Ownership
 
-    def pull_image(self, ref: str, *, cancel: threading.Event | None = None) -> SimpleNamespace:
-        if self.fails is not None:
-            raise self.fails
-        from pvisor_host.backend.docker.cleanup import pulled
+        self.engine = FakeEngine()
+        self.clock = Clock()
+        ownership = Ownership.current(session=session)
+        ledger = Ledger(tmp_path / "state" / "cache.json", ownership)
+        self.image_cache = ImageCache(self.engine, ledger, ownership, clock=self.clock, sleep=self.clock.sleep)
+        self.budget = budget
+        self.injected = 0
+        self.released: list[str] = []
 
-        image_id = ref.rsplit("@", 1)[-1]
-        self.held.add(image_id)
-        pulled.note(image_id, ref, owner="node/1/1", session="s")  # as the Docker backend notes a pull for gc
-        return SimpleNamespace(id=image_id, size=self.size, pulled=True)
+    def add(self, n: int, own: int = 20 * MB) -> dict:
+        """Task image ``n`` on the environment everyone shares, in the registry; its task as the driver sends it."""
+        image = self.engine.add(f"r/t{n}", [("os", 50 * MB), ("env", 250 * MB)], [(f"own{n}", own)])
+        pull = f"r/t{n}@{image.id}"
+        self.engine.registry[pull] = image
+        return {"id": image.id, "ref": f"r/t{n}:v1", "pull": pull, "budget": self.budget}
 
-    def remove_image(self, image) -> bool:
-        self.held.discard(image.id)
-        self.removed.append(image.id)
-        return True
+    def reserve_image(self, ref, *, budget, cancel=None, owned=True, done=None):
+        return self.image_cache.reserve(ref, budget=budget, cancel=cancel, owned=owned, done=done)
 
-    def image_in_use(self, image_id: str) -> bool:
-        return False
+    def fill_image(self, hold, *, progress=None, cancel=None):
+        return self.image_cache.fill(hold, progress=progress, cancel=cancel)
+
+    def release_image(self, hold) -> None:
+        self.released.append(hold.ref)
+        self.image_cache.release(hold)
 
     def image_budget(self) -> int | None:
         return None
 
     def inject_into(self, prepared, agent_image_id: str) -> None:
-        pass
-
-
-def _task(n: int, budget: int | None) -> dict:
-    image_id = f"sha256:{n:02d}{'ab' * 31}"  # ids that differ early, as real ones do (locks are named by a prefix)
-    return {"id": image_id, "ref": f"r/t{n}:v1", "pull": f"r/t{n}@{image_id}", "size": 40, "budget": budget}
+        self.injected += 1
 
 
 PREPARED = SimpleNamespace(image=SimpleNamespace(runtime_volume="rt"))
 
 
+class Ledger:
+    """The batch's ledger as a node asks it: which task images are done (and how often it was asked)."""
+
+    def __init__(self) -> None:
+        self.done: set[str] = set()
+        self.asked = 0
+
+
 @pytest.fixture
-def task_images(monkeypatch, tmp_path):
-    """The node's task-image module, its driver's "done" answer a set the test fills, its state in tmp_path."""
+def task_images(monkeypatch):
+    """The node's task-image module, its driver's "done" answer the ledger the test gives."""
     from pvisor_host.backend.cluster.node import images
 
-    monkeypatch.setenv("PVISOR_HOST_STATE_DIR", str(tmp_path / "state"))
-    done: set[str] = set()
-    monkeypatch.setattr(images, "_done", lambda ledger: done)
-    return SimpleNamespace(module=images, done=done)
+    def done(ledger: Ledger) -> list[str]:
+        ledger.asked += 1
+        return sorted(ledger.done)
+
+    monkeypatch.setattr(images, "_done", done)
+    return images
 
 
-def test_a_node_keeps_its_task_images_within_the_budget_and_the_peak_is_the_batch_s_own(task_images, tmp_path):
-    backend = TaskBackend(size=100)
-    prepared, done, task_images = PREPARED, task_images.done, task_images.module
-    # An earlier batch without a budget left two images here.
-    for n in (1, 2):
-        assert task_images.prepare_task(backend, tmp_path, prepared, _task(n, None), "agent", None, "s1")
-    assert task_images.status(tmp_path)["peak"] == 200
-    # The next batch, one image's room: the earlier batch's go first (least recently used), its own once done.
-    for n in (3, 4):
-        pulled = task_images.prepare_task(backend, tmp_path, prepared, _task(n, 150), "agent", None, "s2")
-        assert pulled == _task(n, 150)["id"]
-        done.add(pulled)
-    assert backend.removed == [_task(n, None)["id"] for n in (1, 2, 3)]
-    from pvisor_host.backend.docker.cleanup import pulled
-
-    assert pulled.pulled() == []  # the node's ledger owns its pulls: gc never takes them for a worker's garbage
-    assert task_images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 150}
-    # Present already: no pull, nothing removed.
-    assert task_images.prepare_task(backend, tmp_path, prepared, _task(4, 150), "agent", None, "s2") is None
-    assert len(backend.removed) == 3
+def test_copies_hold_their_image_until_released_and_the_node_keeps_it_for_the_next_batch(task_images, tmp_path):
+    backend = TaskBackend(tmp_path)
+    ledger = Ledger()
+    task = backend.add(1)
+    hold, pulled = task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", ledger)
+    assert pulled == task["id"] and backend.injected == 1
+    again, pulled_again = task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", ledger)
+    assert pulled_again is None  # present: no second pull
+    (entry,) = backend.image_cache.entries()
+    assert set(entry.holds) == {hold.token, again.token} and entry.owner is None  # the cache's, not a batch's
+    backend.release_image(hold)
+    backend.release_image(again)
+    assert backend.image_cache.finish() == []  # no batch removes it: it stays for the next one, within the budget
+    assert ledger.asked == 0  # no room was short: the driver was not asked
+    usage = task_images.status(backend)
+    assert usage == {"images": 1, "bytes": 320 * MB, "peak": 320 * MB, "budget": None}
 
 
-def test_an_image_an_earlier_batch_left_is_the_next_batch_s_once_it_uses_it(task_images, tmp_path):
-    from pvisor_host.errors import Interrupted
-
-    backend = TaskBackend(size=100)
-    images = task_images.module
-    images.prepare_task(backend, tmp_path, PREPARED, _task(1, None), "agent", None, "s1")
-    assert images.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s2") is None  # here
-    cancel = threading.Event()
-    threading.Timer(1.5, cancel.set).start()
-    with pytest.raises(Interrupted):  # waits for room: image 1's items (now s2's) are not done
-        images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2", cancel)
-    assert backend.removed == []
-    assert images.status(tmp_path)["images"] == 1  # and no reservation is left for image 2
+def test_room_takes_only_images_the_driver_says_are_done_and_asks_it_only_when_room_is_short(task_images, tmp_path):
+    backend = TaskBackend(tmp_path, budget=340 * MB)
+    ledger = Ledger()
+    first = backend.add(1)
+    hold, _ = task_images.prepare_task(backend, tmp_path, PREPARED, first, "agent", ledger)
+    backend.release_image(hold)  # its copy ended; the batch still has items of it
+    ledger.asked = 0  # (the first pull's estimate, 3 × compressed, was over the budget: nothing could go)
+    backend.clock.on_wait = lambda: ledger.done.add(first["id"]) if backend.clock.waits == 2 else None
+    second = backend.add(2, own=30 * MB)  # 50 + 250 + 20 + 30 > 340: image 1 must go, once it is done
+    task_images.prepare_task(backend, tmp_path, PREPARED, second, "agent", ledger)
+    assert backend.engine.removals == ["r/t1@" + first["id"]]
+    assert ledger.asked == 3 and backend.clock.waits == 2
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt(), RuntimeError("engine gone")])
-def test_a_pull_that_fails_in_any_way_leaves_no_reservation(task_images, tmp_path, failure):
-    backend = TaskBackend(size=100)
-    backend.fails = failure
+def test_a_pull_that_fails_in_any_way_leaves_no_hold_and_no_note(task_images, tmp_path, failure):
+    backend = TaskBackend(tmp_path)
+    task = backend.add(1)
+    backend.engine.fail_pull[task["pull"]] = failure
     with pytest.raises(type(failure)):
-        task_images.module.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s1")
-    assert task_images.module.status(tmp_path)["images"] == 0
+        task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", Ledger())
+    assert backend.image_cache.entries() == [] and backend.released == [task["pull"]]
 
 
-def test_a_registry_refusal_on_a_node_keeps_its_category(task_images, tmp_path):
-    from pvisor_host.errors import ImageUnavailable
-
-    backend = TaskBackend(size=100)
-    backend.fails = ImageUnavailable("registry_unauthorized", "r/t1: unauthorized", hint="docker login r")
-    with pytest.raises(ImageUnavailable) as raised:
-        task_images.module.prepare_task(backend, tmp_path, PREPARED, _task(1, 150), "agent", None, "s1")
-    assert raised.value.category == "registry_unauthorized"
-    assert raised.value.one_line().endswith(": r/t1: unauthorized (docker login r)")
-
-
-def test_a_reservation_of_a_process_that_is_gone_is_dropped(task_images, tmp_path):
-    images = task_images.module
-    state = {"images": {"sha256:1": {"size": 5, "used": 0, "pulling": "1/0", "session": "s"}}, "peak": 0}
-    (tmp_path / images.LEDGER).write_text(json.dumps(state))  # pid 1, but not started at tick 0
-    assert images.status(tmp_path)["images"] == 0
-    state["images"]["sha256:1"]["pulling"] = images._me()  # this process: alive
-    (tmp_path / images.LEDGER).write_text(json.dumps(state))
-    assert images.status(tmp_path)["images"] == 1
+@pytest.mark.parametrize(
+    ("failure", "category"),
+    [
+        (ImageUnavailable("registry_unauthorized", "r/t1: unauthorized", hint="docker login r"),
+         "registry_unauthorized"),
+        (RegistryError("pulling r/t1 kept failing for 600s: 503", hint="docker login r"), "registry_error"),
+    ],
+)  # fmt: skip
+def test_a_registry_fault_on_a_node_keeps_its_category_and_exit_code(task_images, tmp_path, failure, category):
+    backend = TaskBackend(tmp_path)
+    task = backend.add(1)
+    backend.engine.fail_pull[task["pull"]] = failure
+    with pytest.raises(type(failure)) as raised:
+        task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", Ledger())
+    assert raised.value.category == category and raised.value.exit_code == failure.exit_code
+    assert raised.value.one_line() == f"{socket.gethostname()}: {failure.one_line()}"
 
 
-def test_a_batch_with_a_budget_trims_what_earlier_batches_left_even_when_it_pulls_nothing(task_images, tmp_path):
-    backend = TaskBackend(size=100)
-    images = task_images.module
-    for n in (1, 2):  # an earlier batch, without a budget
-        images.prepare_task(backend, tmp_path, PREPARED, _task(n, None), "agent", None, "s1")
-    task_images.done.add(_task(2, None)["id"])  # even said to be done, the image in use stays
-    assert images.prepare_task(backend, tmp_path, PREPARED, _task(2, 50), "agent", None, "s2") is None  # here
-    assert backend.removed == [_task(1, None)["id"]]  # the other one the earlier batch left, not the one in use
-    assert _task(2, None)["id"] in backend.held
-    assert images.status(tmp_path) == {"images": 1, "bytes": 100, "peak": 100, "budget": 50}
-
-
-def test_an_image_another_copy_is_about_to_use_is_not_removed(task_images, tmp_path):
-    backend = TaskBackend(size=100)
-    images = task_images.module
-    for n in (1, 2):
-        images.prepare_task(backend, tmp_path, PREPARED, _task(n, None), "agent", None, "s1")
-    with images._locked(images._image_lock(tmp_path, _task(1, None)["id"])):  # a copy found image 1 here
-        images.prepare_task(backend, tmp_path, PREPARED, _task(2, 150), "agent", None, "s2")
-    assert backend.removed == []  # over the budget for now, but image 1 is about to run
+def test_a_pull_that_brings_another_image_than_the_driver_resolved_is_an_infrastructure_error(task_images, tmp_path):
+    backend = TaskBackend(tmp_path)
+    task = backend.add(1)
+    task["id"] = "sha256:" + "0" * 64
+    with pytest.raises(InfrastructureError, match=r"r/t1@sha256:r/t1 arrived as sha256:r/t1, not sha256:000000000000$"):
+        task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", Ledger())
+    assert backend.released == [task["pull"]]

@@ -28,12 +28,14 @@ import io
 import os
 import tarfile
 import threading
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..._log import logger
 from ..._version import __version__
 from ...errors import InfrastructureError, PrerequisiteError, UsageError
+from ...models.image import ImageHold, ImageUsage
 from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
@@ -113,7 +115,7 @@ class ClusterBackend:
             self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
             self.watch = Watch(self.ray, self.ledger)
             self.shipper = Shipper(local.images, self.ray, registry)
-            self.task_images = TaskImages(local.registries)
+            self.task_images = TaskImages(local.puller)
             self.placement = Placement()
             self.node_budget: int | None = None
             self.node_pulls_by_image: dict[str, int] = {}
@@ -206,36 +208,45 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.image_cost` (the driver's engine and registries)."""
         return self.local.image_cost(ref)
 
-    def pull_image(
+    def reserve_image(self, ref: str, *, budget: int | None, cancel: threading.Event | None = None) -> ImageHold:
+        """See :meth:`pvisor_host.backend.base.Backend.reserve_image`: the driver holds nothing (each node holds
+        its copy for its own items, within its own budget)."""
+        return ImageHold(ref=ref, token=uuid.uuid4().hex, budget=budget)
+
+    def fill_image(
         self,
-        ref: str,
+        hold: ImageHold,
         *,
         progress: Callable[[PullProgress], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> PulledImage:
-        """See :meth:`pvisor_host.backend.base.Backend.pull_image`: on a cluster the image is resolved to its
+        """See :meth:`pvisor_host.backend.base.Backend.fill_image`: on a cluster the image is resolved to its
         digest in its registry, and the nodes pull it (nothing comes to the driver's engine)."""
-        return self.task_images.resolve(ref).model_copy(update={"pulled": True})
+        resolved = self.task_images.resolve(hold.ref, cancel=cancel)
+        hold.key = resolved.id
+        return resolved.model_copy(update={"pulled": True})
 
-    def remove_image(self, image: PulledImage) -> bool:
-        """See :meth:`pvisor_host.backend.base.Backend.remove_image`: the nodes may let it go."""
-        self.image_done(image)
-        return True
+    def release_image(self, hold: ImageHold) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.release_image`: the nodes hear it through the ledger and
+        let their copies go as their budgets need."""
+        if hold.key is None:
+            return
+        with contextlib.suppress(Exception):  # the ledger lives on this node; if it is gone, so is the batch
+            self.ledger.image_done.remote(hold.key)
 
-    def keep_image(self, image: PulledImage) -> None:
-        """See :meth:`pvisor_host.backend.base.Backend.keep_image` (the nodes keep what they pulled within their
-        budgets)."""
+    def finish_images(self, *, keep: bool = False) -> list[str]:
+        """See :meth:`pvisor_host.backend.base.Backend.finish_images`: the nodes keep what they pulled within
+        their budgets."""
+        return []
+
+    def image_usage(self) -> ImageUsage | None:
+        """See :meth:`pvisor_host.backend.base.Backend.image_usage`: each node's own is in ``cluster status``."""
+        return None
 
     def node_pulls(self) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.node_pulls`."""
         with self._inputs_lock:
             return sum(self.node_pulls_by_image.values())
-
-    def image_done(self, image: PulledImage) -> None:
-        """See :meth:`pvisor_host.backend.base.Backend.image_done`: the nodes hear it through the ledger and
-        remove their copies as their budgets need."""
-        with contextlib.suppress(Exception):  # the ledger lives on this node; if it is gone, so is the batch
-            self.ledger.image_done.remote(image.id)
 
     def push_image(self, ref: str, registry: str) -> str:
         """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
@@ -326,7 +337,7 @@ class ClusterBackend:
         if prepared.image.runtime_volume is None:
             return None
         nodes = sorted(str(n["NodeID"]) for n in engine_nodes(self.ray))
-        return self.placement.place(prepared.image.id, nodes)
+        return self.placement.place(prepared.image.id, nodes, self.task_images.layers(prepared.image.ref))
 
     def ended(self, node: str | None, pulled: str | None) -> None:
         """A copy placed on ``node`` ended; the node pulled the task image ``pulled`` for it (None: it had it)."""

@@ -9,8 +9,9 @@ any agent image does (:mod:`.ship`); each node fills its own runtime volume from
 itself (:mod:`.node.images`).
 
 Locality (:class:`Placement`): the items of one task image go to one node, chosen when the image's first item
-is submitted as the engine node with the fewest items placed on it and not yet ended, and Ray is asked to run
-them there (a *soft* node affinity: when that node is gone, Ray runs them elsewhere). So an image is pulled
+is submitted among the engine nodes with the fewest items placed on them and not yet ended (within one item),
+as the one that has the most of its layers already (images on one environment share a node), and Ray is asked
+to run them there (a *soft* node affinity: when that node is gone, Ray runs them elsewhere). So an image is pulled
 about once, not once per node, while the images spread over the nodes. This is a preference handed to Ray's
 scheduler, not a scheduler of its own: Ray still decides when and, if the node is lost, where.
 """
@@ -24,36 +25,39 @@ from typing import Any
 from ...errors import ImageUnavailable, UsageError
 from ...models.image import InjectPlan, PulledImage
 from ..docker.build.inject import inject_spec
+from ..docker.cache.layers import chain_ids
 from ..docker.images import Reference
-from ..docker.registry import ManifestError, Registries
+from ..docker.pull import Puller
 
 
 class TaskImages:
     """The task images of one cluster batch, as the registry describes them (thread-safe)."""
 
-    def __init__(self, registries: Registries) -> None:
-        self._registries = registries
+    def __init__(self, puller: Puller) -> None:
+        self._puller = puller
         self._lock = threading.Lock()
         self._found: dict[str, PulledImage] = {}
         self._labels: dict[str, dict[str, str]] = {}
         self._users: dict[str, str] = {}
+        self._layers: dict[str, dict[str, int]] = {}
 
-    def resolve(self, ref: str) -> PulledImage:
+    def resolve(self, ref: str, *, cancel: threading.Event | None = None) -> PulledImage:
         """The image ``ref`` names, found in its registry without pulling it: its digest reference (what nodes
-        pull), its id, and the bytes a pull downloads.
+        pull), its id, and the bytes a pull downloads. The registry is asked as a pull would ask it (the same
+        retries and patience), so an outage ends as it does on one engine.
 
         Raises:
-            ImageUnavailable: the registry cannot say (no such image, refused, unreachable), or the image is not
-                linux/amd64: its items are refused, in one line.
+            ImageUnavailable: no such image, refused credentials, or an image that is not linux/amd64: its items
+                are refused, in one line.
+            RegistryError: the registry stayed unreachable or failing (an infrastructure error, as a pull's).
+            Interrupted: ``cancel`` was set.
         """
         with self._lock:
             if ref in self._found:
                 return self._found[ref]
-        try:
-            manifest = self._registries.manifest(ref)
-            config = self._registries.config(ref, manifest)
-        except ManifestError as exc:
-            raise ImageUnavailable(_kind(str(exc)), f"task image {ref}: no node can pull it: {exc}") from None
+        registries = self._puller.registries
+        manifest = self._puller.ask(ref, lambda: registries.manifest(ref), cancel=cancel)
+        config = self._puller.ask(ref, lambda: registries.config(ref, manifest), cancel=cancel)
         platform = (config.get("os", "linux"), config.get("architecture", "amd64"))
         if platform != ("linux", "amd64"):
             raise ImageUnavailable(
@@ -72,7 +76,14 @@ class TaskImages:
             self._found[ref] = found
             self._labels[ref] = dict((config.get("config") or {}).get("Labels") or {})
             self._users[ref] = str((config.get("config") or {}).get("User") or "")
+            diff_ids = [str(d) for d in (config.get("rootfs") or {}).get("diff_ids") or []]
+            self._layers[ref] = dict(zip(chain_ids(diff_ids), manifest.sizes, strict=False))
         return found
+
+    def layers(self, ref: str) -> dict[str, int]:
+        """The layers of the resolved image ``ref``: chain id → bytes it downloads (empty: not resolved)."""
+        with self._lock:
+            return dict(self._layers.get(ref, {}))
 
     def plan(self, ref: str, profile: Any) -> InjectPlan:
         """The inject plan of task image ``ref`` for ``profile``'s runtime (see :meth:`resolve`).
@@ -98,16 +109,29 @@ class Placement:
         self._node: dict[str, str] = {}
         self._load: Counter[str] = Counter()
         """Items placed on each node and not yet ended."""
+        self._layers: dict[str, dict[str, int]] = {}
+        """Node → the layers of the images placed on it (chain id → bytes)."""
 
-    def place(self, image: str, nodes: list[str]) -> str | None:
-        """The node for one more item of ``image`` among the alive engine ``nodes`` (None: no node)."""
+    def place(self, image: str, nodes: list[str], layers: dict[str, int] | None = None) -> str | None:
+        """The node for one more item of ``image`` among the alive engine ``nodes`` (None: no node). A new image
+        goes to the node that has the most of its ``layers`` among the least loaded (within one item of the
+        least), so images that share an environment share a node's disk and its pulls."""
         with self._lock:
             node = self._node.get(image)
             if node not in nodes:
                 if not nodes:
                     return None
-                node = min(nodes, key=lambda n: (self._load[n], n))
+                least = min(self._load[n] for n in nodes)
+                near = [n for n in nodes if self._load[n] <= least + 1]
+                mine = layers or {}
+
+                def shared(n: str) -> int:
+                    there = self._layers.get(n, {})
+                    return sum(size for chain, size in mine.items() if chain in there)
+
+                node = min(near, key=lambda n: (-shared(n), self._load[n], n))
                 self._node[image] = node
+                self._layers.setdefault(node, {}).update(mine)
             self._load[node] += 1
             return node
 
@@ -115,12 +139,3 @@ class Placement:
         """An item placed on ``node`` ended (wherever Ray ran it in the end)."""
         with self._lock:
             self._load[node] -= 1
-
-
-def _kind(problem: str) -> str:
-    """The category of a registry's refusal, as a pull's would be (see :mod:`..docker.pull`)."""
-    if "not found" in problem:
-        return "image_not_found"
-    if "unauthorized" in problem or "refused" in problem:
-        return "registry_unauthorized"
-    return "image_unreachable"

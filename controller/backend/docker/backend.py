@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 from docker.errors import NotFound
 
 from ..._log import logger
-from ...errors import PvisorHostError
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
@@ -46,7 +45,7 @@ from .sandbox.seed import Seeds
 LEFTOVER_PATIENCE = 60.0
 
 if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pvisor-host gc` loads no build)
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
     from pathlib import Path
 
     import docker
@@ -57,9 +56,11 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ...models.image import (
         BuildOptions,
         ImageCost,
+        ImageHold,
         ImagePlan,
         ImagePreview,
         ImageRequest,
+        ImageUsage,
         PulledImage,
         PullProgress,
         ResolvedImage,
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ...models.replay import PreparedReplay, SandboxPlan
     from ...models.spec import ModelUpstream
     from ..base import Backend
+    from .cache import ImageCache
     from .gateway import Gateway
     from .pull import Puller
     from .registry import Registries
@@ -88,6 +90,7 @@ class DockerBackend:
         self.images = ImageStore(client)
         """The engine's images as other parts need them (the cluster ships images through it)."""
         self._pulls: Puller | None = None
+        self._cache: ImageCache | None = None
         self._lock = threading.Lock()
         self._seeds = Seeds()
 
@@ -172,10 +175,11 @@ class DockerBackend:
     @property
     def registries(self) -> Registries:
         """This backend's registry client (manifests, configurations, credentials)."""
-        return self._puller.registries
+        return self.puller.registries
 
     @property
-    def _puller(self) -> Puller:
+    def puller(self) -> Puller:
+        """This backend's pulls and registry questions (:mod:`.pull`): one set of rate-limit gates for all."""
         with self._lock:
             if self._pulls is None:
                 from .pull import Puller
@@ -188,62 +192,65 @@ class DockerBackend:
         from ...models.image import ImageCost
         from .registry import ManifestError
 
-        found = self._puller.present(ref)
+        found = self.puller.present(ref)
         if found is not None:
             return ImageCost(ref=ref, present=True, id=found.id, size=found.size, digest=found.digest)
         try:
-            manifest = self._puller.registries.manifest(ref)
+            manifest = self.puller.registries.manifest(ref)
         except ManifestError as exc:
             return ImageCost(ref=ref, present=False, error=str(exc))
         digest = f"{Reference(ref).repository}@{manifest.digest}" if manifest.digest else None
         return ImageCost(ref=ref, present=False, id=manifest.config_digest, digest=digest, layers=manifest.layers)
 
-    def pull_image(
+    @property
+    def image_cache(self) -> ImageCache:
+        """This engine's image cache (:mod:`.cache`), shared with every process that uses the engine."""
+        puller = self.puller
+        with self._lock:
+            if self._cache is None:
+                from .cache.engine import open_cache
+
+                self._cache = open_cache(self.client, self._ownership, puller=puller, on_removed=self._seeds.drop)
+            return self._cache
+
+    def reserve_image(
         self,
         ref: str,
+        *,
+        budget: int | None,
+        cancel: threading.Event | None = None,
+        owned: bool = True,
+        done: Callable[[], Collection[str]] | None = None,
+    ) -> ImageHold:
+        """See :meth:`pvisor_host.backend.base.Backend.reserve_image` (``owned`` and ``done``: see
+        :meth:`.cache.ImageCache.reserve`; a cluster node's copies keep what they pull within the budgets)."""
+        return self.image_cache.reserve(ref, budget=budget, cancel=cancel, owned=owned, done=done)
+
+    def fill_image(
+        self,
+        hold: ImageHold,
         *,
         progress: Callable[[PullProgress], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> PulledImage:
-        """See :meth:`pvisor_host.backend.base.Backend.pull_image` (a pull is noted for ``gc`` and ``images``)."""
-        from .cleanup import pulled as ledger
+        """See :meth:`pvisor_host.backend.base.Backend.fill_image`."""
+        return self.image_cache.fill(hold, progress=progress, cancel=cancel)
 
-        image = self._puller.pull(ref, progress=progress, cancel=cancel)
-        if image.pulled:
-            try:
-                ledger.note(image.id, ref, owner=self._ownership.owner, session=self._ownership.session)
-            except OSError as exc:  # the batch still removes it; `gc` would not know it after a kill -9
-                logger.warning("pulled {}, but could not note it for gc: {}", ref, exc)
-        return image
-
-    def remove_image(self, image: PulledImage) -> bool:
-        """See :meth:`pvisor_host.backend.base.Backend.remove_image`."""
-        from docker.errors import APIError, ImageNotFound
-
-        from .cleanup import pulled as ledger
-
+    def release_image(self, hold: ImageHold) -> None:
+        """See :meth:`pvisor_host.backend.base.Backend.release_image`."""
         try:
-            with engine_errors(f"remove image {image.ref}"):
-                try:
-                    self.client.images.remove(image.ref)
-                except ImageNotFound:
-                    pass  # gone already
-                except APIError as exc:
-                    if exc.status_code == 409:  # a container uses it, or it is needed under another name
-                        logger.info("{} stays: {}", image.ref, describe(exc))
-                        return False
-                    raise
-                gone = not self.images.has(image.id)
-        except PvisorHostError as exc:
-            logger.warning("could not remove {}: {}", image.ref, exc.message)
-            return False
-        if gone:
-            try:
-                ledger.forget(image.id)
-                self._seeds.drop(image.id)
-            except OSError as exc:  # the state directory or the copies' folder: worth a line, not the batch
-                logger.warning("removed {}, but could not forget it: {}", image.ref, exc)
-        return gone
+            self.image_cache.release(hold)
+        except OSError as exc:  # the state directory: its hold ends with this process all the same
+            logger.warning("could not let go of {}: {}", hold.ref, exc)
+
+    def finish_images(self, *, keep: bool = False) -> list[str]:
+        """See :meth:`pvisor_host.backend.base.Backend.finish_images`."""
+        return self.image_cache.finish(keep=keep)
+
+    def image_usage(self) -> ImageUsage:
+        """See :meth:`pvisor_host.backend.base.Backend.image_usage`."""
+        usage = self.image_cache.usage()
+        return usage.model_copy(update={"peak": self.image_cache.peak(self._ownership.session)})
 
     def push_image(self, ref: str, registry: str) -> str:
         """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
@@ -253,25 +260,14 @@ class DockerBackend:
             image_id = str(self.client.images.get(ref).id)
         return self.images.push(image_id, *push_target(registry, ref, image_id))
 
-    def keep_image(self, image: PulledImage) -> None:
-        """See :meth:`pvisor_host.backend.base.Backend.keep_image`."""
-        from .cleanup import pulled as ledger
-
-        try:
-            ledger.forget(image.id)
-        except OSError as exc:
-            logger.warning("could not note that {} is kept: {}", image.ref, exc)
-
     def node_pulls(self) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.node_pulls`: one engine has no nodes."""
         return None
 
-    def image_done(self, image: PulledImage) -> None:
-        """See :meth:`pvisor_host.backend.base.Backend.image_done` (the batch removes what it pulled itself)."""
-
     def image_budget(self, given: int | None = None) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.image_budget`: by default half of what the engine's data
-        root has free, when that directory is on this machine."""
+        root has free plus what the image cache holds (so the default does not shrink as the cache fills), when
+        that directory is on this machine."""
         if given is not None:
             return given
         with engine_errors("read the engine's information"):
@@ -280,7 +276,9 @@ class DockerBackend:
             stats = os.statvfs(root) if root else None
         except OSError:
             stats = None
-        return stats.f_bavail * stats.f_frsize // 2 if stats is not None else None
+        if stats is None:
+            return None
+        return (stats.f_bavail * stats.f_frsize + self.image_cache.usage().bytes) // 2
 
     # -- sandboxes ------------------------------------------------------------------------------------------
 

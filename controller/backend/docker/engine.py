@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -67,10 +68,20 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+#: A URL's query: where a registry's signed blob URLs carry their signature (``X-Amz-Signature=...``).
+_QUERY = re.compile(r"(\bhttps?://[^\s\"'?]+)\?[^\s\"']*", re.IGNORECASE)
+
+
+def scrub(text: str) -> str:
+    """``text`` without the queries of the URLs it quotes: a registry's error may quote a signed blob URL, whose
+    signature must not reach a log line or a record."""
+    return _QUERY.sub(r"\1?…", text)
+
+
 def describe(exc: BaseException) -> str:
-    """The engine's own words for an error, on one line."""
+    """The engine's own words for an error, on one line (signed URLs cut, see :func:`scrub`)."""
     text = exc.explanation if isinstance(exc, APIError) and exc.explanation else str(exc)
-    text = str(text).strip().replace("\n", " ")
+    text = scrub(str(text).strip().replace("\n", " "))
     return text[:300] or type(exc).__name__
 
 

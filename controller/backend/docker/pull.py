@@ -8,19 +8,29 @@ clear line for what it means as final.
 * Final: no such image (``image_not_found``), or credentials the registry refuses (``registry_unauthorized``):
   :class:`~pvisor_host.errors.ImageUnavailable`, at once, for that image only.
 
+Questions to a registry itself (a manifest, a configuration: :func:`Puller.ask`) follow the same rules, with
+the same patience, so an outage ends the same way whether a pull or a lookup met it, on one engine or on a
+cluster's driver. Docker Hub's pull limit for anonymous users is named as such, with the way out (log in, or
+pull through a mirror), rather than waited for: it lasts hours.
+
 Credentials are the docker CLI's (``~/.docker/config.json``, credential helpers), which docker-py hands the
-engine with each pull; they never appear in a log line or an error. The engine makes an image whole or not at
-all, so an interrupted pull (Ctrl-C, ``kill -9``) leaves nothing half-made that a later run would use.
+engine with each pull; they never appear in a log line or an error, and neither do signed blob URLs
+(:func:`.engine.scrub`). The engine makes an image whole or not at all, so an interrupted pull (Ctrl-C,
+``kill -9``) leaves nothing half-made that a later run would use. A cancel closes the pull's connection at
+once (:class:`_Events`): the engine stops pulling, and nobody waits for the next progress event.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import random
 import re
+import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import requests
 from docker.errors import APIError, ImageNotFound
@@ -29,12 +39,14 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from ..._log import logger
 from ...errors import ImageUnavailable, Interrupted, RegistryError
 from ...models.image import PulledImage, PullProgress
-from .engine import describe, engine_errors
+from .engine import describe, engine_errors, scrub
 from .images import Reference, repo_digest
-from .registry import Registries
+from .registry import ManifestError, Registries
 
 if TYPE_CHECKING:
     import docker
+
+T = TypeVar("T")
 
 #: Seconds a pull keeps retrying what a registry means as passing (a long rate limit included).
 PATIENCE = 600.0
@@ -92,7 +104,10 @@ class Gates:
 
 def classify(reference: str, text: str, status: int | None = None) -> Exception:
     """What a failed pull means: :class:`ImageUnavailable` (final), a passing failure, or RegistryError."""
+    text = scrub(text)
     lowered = text.lower()
+    if _hub(reference) and any(marker in lowered for marker in _RATE_LIMITED) and "limit" in lowered:
+        return hub_limit(reference)
     if any(marker in lowered for marker in _FINAL):
         return RegistryError(f"pulling {reference} failed: {text[:300]}")
     if status == 404 or any(marker in lowered for marker in _NOT_FOUND):
@@ -111,6 +126,36 @@ def classify(reference: str, text: str, status: int | None = None) -> Exception:
     ):
         return _Passing(text)
     return RegistryError(f"pulling {reference} failed: {text[:300]}")
+
+
+def hub_limit(reference: str) -> RegistryError:
+    """Docker Hub's pull limit: named, not waited for (it lasts hours)."""
+    return RegistryError(
+        f"pulling {reference}: Docker Hub's pull rate limit was reached (anonymous pulls: 10 an hour per address; "
+        "100 with a free login)",
+        hint="log in to Docker Hub (docker login), or pull through a mirror (--registry-mirror HOST)",
+    )
+
+
+def _hub(reference: str) -> bool:
+    return Reference(reference).registry is None
+
+
+def registry_fault(reference: str, exc: ManifestError) -> Exception:
+    """What a registry's refusal to answer a lookup means, as :func:`classify` says of a pull's."""
+    if exc.status == 404:
+        return ImageUnavailable("image_not_found", f"image {reference} was not found in its registry")
+    if exc.status in (401, 403):
+        return ImageUnavailable(
+            "registry_unauthorized",
+            f"the registry refused to give {reference} (HTTP {exc.status})",
+            hint="log in to it as the docker CLI would (docker login): its credentials are used",
+        )
+    if exc.status == 429 and _hub(reference) and (exc.retry_after is None or exc.retry_after > PATIENCE):
+        return hub_limit(reference)
+    if not exc.answered or exc.status in (429, 500, 502, 503, 504):
+        return _Passing(scrub(str(exc)), wait=exc.retry_after)
+    return RegistryError(f"asking the registry for {reference} failed: {scrub(str(exc))[:300]}")
 
 
 class Puller:
@@ -154,13 +199,47 @@ class Puller:
         if ref.digest is None and ref.tag is None:
             reference = f"{reference}:latest"
             ref = Reference(reference)
-        host = ref.registry or "docker.io"
+        started = time.monotonic()
+        downloaded = self._patiently(
+            f"pulling {reference}", reference, lambda: self._once(ref, progress, cancel, started), cancel
+        )
+        found = self.present(reference)
+        if found is None:
+            raise RegistryError(f"the engine pulled {reference} but does not have it")
+        return found.model_copy(
+            update={"pulled": True, "downloaded": downloaded, "seconds": time.monotonic() - started}
+        )
+
+    def ask(self, reference: str, question: Callable[[], T], *, cancel: threading.Event | None = None) -> T:
+        """``question`` put to ``reference``'s registry (a manifest, a configuration), with a pull's patience:
+        passing failures retried, a rate limit waited out as the registry asks.
+
+        Raises:
+            ImageUnavailable: no such image, or the registry refuses our credentials.
+            RegistryError: the registry stayed unreachable or failing, or its answer could not be read.
+            Interrupted: ``cancel`` was set.
+        """
+
+        def once() -> T:
+            try:
+                return question()
+            except ManifestError as exc:
+                fault = registry_fault(reference, exc)
+                if isinstance(fault, _Passing) and fault.wait is not None:
+                    self.gates.hold(Reference(reference).registry or "docker.io", fault.wait)
+                raise fault from None
+
+        return self._patiently(f"asking the registry for {reference}", reference, once, cancel)
+
+    def _patiently(self, what: str, reference: str, call: Callable[[], T], cancel: threading.Event | None) -> T:
+        """``call`` retried while it fails in a passing way, for up to :data:`PATIENCE` seconds."""
+        host = Reference(reference).registry or "docker.io"
         started = time.monotonic()
         retrying = Retrying(
             retry=retry_if_exception_type(_Passing),
             stop=stop_after_delay(PATIENCE) | stop_after_attempt(ATTEMPTS),
             wait=lambda state: min(self._backoff(state), max(0.0, PATIENCE - (time.monotonic() - started))),
-            before_sleep=lambda state: self._before_retry(reference, host, state),
+            before_sleep=lambda state: self._before_retry(what, state),
             sleep=lambda seconds: _sleep(seconds, cancel, reference),
             reraise=True,
         )
@@ -168,18 +247,13 @@ class Puller:
             for attempt in retrying:
                 with attempt:
                     if cancel is not None and cancel.is_set():
-                        raise Interrupted(f"interrupted while pulling {reference}")
+                        raise Interrupted(f"interrupted while {what}")
                     self.gates.wait(host, cancel)
-                    downloaded = self._once(ref, progress, cancel, started)
+                    return call()
         except _Passing as exc:
             waited = time.monotonic() - started
-            raise RegistryError(f"pulling {reference} kept failing for {waited:.0f}s: {exc.text[:300]}") from None
-        found = self.present(reference)
-        if found is None:
-            raise RegistryError(f"the engine pulled {reference} but does not have it")
-        return found.model_copy(
-            update={"pulled": True, "downloaded": downloaded, "seconds": time.monotonic() - started}
-        )
+            raise RegistryError(f"{what} kept failing for {waited:.0f}s: {exc.text[:300]}") from None
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
     def _once(
         self,
@@ -191,11 +265,7 @@ class Puller:
         """One pull through the engine, its events turned into progress; the bytes downloaded."""
         layers: dict[str, tuple[int, int | None]] = {}
         try:
-            events = self._client.api.pull(ref.repository, tag=ref.digest or ref.tag, stream=True, decode=True)
-            for event in events:
-                if cancel is not None and cancel.is_set():
-                    events.close()
-                    raise Interrupted(f"interrupted while pulling {ref.text}")
+            for event in _Events(self._client, ref, cancel):
                 if "error" in event:
                     raise classify(ref.text, str(event["error"]))  # final, or passing (see below)
                 detail = event.get("progressDetail") or {}
@@ -220,13 +290,12 @@ class Puller:
                 self.gates.hold(ref.registry or "docker.io", error.wait)
         return error
 
-    def _before_retry(self, reference: str, host: str, state: RetryCallState) -> None:
+    def _before_retry(self, what: str, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         if isinstance(exc, _Passing):
             wait = state.next_action.sleep if state.next_action else 0.0
             logger.warning(
-                "pulling {} failed ({}); attempt {} in {:.0f}s", reference, exc.text[:120], state.attempt_number + 1,
-                wait,
+                "{} failed ({}); attempt {} in {:.0f}s", what, exc.text[:120], state.attempt_number + 1, wait,
             )  # fmt: skip
 
     @staticmethod
@@ -236,6 +305,84 @@ class Puller:
         if isinstance(exc, _Passing) and exc.wait is not None:
             return exc.wait
         return random.uniform(0, min(MAX_BACKOFF, 2.0**state.attempt_number))
+
+
+class _Events:
+    """The events of one pull through the engine, read on a thread of their own, so that a cancel is seen at
+    once rather than at the next event (a throttled blob may send none for minutes): the pull's connection is
+    then shut, which makes the engine stop the pull, and :class:`Interrupted` is raised."""
+
+    _capture = threading.local()
+    _hook_lock = threading.Lock()
+
+    def __init__(self, client: docker.DockerClient, ref: Reference, cancel: threading.Event | None) -> None:
+        self._api = client.api
+        self._ref = ref
+        self._cancel = cancel
+        self._queue: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._response: requests.Response | None = None
+        self._hook(self._api)
+
+    @classmethod
+    def _hook(cls, api: Any) -> None:
+        """Keep each pull's response (its reading thread asked for it): the way to its connection."""
+
+        def keep(response: requests.Response, *args: object, **kwargs: object) -> None:
+            if getattr(cls._capture, "wanted", False):
+                cls._capture.response = response
+
+        with cls._hook_lock:
+            if not getattr(api, "_pvisor_host_keeps_responses", False):
+                api.hooks["response"].append(keep)
+                api._pvisor_host_keeps_responses = True
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        reader = threading.Thread(target=self._read, name="pvisor-host-pull-events", daemon=True)
+        reader.start()
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                kind, value = "", None
+            if self._cancel is not None and self._cancel.is_set():
+                self._shut()
+                raise Interrupted(f"interrupted while pulling {self._ref.text}")
+            if kind == "event":
+                yield value
+            elif kind == "end":
+                return
+            elif kind == "error":
+                raise value
+
+    def _read(self) -> None:
+        self._capture.wanted = True
+        try:
+            events = self._api.pull(self._ref.repository, tag=self._ref.digest or self._ref.tag, stream=True,
+                                    decode=True)  # fmt: skip
+            self._response = getattr(self._capture, "response", None)
+            if self._cancel is not None and self._cancel.is_set():
+                self._shut()
+            for event in events:
+                self._queue.put(("event", event))
+            self._queue.put(("end", None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the pulling thread, which raises it
+            self._queue.put(("error", exc))
+        finally:
+            self._capture.wanted = False
+            self._capture.response = None
+
+    def _shut(self) -> None:
+        """Shut the pull's connection (the engine then stops pulling; the reading thread ends)."""
+        response = self._response
+        if response is None:
+            return
+        connection = getattr(response.raw, "_connection", None) or getattr(response.raw, "connection", None)
+        sock = getattr(connection, "sock", None)
+        with contextlib.suppress(OSError):
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(Exception):
+            response.close()
 
 
 def _sleep(seconds: float, cancel: threading.Event | None, reference: str) -> None:

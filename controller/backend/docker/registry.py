@@ -39,9 +39,13 @@ TIMEOUT = 20.0
 class ManifestInfo:
     """What a registry says of an image: its digest, and its layers with their (compressed) sizes."""
 
-    def __init__(self, digest: str | None, layers: dict[str, int], config: int, config_digest: str | None) -> None:
+    def __init__(
+        self, digest: str | None, layers: list[tuple[str, int]], config: int, config_digest: str | None
+    ) -> None:
         self.digest = digest
-        self.layers = layers
+        self.ordered = layers
+        """Each layer's digest and bytes as pulled (compressed), base first (a layer may appear twice)."""
+        self.layers = dict(layers)
         """Layer digest → bytes, as pulled (compressed)."""
         self.config = config
         self.config_digest = config_digest
@@ -52,9 +56,22 @@ class ManifestInfo:
         """Everything a pull downloads when no layer is present yet."""
         return sum(self.layers.values()) + self.config
 
+    @property
+    def sizes(self) -> list[int]:
+        """The compressed bytes of each layer, base first."""
+        return [size for _, size in self.ordered]
+
 
 class ManifestError(Exception):
-    """The registry could not be asked (unreachable, refused, or an answer that is not a manifest)."""
+    """The registry could not be asked (unreachable, refused, or an answer that is not a manifest).
+    ``status`` is the HTTP status it answered (None: no answer, or one that could not be read);
+    ``retry_after`` the seconds it asked to wait, when it did."""
+
+    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+        self.answered = status is not None
 
 
 class Registries:
@@ -96,7 +113,7 @@ class Registries:
             if chosen is None:
                 raise ManifestError(f"{reference} has no {'/'.join(platform)} image")
             body = self._get(ref, chosen["digest"]).json()
-        layers = {layer["digest"]: int(layer.get("size", 0)) for layer in body.get("layers", [])}
+        layers = [(str(layer["digest"]), int(layer.get("size", 0))) for layer in body.get("layers", [])]
         config = body.get("config", {})
         return ManifestInfo(digest, layers, int(config.get("size", 0)), config.get("digest"))
 
@@ -134,12 +151,14 @@ class Registries:
 
     def _get(self, ref: Reference, what: str, *, kind: str = "manifests") -> requests.Response:
         answer = self._request("GET", ref, what, kind=kind)
-        if answer.status_code == 404:
-            raise ManifestError(f"{ref.text}: not found in the registry")
-        if answer.status_code in (401, 403):
-            raise ManifestError(f"{ref.text}: the registry refused (HTTP {answer.status_code}: unauthorized)")
-        if answer.status_code != 200:
-            raise ManifestError(f"{ref.text}: the registry answered HTTP {answer.status_code}")
+        status = answer.status_code
+        if status == 404:
+            raise ManifestError(f"{ref.text}: not found in the registry", status=status)
+        if status in (401, 403):
+            raise ManifestError(f"{ref.text}: the registry refused (HTTP {status}: unauthorized)", status=status)
+        if status != 200:
+            wait = parse_retry_after(answer.headers.get("Retry-After")) if status == 429 else None
+            raise ManifestError(f"{ref.text}: the registry answered HTTP {status}", status=status, retry_after=wait)
         return answer
 
     def _request(self, method: str, ref: Reference, what: str, *, kind: str = "manifests") -> requests.Response:
@@ -175,6 +194,9 @@ class Registries:
         realm = fields.get("realm")
         if realm is None:
             return None
+        if credentials is not None and not realm.lower().startswith("https://"):
+            logger.warning("{} names a token service over plain HTTP; asking it without the credentials", host)
+            credentials = None  # a password never travels in clear text, whatever the registry asks
         params = {"service": fields.get("service", host), "scope": fields.get("scope", scope)}
         answer = self._session.get(realm, params=params, auth=credentials, timeout=TIMEOUT)
         if answer.status_code != 200:

@@ -105,7 +105,10 @@ def node_status(session: str) -> dict[str, Any]:
     """This node for ``cluster status``: engine version, pvisor-host images, sandboxes of ours running now, and
     the task images its copies pulled (bytes now, peak, budget)."""
     backend = backend_for(session)
-    tasks = task_status(scratch_root())
+    try:
+        tasks = task_status(backend)
+    except (PvisorHostError, OSError) as exc:
+        tasks = {"error": str(exc)}
     try:
         engine, images, running = backend.engine_version(), backend.images.ours(), backend.running_sandboxes()
     except PvisorHostError as exc:  # reported, not raised: status shows every node it can
@@ -207,14 +210,17 @@ def run_copy(
     gateway = None
     limits = None
     pulled = None
+    hold = None
+    backend = None
     try:
         if not ensure_image(session, request["image"], fetch_chunk or ray.get):
             return {"need_image": True}
         prepared, attempt = _materialize(base, request, trajectory, workspace)
         backend = backend_for(session)
-        if request.get("task") is not None:  # a task image: pulled here, by digest, within this node's budget
-            pulled = prepare_task(backend, scratch_root(), prepared, request["task"], request["image"]["id"], ledger,
-                                  session, stop.event)  # fmt: skip
+        if request.get("task") is not None:  # a task image: held here, pulled by digest within the node's budget
+            hold, pulled = prepare_task(
+                backend, scratch_root(), prepared, request["task"], request["image"]["id"], ledger, stop.event
+            )
         if prepared.spec.continuation is not None:
             limits = RemoteLimits(request["model_limits"], _node_id()) if request.get("model_limits") else None
             gateway = backend.open_gateway(prepared.spec.continuation, user=prepared.user, api_key=key, limits=limits)
@@ -234,6 +240,8 @@ def run_copy(
             gateway.close()
         if limits is not None:
             limits.close()  # whatever its gateway still held of the batch's model limits
+        if hold is not None and backend is not None:
+            backend.release_image(hold)  # its sandbox is gone: the image may go when the budget needs
     if stop.reason == SUPERSEDED:  # another copy made the record: nobody fetches this one
         _remove(base)
         return {"superseded": True}

@@ -1,8 +1,8 @@
 """What pvisor-host built in Docker — images and runtime volumes — and pruning it, least recently used first.
 
 Only resources labelled ``pvisor-host.managed=true`` are listed or removed, and the task images a batch
-pulled and left (role ``pulled``, noted in :mod:`.pulled`); never one that a container (running or stopped)
-uses. "Last used" comes from :mod:`.usage`; a resource never used is
+pulled and left (role ``pulled``, in the image cache's ledger: :mod:`.pulled`); never one that a container
+(running or stopped) uses, nor one a running batch holds. "Last used" comes from :mod:`.usage`; a resource never used is
 judged by its creation time. Sizes are the engine's: an image's size counts the base layers it shares
 with others, so freeing one image may free less than its size.
 """
@@ -39,16 +39,12 @@ def list_catalog(client: docker.DockerClient) -> list[CatalogEntry]:
     :mod:`.pulled`), least recently used first."""
     df, used_images = _usage(client)
     uses = usage.last_used()
-    noted = {entry.id: entry for entry in pulled.pulled()}
+    noted = {entry.id: entry for entry in pulled.pulled(pulled.cache_of(client, Ownership.current()))}
     images = df.get("Images") or []
     entries = [_image_entry(image, uses, used_images) for image in images if _ours(image) and image["Id"] not in noted]
     entries += [_pulled_entry(image, noted[str(image["Id"])], used_images) for image in images
                 if str(image["Id"]) in noted]  # fmt: skip
     entries += [_volume_entry(volume, uses) for volume in df.get("Volumes") or [] if _ours(volume)]
-    gone = set(noted) - {str(image["Id"]) for image in images}
-    if gone:  # removed by someone else meanwhile: nothing left to account for
-        for image_id in gone:
-            pulled.forget(image_id)
     return sorted(entries, key=lambda e: (e.recency, e.name))
 
 
@@ -60,10 +56,10 @@ def _pulled_entry(image: dict[str, Any], noted: pulled.PulledRecord, used: set[s
         id=image_id,
         role="pulled",
         size=int(image.get("Size") or 0),
-        created=noted.pulled_at,
-        last_used=noted.pulled_at,
+        created=noted.used_at,
+        last_used=noted.used_at,
         in_use=image_id in used or int(image.get("Containers") or 0) > 0,
-        pulled_by=noted.owner,
+        pulled_by=noted.holder or noted.owner,
     )
 
 
@@ -146,7 +142,7 @@ def prune(
             result.kept[entry.name] = "in use by a container"
             continue
         if entry.role == "pulled" and entry.pulled_by and Ownership.current().owner_alive(entry.pulled_by):
-            result.kept[entry.name] = "a running batch pulled it and may still need it"
+            result.kept[entry.name] = "a running batch pulled it, or holds it, and may still need it"
             continue
         removed, reason = (True, None) if dry_run else _remove(client, entry)
         if reason:
@@ -158,9 +154,11 @@ def prune(
         total -= entry.size
     if not dry_run:
         usage.forget(*(e.id for e in result.removed))
-        for entry in result.removed:
-            if entry.role == "pulled":
-                pulled.forget(entry.id)
+        removed_pulls = [entry.id for entry in result.removed if entry.role == "pulled"]
+        if removed_pulls:
+            cache = pulled.cache_of(client, Ownership.current())
+            for image_id in removed_pulls:
+                cache.forget(image_id)
     return result
 
 
@@ -174,7 +172,7 @@ def _try_remove(client: docker.DockerClient, entry: CatalogEntry) -> tuple[bool,
     try:
         if entry.kind == "image" and entry.role == "pulled":  # by the name it was pulled as (it may have others),
             if client.images.get(entry.name).id != entry.id:  # unless that name is another image's by now
-                pulled.forget(entry.id)
+                pulled.cache_of(client, Ownership.current()).forget(entry.id)
                 return False, "its name is another image's now; forgotten as pulled"
             client.images.remove(entry.name, force=False, noprune=False)
         elif entry.kind == "image":

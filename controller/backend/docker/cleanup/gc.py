@@ -5,8 +5,8 @@ Every container, network and per-run volume pvisor-host creates carries ``pvisor
 gone (the pid no longer runs, or runs a different process since the start time differs). Resources of a
 live controller, of a controller on another host (sharing the engine) and anything without the label —
 including the shared runtime volumes and images, which ``images prune`` manages — are never touched. Task
-images a dead batch pulled and could not remove (noted in :mod:`.pulled`) are removed too, by the name they
-were pulled as, unless a container uses them.
+images a dead batch pulled and could not remove (in the image cache's ledger, :mod:`.pulled`) are removed
+too, unless a container uses them; the images the cache keeps for the next batch (a node's) are not orphans.
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_ru
             live += 1
         else:
             orphans.append(resource)
-    for noted in pulled.pulled():  # task images a batch pulled and could not remove itself
+    cache = pulled.cache_of(client, ownership)
+    for noted in pulled.pulled(cache):  # task images a batch pulled and could not remove itself
+        if noted.owner is None or noted.holder is not None:
+            continue  # the cache keeps it (within the budgets), or a live process holds it
         alive = ownership.owner_alive(noted.owner)
         if alive is None:
             other_hosts += 1
@@ -72,10 +75,12 @@ def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_ru
     for resource in list(orphans):  # already in order: containers, networks, volumes, images
         try:
             _remove(client, resource)
+            if resource.kind == "image":
+                cache.forget(resource.id)
         except APIError as exc:
             if resource.kind == "image" and exc.status_code == 409:  # something else uses it now: not ours to take
                 logger.info("leaving {}: {}", resource.name, describe(exc))
-                pulled.forget(resource.id)
+                cache.forget(resource.id)
                 report.orphans.remove(resource)
                 report.live += 1
                 continue
@@ -101,5 +106,3 @@ def _remove(client: docker.DockerClient, resource: Resource) -> None:
             client.volumes.get(resource.id).remove(force=True)
     except NotFound:
         pass  # gone meanwhile (its owner's own cleanup, or the engine's auto-removal)
-    if resource.kind == "image":
-        pulled.forget(resource.id)

@@ -1,0 +1,7 @@
+"""One image cache per engine (:mod:`.cache`), counted in layers (:mod:`.layers`), kept in a ledger file
+(:mod:`.ledger`), over the Docker engine (:mod:`.engine`)."""
+
+from .cache import ImageCache, Priced
+from .ledger import CachedImage, Ledger, ledger_path
+
+__all__ = ["CachedImage", "ImageCache", "Ledger", "Priced", "ledger_path"]

@@ -1,0 +1,510 @@
+"""One image cache per engine: the task images batches pull, held while they are used, kept within a byte
+budget counted in layers, and removed least recently used first.
+
+Every batch on an engine, local or a cluster node's copies, goes through the one :class:`ImageCache` of that
+engine, whose state is the engine's :class:`~.ledger.Ledger` file. So two batches on one engine see each
+other's images, share one budget, and never remove an image the other uses.
+
+* :meth:`ImageCache.reserve` — an item (or a batch's look-ahead) asks for an image. Present: it is held, and
+  nothing is pulled. Not present: its pull is priced from the registry's layers minus the layers the engine
+  has (:mod:`.layers`), room is made within the budget, and the pull is noted in the ledger *before* it
+  starts (``gc`` then knows it even after a ``kill -9``). The image is held from this moment.
+* :meth:`ImageCache.fill` — the pull itself; a failed pull is forgotten, a finished one is weighed layer by
+  layer, and the unpacking ratio it showed is learned for the next estimates.
+* :meth:`ImageCache.release` — the item's container is gone: the image is no longer held by it.
+* :meth:`ImageCache.finish` — a batch ends: what it pulled and nobody holds is removed (or kept for good with
+  ``--keep-images``); what another batch holds becomes that batch's to remove.
+
+**Making room.** The budget counts the distinct layers of the cache's images. Before a pull that would go past
+it, images are removed least recently used first: only images the cache pulled, that nobody holds, that no
+container uses, and that the caller lets go (a cluster node keeps its batch's images until the driver says
+their items are done). When removing every such image would not make room, nothing is removed and the pull
+waits for holders to let go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget and says so; so
+does a pull when nothing is held anywhere and nothing can go. An image whose pull alone downloads more than
+the budget is refused, in one line.
+
+**Locks.** The ledger's file lock is held only to read and change the ledger: no registry request, no engine
+call and no wait ever runs under it. Removals are marked in the ledger first (state ``removing``), made, then
+settled; so a concurrent reader never counts, or uses, an image on its way out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from ...._log import logger
+from ....errors import Interrupted, UsageError
+from ....models.image import ImageHold, ImageUsage, PulledImage, PullProgress
+from ....models.ownership import Ownership
+from ....units import format_size
+from ..registry import ManifestError
+from .layers import Layer, distinct_bytes, registry_layers
+from .ledger import CachedImage, CacheState, Hold, Ledger
+
+#: How long a pull waits for holders to let go before it goes ahead over the budget (seconds).
+WAIT_FOR_ROOM = 600.0
+#: How often a waiting pull looks at the ledger again (seconds).
+POLL = 0.5
+#: How often a waiting pull checks the ledger against the engine (seconds).
+TIDY_EVERY = 5.0
+#: Unpacked bytes per downloaded byte assumed before any pull on the engine has shown its own.
+RATIO = 3.0
+
+
+class Priced(BaseModel):
+    """What the registry says a pull of an image holds: its id, and its layers in order."""
+
+    id: str | None
+    diff_ids: list[str]
+    compressed: list[int]
+    """Bytes each layer downloads (compressed), in the order of ``diff_ids``."""
+
+
+class CacheEngine(Protocol):
+    """The engine and registry calls the cache makes (the Docker backend's, or a fake in unit tests)."""
+
+    def present(self, ref: str) -> PulledImage | None: ...
+
+    def has(self, image: str) -> bool: ...
+
+    def layers(self, image_id: str) -> list[Layer]: ...
+
+    def chain_sizes(self) -> dict[str, int]: ...
+
+    def price(self, ref: str) -> Priced: ...
+
+    def pull(
+        self, ref: str, *, progress: Callable[[PullProgress], None] | None, cancel: threading.Event | None
+    ) -> PulledImage: ...
+
+    def remove(self, ref: str, image_id: str) -> bool: ...
+
+
+def _sleep(seconds: float, cancel: threading.Event | None) -> None:
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise Interrupted("interrupted while waiting for room for its image")
+
+
+class ImageCache:
+    """The image cache of one engine (see the module docstring). Thread-safe, and safe across processes."""
+
+    def __init__(
+        self,
+        engine: CacheEngine,
+        ledger: Ledger,
+        ownership: Ownership,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float, threading.Event | None], None] = _sleep,
+    ) -> None:
+        self._engine = engine
+        self._ledger = ledger
+        self._me = ownership.owner
+        self._session = ownership.session
+        self._clock = clock
+        self._sleep = sleep
+        self.budget: int | None = None
+        """The budget of the latest hold (what ``cluster status`` shows)."""
+
+    # -- asking for an image ----------------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        ref: str,
+        *,
+        budget: int | None,
+        cancel: threading.Event | None = None,
+        owned: bool = True,
+        done: Callable[[], Collection[str]] | None = None,
+    ) -> ImageHold:
+        """Hold the image ``ref``: present, at once; else with room made for its pull and the pull noted (see
+        the module docstring). ``owned``: this process removes what it pulls when its batch ends
+        (:meth:`finish`); else the cache keeps it within the budgets. ``done``: the images (ids) of this
+        batch's session whose items have all ended; only those of its images may go to make room (default:
+        every one nobody holds). It is asked before each look at the ledger, never under its lock.
+
+        Raises:
+            UsageError: the pull alone downloads more than ``budget``.
+            Interrupted: ``cancel`` was set while it waited.
+        """
+        token = uuid.uuid4().hex
+        deadline = self._clock() + WAIT_FOR_ROOM
+        retried_stuck = False
+        evicted: list[str] = []
+        finished: set[str] | None = None
+        tidied = -TIDY_EVERY
+        while True:
+            if self._clock() - tidied >= TIDY_EVERY:
+                self.tidy()
+                tidied = self._clock()
+            found = self._engine.present(ref)
+            if found is not None:
+                held = self._hold_present(ref, found, token)
+                if held is not None:
+                    return held
+            elif not self._pulled_elsewhere(ref):
+                layers, compressed, here = self._price(ref)
+                outcome = self._make_room(
+                    ref, token, layers, compressed, here, budget, owned, finished, evicted,
+                    ask=done is not None and finished is None,
+                    late=self._clock() > deadline,
+                )  # fmt: skip
+                if isinstance(outcome, ImageHold):
+                    return outcome
+                if outcome == "ask" and done is not None:
+                    finished = set(done())  # which of its images the batch is done with: needed now, asked now
+                    continue
+                if outcome == "removed":
+                    continue  # room was made: reserve it now
+                if outcome == "stuck" and not retried_stuck:
+                    retried_stuck = True
+                    self._unstick()
+                    continue
+                if outcome == "stuck":
+                    deadline = self._clock()  # nothing anyone holds will free room: over budget, at once
+                    continue
+            self._sleep(POLL, cancel)
+            finished = None  # the batch may be done with more of its images by now: asked again when needed
+
+    def fill(
+        self,
+        hold: ImageHold,
+        *,
+        progress: Callable[[PullProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PulledImage:
+        """Pull the reserved image (nothing, when it was present). A failed pull is forgotten; a pull that is
+        larger than the whole budget once unpacked is removed again and refused.
+
+        Raises:
+            ImageUnavailable, RegistryError, Interrupted: as :meth:`Backend.pull_image`.
+            UsageError: the image alone takes more than the budget.
+        """
+        if hold.present is not None:
+            return hold.present
+        try:
+            pulled = self._engine.pull(hold.ref, progress=progress, cancel=cancel)
+        except BaseException:
+            self._settle_failed_pull(hold)
+            raise
+        layers = self._engine.layers(pulled.id)
+        with self._ledger.changing() as state:
+            entry = state.images.pop(hold.key or "", None)
+            if entry is None:  # gc took our note meanwhile: the image is noted again, as ours
+                entry = CachedImage(key=pulled.id, ref=hold.ref, state="present", owner=self._me)
+                entry.holds[hold.token] = Hold(process=self._me, session=self._session)
+            before = state.used()
+            estimated = {layer.chain for layer in entry.layers if layer.estimated}
+            grown = sum(layer.size for layer in layers if layer.chain in estimated and not _measured(state, layer))
+            if entry.compressed and grown:
+                state.learn_ratio(grown / entry.compressed)
+            entry.key, entry.state, entry.layers, entry.worker = pulled.id, "present", layers, None
+            existing = state.images.get(pulled.id)
+            if existing is not None:  # the same image, pulled under another name meanwhile: one entry
+                existing.holds.update(entry.holds)
+            else:
+                state.images[pulled.id] = entry
+            added = state.used() - before
+            state.note_peak(self._session)
+        hold.key = pulled.id
+        if pulled.pulled and hold.budget is not None and added > hold.budget:
+            self.release(hold)
+            self._remove([pulled.id])
+            raise UsageError(
+                f"image {hold.ref} takes {format_size(added)}, more than the whole --image-budget "
+                f"{format_size(hold.budget)}",
+                hint="raise --image-budget, or run its items on a host with more room",
+            )
+        return pulled
+
+    def release(self, hold: ImageHold) -> None:
+        """The holder is done with the image (its container is gone)."""
+        if hold.key is None:
+            return
+        with self._ledger.changing() as state:
+            entry = state.images.get(hold.key)
+            if entry is not None:
+                entry.holds.pop(hold.token, None)
+                entry.used = self._clock()
+
+    def finish(self, *, keep: bool = False) -> list[str]:
+        """This process's batch has ended: remove the images it pulled that nobody holds (with ``keep``, give
+        them up to the user instead); an image another batch holds becomes that batch's to remove. Returns the
+        references removed."""
+        with self._ledger.changing() as state:
+            going = []
+            for key, entry in state.images.items():
+                if entry.owner != self._me:
+                    continue
+                if keep:
+                    entry.kept, entry.owner = True, None
+                elif entry.holds:
+                    entry.owner = next(iter(entry.holds.values())).process
+                elif entry.state == "present" and entry.worker is None:
+                    entry.state, entry.worker = "removing", self._me
+                    going.append(key)
+        return self._remove(going, marked=True)
+
+    # -- what it holds ------------------------------------------------------------------------------------------
+
+    def usage(self) -> ImageUsage:
+        """The cache's images, their bytes (each layer once) and the latest batch's peak."""
+        state = self._ledger.read()
+        counted = [i for i in state.images.values() if i.counts]
+        peak = state.peaks.get(state.latest or "", 0)
+        return ImageUsage(images=len(counted), bytes=state.on_disk(), peak=peak, budget=state.budget)
+
+    def peak(self, session: str) -> int:
+        """The most bytes the cache's layers took while ``session`` used it."""
+        return self._ledger.read().peaks.get(session, 0)
+
+    def entries(self) -> list[CachedImage]:
+        """Every image in the ledger."""
+        return list(self._ledger.read().images.values())
+
+    def forget(self, key: str) -> None:
+        """Drop ``key`` from the ledger (``gc`` or ``images prune`` removed it, or it is gone)."""
+        with self._ledger.changing() as state:
+            state.images.pop(key, None)
+
+    # -- the steps ----------------------------------------------------------------------------------------------
+
+    def _hold_present(self, ref: str, found: PulledImage, token: str) -> ImageHold | None:
+        """Hold an image the engine has (None: it is being removed; ask again)."""
+        with self._ledger.changing() as state:
+            entry = state.images.get(found.id)
+            if entry is None or entry.kept:
+                return ImageHold(ref=ref, token=token, key=None, present=found)
+            if entry.state == "removing":
+                return None
+            entry.holds[token] = Hold(process=self._me, session=self._session)
+            entry.used, entry.session = self._clock(), self._session
+            state.note_peak(self._session)
+        return ImageHold(ref=ref, token=token, key=found.id, present=found)
+
+    def _pulled_elsewhere(self, ref: str) -> bool:
+        """Whether another holder pulls ``ref`` now (this one then waits, and finds it present)."""
+        state = self._ledger.read()
+        return any(
+            entry.ref == ref and entry.state == "pulling" and self._ledger.alive(entry.worker)
+            for entry in state.images.values()
+        )
+
+    def _price(self, ref: str) -> tuple[list[Layer] | None, int, set[str]]:
+        """The layers a pull of ``ref`` brings, each estimated or (already on the engine) measured, the bytes it
+        downloads, and the layers on the engine now; None when the registry cannot say (see
+        :meth:`_make_room`)."""
+        try:
+            priced = self._engine.price(ref)
+        except ManifestError as exc:
+            logger.debug("could not price {}: {}", ref, exc)
+            return None, 0, set()
+        ratio = max(self._ledger.read().ratios, default=RATIO)
+        layers = registry_layers(priced.diff_ids, priced.compressed, ratio)
+        here = self._engine.chain_sizes()
+        compressed = sum(size for x, size in zip(layers, priced.compressed, strict=False) if x.chain not in here)
+        measured = [Layer(chain=x.chain, size=here[x.chain], pull=x.pull) if x.chain in here else x for x in layers]
+        return measured, compressed, set(here)
+
+    def _make_room(
+        self,
+        ref: str,
+        token: str,
+        layers: list[Layer] | None,
+        compressed: int,
+        here: set[str],
+        budget: int | None,
+        owned: bool,
+        finished: set[str] | None,
+        evicted: list[str],
+        *,
+        ask: bool,
+        late: bool,
+    ) -> ImageHold | str:
+        """Note the pull when the budget has room (or must give way); else remove what may go, or say why not:
+        ``"removed"`` (images were removed, or marked stuck: look again), ``"wait"`` (holders will let go),
+        ``"stuck"`` (nothing will), ``"ask"`` (room is short: the caller is to say which of its images are done)."""
+        if budget is not None and compressed > budget:
+            raise UsageError(
+                f"image {ref} downloads {format_size(compressed)} (more unpacked), more than the whole "
+                f"--image-budget {format_size(budget)}",
+                hint="raise --image-budget, or run its items on a host with more room",
+            )
+        with self._ledger.changing() as state:
+            if layers is None:  # unpriced: as large as the largest image here, and pulled while no other is
+                if any(i.state == "pulling" for i in state.images.values()):
+                    return "wait"
+                largest = max((sum(x.size for x in i.layers) for i in state.images.values()), default=0)
+                layers = [Layer(chain=f"unpriced:{token}", size=largest, estimated=True)]
+            entry = CachedImage(
+                key=f"ref:{ref}:{token}", ref=ref, state="pulling", layers=layers, compressed=compressed,
+                owner=self._me if owned else None, session=self._session, worker=self._me,
+                holds={token: Hold(process=self._me, session=self._session)}, used=self._clock(),
+            )  # fmt: skip
+            used = state.used()
+            state.images[entry.key] = entry
+            added = state.used() - used
+            room = budget is None or used + added <= budget
+            state.budget = budget
+            if not room and ask:
+                del state.images[entry.key]
+                return "ask"
+            victims = [] if room else self._victims(state, entry, here, budget or 0, finished)
+            busy = any(  # someone will let go: a holder, a pull or removal, or the batch's items still to run
+                i.holds or i.state != "present" or (finished is not None and i.session == self._session
+                                                    and i.key not in finished and i.counts)
+                for k, i in state.images.items() if k != entry.key
+            )  # fmt: skip
+            if room or (victims is None and (late or not busy)):
+                if not room:
+                    logger.warning(
+                        "{}: over the --image-budget of {} ({} held by images in use); pulling it all the same",
+                        ref, format_size(budget or 0), format_size(used),
+                    )  # fmt: skip
+                return ImageHold(
+                    ref=ref, token=token, key=entry.key, added=added, compressed=compressed, budget=budget,
+                    over_budget=not room, evicted=evicted,
+                )  # fmt: skip
+            del state.images[entry.key]
+            if victims is None:
+                return "wait" if busy else "stuck"
+            for key in victims:
+                state.images[key].state, state.images[key].worker = "removing", self._me
+        evicted += self._remove(victims, marked=True)  # what would not go is marked stuck: the next round sees it
+        return "removed"
+
+    def _victims(
+        self,
+        state: CacheState,
+        new: CachedImage,
+        here: set[str],
+        budget: int,
+        finished: set[str] | None,
+    ) -> list[str] | None:
+        """The images to remove so that the cache's layers, the new image's included, fit in ``budget``; None
+        when removing every image that may go would not be enough. Least recently used first, but images that
+        share layers with the new one last: removing them would remove layers its pull then downloads again
+        (each such layer is counted at its pull's estimate once its last holder would go)."""
+        others = [i for i in state.images.values() if i.key != new.key and i.counts]
+        cached = {x.chain for i in others for x in i.layers}
+        foreign = here - cached  # layers on the engine that no image of the cache holds: they stay
+
+        def pulled_again(image: CachedImage) -> int:
+            """What the new image would download again if ``image`` alone went."""
+            kept = {x.chain for i in others if i.key != image.key for x in i.layers} | foreign
+            mine = {x.chain for x in image.layers} - kept
+            return sum(x.pull for x in new.layers if x.chain in mine)
+
+        candidates = sorted(
+            (
+                i for i in others
+                if i.state == "present" and not i.holds and not i.stuck and i.worker is None
+                and (finished is None or i.session != self._session or i.key in finished)
+            ),
+            key=lambda i: (pulled_again(i), i.used),
+        )  # fmt: skip
+        chosen: list[str] = []
+        for image in candidates:
+            if _used_without(others, new, set(chosen), foreign) <= budget:
+                break
+            chosen.append(image.key)
+        return chosen if chosen and _used_without(others, new, set(chosen), foreign) <= budget else None
+
+    def _remove(self, keys: list[str], *, marked: bool = False) -> list[str]:
+        """Remove the images ``keys`` (marked ``removing`` by this process first, unless ``marked``): outside
+        the lock, then settled in the ledger. Returns the references removed."""
+        if not keys:
+            return []
+        state = self._ledger.read()
+        if not marked:
+            with self._ledger.changing() as live:
+                for key in keys:
+                    if key in live.images:
+                        live.images[key].state, live.images[key].worker = "removing", self._me
+        outcome = {}
+        for key in keys:
+            entry = state.images.get(key)
+            if entry is not None:
+                outcome[key] = (entry.ref, self._engine.remove(entry.ref, key))
+        with self._ledger.changing() as live:
+            for key, (ref, gone) in outcome.items():
+                entry = live.images.get(key)
+                if entry is None:
+                    continue
+                if gone:
+                    del live.images[key]
+                    logger.info("removed {} from the image cache (nobody holds it)", ref)
+                else:
+                    entry.state, entry.worker, entry.stuck = "present", None, True
+        return [ref for ref, gone in outcome.values() if gone]
+
+    def tidy(self) -> None:
+        """Set the ledger right where the engine says otherwise: a pull or a removal whose process is gone
+        (``kill -9``) becomes the image the engine has, or nothing; an image removed behind the cache's back
+        (``docker rmi``, a prune) is forgotten."""
+        settled: dict[str, tuple[str, list[Layer]] | None] = {}
+        """Ledger key → the image it is (its id and layers), or None: not on the engine."""
+        for key, entry in self._ledger.read().images.items():
+            if entry.state != "present" and self._ledger.alive(entry.worker):
+                continue  # a pull or a removal under way
+            if key.startswith("ref:"):
+                found = self._engine.present(entry.ref)
+                image_id = found.id if found is not None else None
+            else:
+                image_id = key if self._engine.has(key) else None
+            if image_id is None:
+                settled[key] = None
+            elif entry.state != "present" or image_id != key:
+                settled[key] = (image_id, self._engine.layers(image_id))
+        if not settled:
+            return
+        with self._ledger.changing() as state:
+            for key, verdict in settled.items():
+                now = state.images.get(key)
+                if now is None or (now.state != "present" and self._ledger.alive(now.worker)):
+                    continue  # changed meanwhile: the next tidy looks again
+                del state.images[key]
+                if verdict is not None and verdict[0] not in state.images:
+                    now.key, now.layers = verdict
+                    now.state, now.worker = "present", None
+                    state.images[now.key] = now
+
+    def _unstick(self) -> None:
+        """Let the images the engine would not remove be tried once more (their container may be gone)."""
+        with self._ledger.changing() as state:
+            for entry in state.images.values():
+                entry.stuck = False
+
+    def _settle_failed_pull(self, hold: ImageHold) -> None:
+        """A pull failed or was interrupted: forget its note, unless the image arrived all the same (then it is
+        this process's to remove, as any it pulled)."""
+        arrived = self._engine.present(hold.ref)
+        with self._ledger.changing() as state:
+            entry = state.images.pop(hold.key or "", None)
+            if arrived is not None and entry is not None and arrived.id not in state.images:
+                entry.key, entry.state, entry.worker, entry.holds = arrived.id, "present", None, {}
+                state.images[arrived.id] = entry
+        hold.key = None
+
+
+def _used_without(others: list[CachedImage], new: CachedImage, gone: set[str], foreign: set[str]) -> int:
+    """The cache's bytes once the images ``gone`` are removed and ``new`` is pulled: a layer of ``new`` that
+    only those images held is pulled again, at its estimate."""
+    staying = [i for i in others if i.key not in gone]
+    kept = {x.chain for i in staying for x in i.layers} | foreign
+    pulled = [x if x.chain in kept or not x.pull else x.model_copy(update={"size": x.pull, "estimated": True})
+              for x in new.layers]  # fmt: skip
+    return distinct_bytes([*(i.layers for i in staying), pulled])
+
+
+def _measured(state: CacheState, layer: Layer) -> bool:
+    """Whether another image of the cache has ``layer`` measured already (so this pull did not bring it)."""
+    return any(x.chain == layer.chain and not x.estimated for i in state.images.values() for x in i.layers)

@@ -1,0 +1,281 @@
+"""The image cache's arithmetic and its room-making, on a fake engine and a fake clock (no sleeps)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fakecache import MB, Clock, FakeEngine, swe
+
+from pvisor_host.backend.docker.cache import ImageCache, Ledger
+from pvisor_host.backend.docker.cache.layers import chain_ids, engine_layers
+from pvisor_host.errors import Interrupted, RegistryError, UsageError
+from pvisor_host.models.ownership import Ownership
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def cache_for(tmp_path, engine, clock, owner: str | None = None, session: str = "s1") -> ImageCache:
+    ownership = Ownership.current(session=session)
+    if owner is not None:
+        ownership = ownership.model_copy(update={"owner": owner})
+    return ImageCache(engine, Ledger(tmp_path / "cache.json", ownership), ownership, clock=clock, sleep=clock.sleep)
+
+
+@pytest.fixture
+def caplog_lines():
+    """The lines pvisor-host logs meanwhile."""
+    from pvisor_host._log import logger
+
+    lines: list[str] = []
+    logger.enable("pvisor_host")
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO", format="{message}")
+    yield lambda: lines
+    logger.remove(sink)
+    logger.disable("pvisor_host")
+
+
+@pytest.fixture
+def cache(tmp_path, engine, clock) -> ImageCache:
+    return cache_for(tmp_path, engine, clock)
+
+
+def take(cache: ImageCache, ref: str, budget: int | None, **kwargs: object):
+    reservation = cache.reserve(ref, budget=budget, **kwargs)  # type: ignore[arg-type]
+    cache.fill(reservation)
+    return reservation
+
+
+# -- layers ----------------------------------------------------------------------------------------------------
+
+
+def test_chain_ids_follow_the_oci_rule():
+    import hashlib
+
+    first, second = chain_ids(["sha256:a", "sha256:b"])
+    assert first == "sha256:a"
+    assert second == "sha256:" + hashlib.sha256(b"sha256:a sha256:b").hexdigest()
+
+
+def test_engine_history_is_weighed_per_layer_metadata_steps_making_none():
+    history = [  # newest first, as the engine answers
+        {"Size": 0, "CreatedBy": 'CMD ["bash"]'},
+        {"Size": 30, "CreatedBy": "RUN make"},
+        {"Size": 0, "CreatedBy": "RUN true"},  # a layer of no bytes
+        {"Size": 0, "CreatedBy": "ENV A=1"},
+        {"Size": 100, "CreatedBy": "ADD rootfs.tar /"},
+    ]
+    layers = engine_layers(["sha256:a", "sha256:b", "sha256:c"], history)
+    assert [x.size for x in layers] == [100, 0, 30]
+    assert [x.chain for x in layers] == chain_ids(["sha256:a", "sha256:b", "sha256:c"])
+
+
+# -- accounting ------------------------------------------------------------------------------------------------
+
+
+def test_shared_layers_count_once_and_a_pull_is_priced_without_the_layers_present(cache, engine):
+    refs = swe(engine, 3)
+    first = cache.reserve(refs[0], budget=None)
+    assert first.added == (50 + 250 + 20) * MB // 2 * 3  # compressed × the first ratio (3.0)
+    cache.fill(first)
+    second = cache.reserve(refs[1], budget=None)
+    assert second.compressed == 10 * MB  # only its own layer downloads
+    assert second.added == 20 * MB  # the unpacking ratio learned from the first pull: 2.0
+    cache.fill(second)
+    assert cache.usage().bytes == (50 + 250 + 20 + 20) * MB
+    assert cache.usage().peak == (50 + 250 + 20 + 20) * MB
+
+
+def test_the_budget_evicts_unheld_images_least_recently_used_first_those_sharing_layers_with_the_pull_last(
+    cache, engine, clock
+):
+    refs = swe(engine, 5, envs=2)  # task0, task2, task4 on env0; task1, task3 on env1
+    budget = (50 + 250 + 250 + 20 + 20 + 20) * MB
+    held = take(cache, refs[0], budget)
+    for ref in refs[1:3]:
+        cache.release(take(cache, ref, budget))
+        clock.now += 1
+    fourth = take(cache, refs[3], budget)  # task2 goes: task1 is older, but removing it would remove env1
+    assert engine.removals == ["task2"]
+    assert fourth.evicted == ["task2"]
+    assert cache.usage().bytes == budget
+    cache.release(fourth)
+    clock.now += 1
+    take(cache, refs[4], budget)  # task1 goes now (least recently used): env0 stays, held by task0
+    assert engine.removals == ["task2", "task1"]
+    assert cache.usage().bytes == (50 + 250 + 250 + 20 + 20 + 20) * MB
+    assert "task0" in engine.present_refs  # held: never removed
+    cache.release(held)
+
+
+def test_a_pull_waits_while_only_held_images_could_make_room_and_goes_when_they_are_let_go(cache, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    budget = (50 + 250 + 20) * MB + 5 * MB
+    held = take(cache, refs[0], budget)
+    clock.on_wait = lambda: cache.release(held) if clock.waits == 3 else None
+    take(cache, refs[1], budget)
+    assert clock.waits == 3
+    assert engine.removals == ["task0"]
+
+
+def test_past_the_wait_the_pull_goes_over_budget_and_says_so(cache, engine, clock, caplog_lines):
+    refs = swe(engine, 2, envs=2)
+    budget = (50 + 250 + 20) * MB + 5 * MB
+    take(cache, refs[0], budget)  # held for good
+    second = take(cache, refs[1], budget)
+    assert second.over_budget
+    assert clock.now - 1_000.0 >= 600
+    assert any("over the --image-budget" in line for line in caplog_lines())
+
+
+def test_an_image_the_engine_will_not_remove_is_tried_once_more_then_the_pull_goes_over(cache, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    budget = (50 + 250 + 20) * MB + 5 * MB
+    cache.release(take(cache, refs[0], budget))
+    engine.in_use.add(engine.registry["task0"].id)  # a container of someone else's uses it
+    second = take(cache, refs[1], budget)
+    assert second.over_budget and clock.waits == 0  # nothing anyone holds would free room: no waiting
+    assert engine.removals == []
+
+
+def test_an_image_larger_than_the_whole_budget_is_refused_before_and_after_its_pull(cache, engine):
+    engine.add("huge", [("big", 400 * MB)], [])
+    refused = r"huge downloads 190.7 MiB \(more unpacked\), more than the whole --image-budget 143.1 MiB"
+    with pytest.raises(UsageError, match=refused):
+        cache.reserve("huge", budget=150 * MB)
+    engine.add("grows", [("g", 100 * MB)], [])
+    engine.registry["grows"].compressed = [10 * MB]
+    reservation = cache.reserve("grows", budget=60 * MB)
+    with pytest.raises(UsageError, match="grows takes 95.4 MiB, more than the whole --image-budget 57.2 MiB"):
+        cache.fill(reservation)
+    assert engine.removals == ["grows"]
+    assert cache.entries() == []
+
+
+def test_an_unpriced_image_is_estimated_as_the_largest_and_pulled_alone(cache, engine, clock, tmp_path):
+    refs = swe(engine, 2, envs=2)
+    engine.unpriced.add(refs[1])
+    first = cache.reserve(refs[0], budget=None)  # still pulling
+    clock.on_wait = lambda: cache.fill(first) if clock.waits == 2 else None
+    second = cache.reserve(refs[1], budget=None)
+    assert clock.waits == 2  # waited for the other pull to end
+    assert second.added == (50 + 250 + 20) * MB  # as large as the largest image here
+
+
+# -- failures and ends -------------------------------------------------------------------------------------------
+
+
+def test_a_failed_pull_is_forgotten_and_one_that_arrived_as_it_was_cancelled_stays_ours(cache, engine):
+    refs = swe(engine, 2, envs=2)
+    engine.fail_pull[refs[0]] = RegistryError("pulling task0 kept failing for 600s")
+    with pytest.raises(RegistryError):
+        cache.fill(cache.reserve(refs[0], budget=None))
+    assert cache.entries() == []
+    engine.fail_pull[refs[1]] = Interrupted("interrupted while pulling task1")
+    engine.arrive_anyway.add(refs[1])
+    with pytest.raises(Interrupted):
+        cache.fill(cache.reserve(refs[1], budget=None))
+    (entry,) = cache.entries()
+    assert (entry.key, entry.state, entry.holds) == (engine.registry["task1"].id, "present", {})
+    assert cache.finish() == ["task1"]  # removed at the batch's end, as any it pulled
+
+
+def test_finish_removes_what_nobody_holds_hands_over_what_another_holds_and_keep_gives_up(tmp_path, engine, clock):
+    refs = swe(engine, 3, envs=3)
+    mine = cache_for(tmp_path, engine, clock)
+    other = cache_for(tmp_path, engine, clock, owner="otherhost/1/1", session="s2")
+    take(mine, refs[0], None)  # held by this batch until its end: let go below
+    mine.release(mine.reserve(refs[0], budget=None))
+    for reservation in [r for r in [mine.reserve(refs[0], budget=None)]]:
+        mine.release(reservation)
+    shared = take(mine, refs[1], None)
+    mine.release(shared)
+    held_by_other = other.reserve(refs[1], budget=None)
+    kept = take(mine, refs[2], None)
+    mine.release(kept)
+    entries = {e.ref: e for e in mine.entries()}
+    assert entries["task1"].owner == Ownership.current().owner
+    mine_first = mine.finish()
+    assert "task1" not in mine_first and "task1" in engine.present_refs
+    assert {e.ref: e.owner for e in mine.entries()}["task1"] == "otherhost/1/1"
+    other.release(held_by_other)
+    assert other.finish() == ["task1"]
+
+
+def test_keep_gives_the_images_up(cache, engine):
+    refs = swe(engine, 1)
+    cache.release(take(cache, refs[0], None))
+    assert cache.finish(keep=True) == []
+    (entry,) = cache.entries()
+    assert entry.kept and entry.owner is None
+    assert cache.usage().bytes == 0  # no longer counted
+
+
+def test_a_dead_process_holds_nothing_and_its_pull_becomes_what_the_engine_has(tmp_path, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    dead = cache_for(tmp_path, engine, clock, owner=f"{Ownership.current().host}/999999/1", session="dead")
+    dead.reserve(refs[0], budget=None)  # killed mid-pull: its note stays
+    engine.present_refs[refs[0]] = engine.registry[refs[0]].id  # the engine finished the pull all the same
+    dead.reserve(refs[1], budget=None)  # killed mid-pull: nothing arrived
+    live = cache_for(tmp_path, engine, clock)
+    budget = 500 * MB  # task1 alone, estimated at 3 × its compressed bytes: 480 MB
+    take(live, refs[1], budget)  # the dead pull of task1 is gone; task0 (unheld now) makes room
+    assert engine.removals == ["task0"]
+    assert [e.ref for e in live.entries()] == ["task1"]
+
+
+def test_two_batches_share_one_budget_and_never_remove_what_the_other_holds(tmp_path, engine, clock):
+    refs = swe(engine, 4, envs=4)
+    budget = 2 * (50 + 250 + 20) * MB
+    first = cache_for(tmp_path, engine, clock, session="a")
+    second = cache_for(tmp_path, engine, clock, owner="otherhost/2/2", session="b")
+    a = take(first, refs[0], budget)
+    b = take(second, refs[1], budget)
+    clock.on_wait = lambda: first.release(a) if clock.waits == 1 else None
+    take(second, refs[2], budget)  # waits for the first batch's image, then removes it
+    assert engine.removals == ["task0"]
+    assert first.usage().bytes <= budget
+    second.release(b)
+
+
+def test_a_batch_that_says_which_images_are_done_keeps_the_others_of_its_own(tmp_path, cache, engine, clock):
+    refs = swe(engine, 4, envs=4)
+    budget = 2 * (50 + 250 + 20) * MB
+    earlier = cache_for(tmp_path, engine, clock, owner="otherhost/3/3", session="earlier")
+    earlier.release(take(earlier, refs[0], budget))  # an earlier batch's image: it may go when nobody holds it
+    clock.now += 1
+    cache.release(take(cache, refs[1], budget))
+    clock.now += 1
+    take(cache, refs[2], budget, done=lambda: set())  # this batch's task1 is not done: task0 goes
+    assert engine.removals == ["task0"]
+    take(cache, refs[3], budget, done=lambda: {engine.registry["task1"].id})
+    assert engine.removals == ["task0", "task1"]
+
+
+def test_a_cancel_ends_the_wait(cache, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    budget = (50 + 250 + 20) * MB
+    take(cache, refs[0], budget)
+    cancel = threading.Event()
+    clock.on_wait = cancel.set
+    with pytest.raises(Interrupted):
+        cache.reserve(refs[1], budget=budget, cancel=cancel)
+    assert [e.ref for e in cache.entries()] == ["task0"]  # no note of the pull that never started
+
+
+def test_a_second_holder_of_an_image_being_pulled_waits_and_then_holds_it(cache, engine, clock):
+    refs = swe(engine, 1)
+    first = cache.reserve(refs[0], budget=None)
+    clock.on_wait = lambda: cache.fill(first) if clock.waits == 1 else None
+    second = cache.reserve(refs[0], budget=None)
+    assert second.present is not None and engine.pulls == ["task0"]
+    (entry,) = cache.entries()
+    assert set(entry.holds) == {first.token, second.token}
