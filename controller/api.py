@@ -32,6 +32,7 @@ from typing import Any
 
 from .attempts import run_replay
 from .backend import AnyBackend, check_cluster_options, open_backend
+from .backend.docker.mirrors import Mirrors
 from .errors import UsageError
 from .fanout.manifest import BatchItem, batch_items, by_image, image_specs
 from .fanout.results import load_results
@@ -53,10 +54,10 @@ Entry = ReplaySpec | Mapping[str, Any]
 
 
 @contextlib.contextmanager
-def _engine(
-    docker_host: str | None, *, pool_size: int = 10, cluster: str | None = None, registry: str | None = None
-) -> Iterator[AnyBackend]:
-    backend = open_backend(pool_size=pool_size, docker_host=docker_host, cluster=cluster, registry=registry)
+def _engine(docker_host: str | None, *, pool_size: int = 10, **where: Any) -> Iterator[AnyBackend]:
+    """The backend, open for the block (``where``: ``cluster``, ``registry``, ``registry_mirror``,
+    ``image_rewrites``, as :func:`open_backend` takes them)."""
+    backend = open_backend(pool_size=pool_size, docker_host=docker_host, **where)
     try:
         yield backend
     finally:
@@ -64,12 +65,12 @@ def _engine(
 
 
 def _pooled_engine(
-    docker_host: str | None, pool_size: int, *, cluster: str | None, registry: str | None, lent: AnyBackend | None
+    docker_host: str | None, pool_size: int, *, lent: AnyBackend | None, **where: Any
 ) -> contextlib.AbstractContextManager[AnyBackend]:
     """The backend a batch runs on: the one lent by the caller (left open), else one opened for it."""
     if lent is not None:
         return contextlib.nullcontext(lent)
-    return _engine(docker_host, pool_size=pool_size, cluster=cluster, registry=registry)
+    return _engine(docker_host, pool_size=pool_size, **where)
 
 
 def replay(
@@ -209,6 +210,8 @@ def batch(
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
+    registry_mirror: str | None = None,
+    image_rewrites: list[str] | None = None,
     backend: AnyBackend | None = None,
 ) -> Batch:
     """A batch of replays, validated now and run as you iterate it (see the module docstring).
@@ -234,8 +237,12 @@ def batch(
             ``workers`` defaults to the cluster's engine slots); see docs/cluster.md.
         registry: with ``cluster``, where nodes pull images from by digest (default
             ``$PVISOR_HOST_REGISTRY``, else images travel through the cluster).
-        backend: an open backend to run on instead (``docker_host``, ``cluster`` and ``registry`` are then
-            not used); it stays open afterwards: its caller closes it.
+        registry_mirror: ``HOST[:PORT]`` of a mirror to pull Docker Hub's task images through (they keep their
+            names).
+        image_rewrites: ``FROM=TO`` image name prefixes: task images named ``FROM...`` are pulled from ``TO...``
+            (the first match wins).
+        backend: an open backend to run on instead (``docker_host``, ``cluster``, ``registry`` and the mirrors
+            are then not used); it stays open afterwards: its caller closes it.
 
     Raises:
         UsageError: an item is wrong (the first, by position, and how many more), or an option is.
@@ -243,6 +250,7 @@ def batch(
     """
     checked = batch_items(items, defaults)
     check_cluster_options(cluster, registry)  # now rather than when iterated; the backend checks again
+    Mirrors.parse(registry_mirror, image_rewrites)
     options = BatchOptions(
         out=Path(out).absolute(),
         workers=workers or default_workers(checked[0].spec.memory),
@@ -254,7 +262,10 @@ def batch(
         image_budget=parse_size(image_budget, flag="image_budget") if isinstance(image_budget, str) else image_budget,
         keep_images=keep_images,
     )
-    opener = functools.partial(_pooled_engine, docker_host, cluster=cluster, registry=registry, lent=backend)
+    opener = functools.partial(
+        _pooled_engine, docker_host, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
+        image_rewrites=image_rewrites, lent=backend,
+    )  # fmt: skip
     return Batch(checked, options, backend=opener, fit_workers=workers is None)
 
 

@@ -359,11 +359,13 @@ class Registry:
         "http: {addr: ':5000'}\n"
     )
 
-    def __init__(self, client) -> None:
+    def __init__(self, client, *, mirror_of: str | None = None) -> None:
+        """``mirror_of``: a pull-through cache of that registry (``host:port``, as a container reaches it)."""
         self.client = client
         self.port = _free_port("127.0.0.1")
         self.host = docker0_address(client)
         self.container = None
+        self.config = self.CONFIG + (f"proxy: {{remoteurl: 'http://{mirror_of}'}}\n" if mirror_of else "")
 
     @property
     def name(self) -> str:
@@ -380,7 +382,7 @@ class Registry:
             image,
             ["-c", 'printf "%s" "$CONFIG" > /tmp/registry.yml && exec docker-registry serve /tmp/registry.yml'],
             entrypoint=["/bin/sh"],
-            environment={"CONFIG": self.CONFIG},
+            environment={"CONFIG": self.config},
             detach=True,
             labels={NODE_LABEL: "registry"},
             ports={"5000/tcp": [("127.0.0.1", self.port), (self.host, self.port)]},

@@ -39,6 +39,8 @@ class FakeEngine:
     removals: list[str] = field(default_factory=list)
     fail_pull: dict[str, BaseException] = field(default_factory=dict)
     arrive_anyway: set[str] = field(default_factory=set)
+    on_price: Callable[[], None] | None = None
+    """Runs as the cache prices a pull (another process doing something meanwhile)."""
 
     def add(self, ref: str, base: list[tuple[str, int]], own: list[tuple[str, int]]) -> Image:
         layers = base + own
@@ -73,6 +75,8 @@ class FakeEngine:
         return {x.chain: x.size for image_id in set(self.present_refs.values()) for x in self.layers(image_id)}
 
     def price(self, ref: str) -> Priced:
+        if self.on_price is not None:
+            self.on_price()
         if ref in self.unpriced:
             raise ManifestError(f"{ref}: the registry answered HTTP 500")
         image = self.registry[ref]

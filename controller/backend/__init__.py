@@ -66,23 +66,30 @@ def open_backend(
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
+    registry_mirror: str | None = None,
+    image_rewrites: list[str] | None = None,
 ) -> AnyBackend:
     """The Docker engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked with a
     ping; with ``cluster`` (``HEAD:PORT``), the Ray cluster there, this engine making the images.
 
     ``pool_size`` should cover the threads that use the backend at once; ``timeout`` bounds one engine request.
     ``registry`` (``HOST[:PORT][/PATH]``, default ``$PVISOR_HOST_REGISTRY``) is where a cluster's nodes pull
-    images from by digest; without one, images travel through the cluster.
+    images from by digest; without one, images travel through the cluster. ``registry_mirror`` (``HOST[:PORT]``)
+    and ``image_rewrites`` (``FROM=TO``) say where task images are really pulled from
+    (:mod:`.docker.mirrors`).
 
     Raises:
-        UsageError: ``cluster`` or ``registry`` is malformed, or ``registry`` is given without ``cluster``.
+        UsageError: ``cluster``, ``registry``, ``registry_mirror`` or a rewrite is malformed, or ``registry`` is
+            given without ``cluster``.
         PrerequisiteError: no engine answers, the ``ray`` extra is not installed, or the cluster has no node
             with an engine.
     """
     from ..models.ownership import Ownership
     from .docker import DockerBackend
+    from .docker.mirrors import Mirrors
 
     registry = check_cluster_options(cluster, registry)  # what the host can tell, before anything is asked
+    mirrors = Mirrors.parse(registry_mirror, image_rewrites)
     if cluster is not None:
         from .cluster.connect import require_ray
 
@@ -90,6 +97,7 @@ def open_backend(
     local = DockerBackend.connect(
         ownership or Ownership.current(), pool_size=pool_size, timeout=timeout, docker_host=docker_host
     )
+    local.use_mirrors(mirrors)
     if cluster is None:
         return local
     from .cluster.backend import ClusterBackend

@@ -201,7 +201,7 @@ class BatchProgress:
         self.last_line = self.started
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        self._pulls: dict[str, TaskID] = {}
+        self._pull_task: TaskID | None = None
         self._pulling: dict[str, PullProgress] = {}
 
     def __enter__(self) -> BatchProgress:
@@ -230,21 +230,24 @@ class BatchProgress:
             self._line()
 
     def pull(self, progress: PullProgress) -> None:
-        """A task image's pull went on: a bar per pull on a terminal, a line with the others in a log."""
+        """A task image's pull went on: one line for every pull in flight, however many (counts, bytes, rate,
+        and the slowest), as a bar's row on a terminal and at the end of each line in a log."""
         if self.quiet:
             return
-        self._pulling[progress.ref] = progress
+        if progress.finished:
+            self._pulling.pop(progress.ref, None)
+        else:
+            self._pulling[progress.ref] = progress
         if self._bar is None:
             return
-        rate = f"{format_size(int(progress.rate))}/s"
-        task = self._pulls.get(progress.ref)
-        if task is None:
-            task = self._bar.add_task(progress.ref, total=progress.total, rate=rate)
-            self._pulls[progress.ref] = task
-        self._bar.update(task, completed=progress.done, total=progress.total, rate=rate)
-        if progress.total is not None and progress.done >= progress.total:
-            self._bar.remove_task(task)
-            del self._pulls[progress.ref]
+        line = pulls_line(list(self._pulling.values()))
+        if line and self._pull_task is None:
+            self._pull_task = self._bar.add_task(line, total=None, rate="")
+        elif line and self._pull_task is not None:
+            self._bar.update(self._pull_task, description=line)
+        elif self._pull_task is not None:
+            self._bar.remove_task(self._pull_task)
+            self._pull_task = None
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
@@ -265,18 +268,28 @@ class BatchProgress:
         left = self.total - self.done
         eta = f", eta {format_duration(left / rate * 60)}" if rate > 0 and left > 0 else ""
         line = f"batch: {self.done}/{self.total} done ({_counts(self.counts)}), {rate:.1f} replays/min{eta}"
-        pulls = [p for p in self._pulling.values() if p.total is None or p.done < p.total]
+        pulls = pulls_line(list(self._pulling.values()))
         if pulls:
-            line += "; pulling " + ", ".join(
-                f"{p.ref} {format_size(p.done)}" + (f"/{format_size(p.total)}" if p.total else "")
-                + f" at {format_size(int(p.rate))}/s"
-                for p in pulls
-            )  # fmt: skip
-        self._pulling = {ref: p for ref, p in self._pulling.items() if p in pulls}
+            line += f"; {pulls}"
         try:
             self.console.print(line, highlight=False, soft_wrap=True)
         except OSError:
             self.quiet = True  # stderr is gone (a closed pipe): the batch goes on, its reports are files
+
+
+def pulls_line(pulls: list[PullProgress]) -> str:
+    """The pulls in flight on one short line: ``pulling 3 images: 120.0 MiB/450.0 MiB at 30.0 MiB/s; slowest
+    REF 12%`` (empty: none)."""
+    if not pulls:
+        return ""
+    done = sum(p.done for p in pulls)
+    totals = [p.total for p in pulls]
+    size = f"/{format_size(sum(t for t in totals if t))}" if all(totals) else ""
+    rate = format_size(int(sum(p.rate for p in pulls)))
+    line = f"pulling {len(pulls)} image{'s' if len(pulls) != 1 else ''}: {format_size(done)}{size} at {rate}/s"
+    slowest = min(pulls, key=lambda p: (p.done / p.total if p.total else 0.0, p.rate, p.ref))
+    share = f" {100 * slowest.done // slowest.total}%" if slowest.total else f" {format_size(slowest.done)}"
+    return f"{line}; slowest {slowest.ref}{share}" if len(pulls) > 1 else f"{line} ({slowest.ref})"
 
 
 def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:

@@ -50,13 +50,23 @@ def say(line: str) -> None:
 
 @contextlib.contextmanager
 def open_engine(
-    *, pool_size: int = 10, timeout: float = 120, cluster: str | None = None, registry: str | None = None
+    *,
+    pool_size: int = 10,
+    timeout: float = 120,
+    cluster: str | None = None,
+    registry: str | None = None,
+    registry_mirror: str | None = None,
+    image_rewrites: list[str] | None = None,
 ) -> Iterator[AnyBackend]:
     """The local engine (or, with ``cluster``, the Ray cluster at that address, its nodes pulling images from
-    ``registry`` when given) for one command, closed afterwards."""
+    ``registry`` when given; task images through ``registry_mirror`` and ``image_rewrites``) for one command,
+    closed afterwards."""
     from ..backend import open_backend
 
-    backend = open_backend(pool_size=pool_size, timeout=timeout, cluster=cluster, registry=registry)
+    backend = open_backend(
+        pool_size=pool_size, timeout=timeout, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
+        image_rewrites=image_rewrites,
+    )  # fmt: skip
     try:
         yield backend
     finally:

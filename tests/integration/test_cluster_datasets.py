@@ -19,8 +19,11 @@ from pathlib import Path
 import docker.errors
 import pytest
 
+from pvisor_host.backend.docker.pull import PATIENCE_ENV
+
 from cluster import Cluster, Registry, records, remove_engines, summary
 from conftest import default_signals, run_cli
+from registryproxy import RegistryProxy
 from trajgen import Call, Turn, claude_session, write_jsonl
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -121,7 +124,7 @@ def test_task_images_are_pulled_by_the_nodes_near_their_items(setup, docker_clie
 
 def test_a_node_budget_forces_removals_and_each_node_stays_within_it(setup, docker_client, tmp_path):
     cluster, registry, refs, sizes = setup
-    budget = int(max(sizes[:IMAGES]) * 1.5)  # room for one task image per node at a time
+    budget = int(max(sizes[:IMAGES]) + 10 * 2**20)  # one whole task image, and less than another's own 20 MB
     path = manifest(tmp_path / "data", refs[:IMAGES], 2)
     out = tmp_path / "out"
     done = batch(path, out, "--cluster", cluster.address, "--registry", registry.name, "--image-budget", str(budget),
@@ -165,16 +168,52 @@ def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_pa
 
 
 def _pulling_node(cluster: Cluster, docker_client, process: subprocess.Popen[str], timeout: float = 300) -> str:
-    """The first node seen pulling a task image (its ledger has a reservation), once the batch is under way."""
+    """The first node seen pulling a task image (its image cache's ledger notes a pull), once the batch is under
+    way."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for name in cluster.nodes:
             done = docker_client.containers.get(name).exec_run(
-                ["sh", "-c", "cat ${PVISOR_HOST_NODE_SCRATCH:-/tmp/pvisor-host-node}/task-images.json 2>/dev/null"]
+                ["sh", "-c", "cat ${PVISOR_HOST_STATE_DIR:-$HOME/.local/state/pvisor-host}/image-cache-*.json"]
             )
-            if re.search(rb'"pulling": "[0-9]', done.output):  # a reservation names its process: "pid/ticks"
+            if re.search(rb'"state":"pulling"', done.output):  # noted before the pull starts
                 return name
         if process.poll() is not None:
             raise AssertionError(f"the batch ended first: {process.stderr.read()[-3000:] if process.stderr else ''}")
         time.sleep(0.2)
     raise AssertionError("no node started pulling")
+
+
+def test_a_registry_outage_ends_as_it_does_on_one_engine(setup, docker_client, tmp_path):
+    cluster, registry, refs, _ = setup
+    with RegistryProxy(registry.name) as proxy:
+        proxy.fail_manifests(503, 60)
+        ref = f"{proxy.name}/{refs[0].split('/', 1)[1]}"
+        done = batch(manifest(tmp_path / "data", [ref], 1), tmp_path / "out", "--cluster", cluster.address,
+                     "--registry", registry.name, env={**cluster.env, PATIENCE_ENV: "3"})  # fmt: skip
+    assert done.code == 6, done.stderr[-3000:]  # as test_datasets.py's outage on one engine
+    result = json.loads(done.stdout)
+    assert result["counts"] == {"infra_error": 1} and result["categories"] == {"registry_error": 1}
+
+
+def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_client, tmp_path):
+    cluster, registry, refs, _ = setup
+    path = manifest(tmp_path / "data", refs[:IMAGES], PER_IMAGE)
+    command = [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(path), "--agent", "claude-code",
+               "--inject", "--mode", "replay-only", "--out", str(tmp_path / "out"), "--quiet", "--cluster",
+               cluster.address, "--registry", registry.name]  # fmt: skip
+    environment = {**os.environ, **cluster.env, "PVISOR_HOST_CLUSTER_GRACE": "60"}
+    with subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=default_signals) as process:  # fmt: skip
+        victim = _pulling_node(cluster, docker_client, process)
+        docker_client.containers.get(victim).restart(timeout=0)  # `node join` again: its scratch folder goes
+        _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+    cluster.wait_for_nodes(2)
+    for name in cluster.nodes:  # every task image a node's engine holds is in its image cache, which gc reads
+        node = docker_client.containers.get(name)
+        listed = node.exec_run(["python3", "-m", "pvisor_host", "images", "--json"])
+        assert listed.exit_code == 0, listed.output.decode(errors="replace")[-2000:]
+        known = {e["id"] for e in json.loads(listed.output) if e["role"] == "pulled"}
+        ids = node.exec_run(["sh", "-c", f"docker images -q --no-trunc '{registry.name}/task/*'"])
+        assert set(ids.output.decode().split()) <= known, (name, ids.output, known)

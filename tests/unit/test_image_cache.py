@@ -279,3 +279,33 @@ def test_a_second_holder_of_an_image_being_pulled_waits_and_then_holds_it(cache,
     assert second.present is not None and engine.pulls == ["task0"]
     (entry,) = cache.entries()
     assert set(entry.holds) == {first.token, second.token}
+
+
+def test_two_holders_that_ask_at_once_make_one_pull(tmp_path, engine, clock):
+    refs = swe(engine, 1)
+    first = cache_for(tmp_path, engine, clock)
+    second = cache_for(tmp_path, engine, clock, owner="otherhost/4/4", session="s2")
+    racing = {}
+
+    def the_other_prices_meanwhile() -> None:  # both saw no pull under way; the second notes its pull first
+        if not racing:
+            racing["started"] = True
+            racing["hold"] = second.reserve(refs[0], budget=None)
+
+    engine.on_price = the_other_prices_meanwhile
+    clock.on_wait = lambda: second.fill(racing["hold"]) if clock.waits == 1 else None
+    hold = first.reserve(refs[0], budget=None)
+    assert hold.present is not None and engine.pulls == ["task0"]
+
+
+def test_a_batch_that_finds_its_image_here_trims_what_earlier_batches_left_to_its_budget(tmp_path, engine, clock):
+    refs = swe(engine, 3, envs=3)
+    earlier = cache_for(tmp_path, engine, clock, owner="otherhost/5/5", session="earlier")
+    for ref in refs:  # an earlier batch without a budget left three images
+        earlier.release(take(earlier, ref, None))
+        clock.now += 1
+    later = cache_for(tmp_path, engine, clock, session="later")
+    hold = later.reserve(refs[1], budget=(50 + 250 + 20) * MB)  # here already: no pull, and the others go
+    assert hold.present is not None and engine.pulls == refs
+    assert engine.removals == ["task0", "task2"]
+    assert later.usage().bytes == later.usage().peak == (50 + 250 + 20) * MB

@@ -69,7 +69,7 @@ class TaskImages:
         found = PulledImage(
             ref=ref,
             id=manifest.config_digest,
-            digest=f"{Reference(ref).repository}@{manifest.digest}",
+            digest=f"{Reference(registries.mirrors.source(ref)).repository}@{manifest.digest}",  # what nodes pull
             size=manifest.bytes,
         )
         with self._lock:

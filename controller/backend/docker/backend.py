@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ..base import Backend
     from .cache import ImageCache
     from .gateway import Gateway
+    from .mirrors import Mirrors
     from .pull import Puller
     from .registry import Registries
 
@@ -187,6 +188,10 @@ class DockerBackend:
                 self._pulls = Puller(self.client)
             return self._pulls
 
+    def use_mirrors(self, mirrors: Mirrors) -> None:
+        """Pull task images, and ask about them, through ``mirrors`` (``--registry-mirror``, ``--image-rewrite``)."""
+        self.puller.registries.mirrors = mirrors
+
     def image_cost(self, ref: str) -> ImageCost:
         """See :meth:`pvisor_host.backend.base.Backend.image_cost`."""
         from ...models.image import ImageCost
@@ -199,7 +204,8 @@ class DockerBackend:
             manifest = self.puller.registries.manifest(ref)
         except ManifestError as exc:
             return ImageCost(ref=ref, present=False, error=str(exc))
-        digest = f"{Reference(ref).repository}@{manifest.digest}" if manifest.digest else None
+        source = self.puller.registries.mirrors.source(ref)
+        digest = f"{Reference(source).repository}@{manifest.digest}" if manifest.digest else None
         return ImageCost(ref=ref, present=False, id=manifest.config_digest, digest=digest, layers=manifest.layers)
 
     @property

@@ -23,6 +23,7 @@ once (:class:`_Events`): the engine stops pulling, and nobody waits for the next
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import random
 import re
@@ -48,8 +49,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: Seconds a pull keeps retrying what a registry means as passing (a long rate limit included).
+#: Seconds a pull keeps retrying what a registry means as passing (a long rate limit included); the
+#: ``PVISOR_HOST_REGISTRY_PATIENCE`` variable sets another.
 PATIENCE = 600.0
+PATIENCE_ENV = "PVISOR_HOST_REGISTRY_PATIENCE"
+
+
+def patience() -> float:
+    """:data:`PATIENCE`, or what ``$PVISOR_HOST_REGISTRY_PATIENCE`` says (seconds)."""
+    try:
+        return max(0.0, float(os.environ.get(PATIENCE_ENV) or PATIENCE))
+    except ValueError:
+        return PATIENCE
 #: Attempts of one pull, at most.
 ATTEMPTS = 12
 #: The longest wait between two attempts when the registry names none (seconds).
@@ -151,7 +162,7 @@ def registry_fault(reference: str, exc: ManifestError) -> Exception:
             f"the registry refused to give {reference} (HTTP {exc.status})",
             hint="log in to it as the docker CLI would (docker login): its credentials are used",
         )
-    if exc.status == 429 and _hub(reference) and (exc.retry_after is None or exc.retry_after > PATIENCE):
+    if exc.status == 429 and _hub(reference) and (exc.retry_after is None or exc.retry_after > patience()):
         return hub_limit(reference)
     if not exc.answered or exc.status in (429, 500, 502, 503, 504):
         return _Passing(scrub(str(exc)), wait=exc.retry_after)
@@ -168,15 +179,29 @@ class Puller:
         self.gates = Gates()
 
     def present(self, reference: str) -> PulledImage | None:
-        """The image, when the engine has it already (nothing is pulled)."""
-        with engine_errors(f"inspect image {reference}"):
-            try:
-                image = self._client.images.get(reference)
-            except (ImageNotFound, APIError) as exc:
-                if isinstance(exc, ImageNotFound) or exc.status_code in (400, 404):
-                    return None
-                raise
-        return _pulled(reference, image.attrs, pulled=False)
+        """The image, when the engine has it already (nothing is pulled): by its own name, or as pulled from its
+        source (a mirror's digest reference has no tag to name it by)."""
+        for name in dict.fromkeys((reference, self.registries.mirrors.source(reference))):
+            with engine_errors(f"inspect image {name}"):
+                try:
+                    image = self._client.images.get(name)
+                except (ImageNotFound, APIError) as exc:
+                    if isinstance(exc, ImageNotFound) or exc.status_code in (400, 404):
+                        continue
+                    raise
+            return _pulled(reference, image.attrs, pulled=False, source=self.registries.mirrors.source(reference))
+        return None
+
+    def _name_as(self, source: str, reference: str) -> None:
+        """Give the image pulled as ``source`` the dataset's name ``reference`` (a digest is no name to give),
+        and drop the source's tag: the image is known by one name, the one it was asked for."""
+        wanted = Reference(reference)
+        if wanted.tag is None:
+            return
+        with engine_errors(f"name {source} as {reference}"):
+            self._client.images.get(source).tag(wanted.repository, wanted.tag)
+            if Reference(source).tag is not None:
+                self._client.images.remove(source, noprune=True)
 
     def pull(
         self,
@@ -195,17 +220,19 @@ class Puller:
         found = self.present(reference)
         if found is not None:
             return found
-        ref = Reference(reference)
-        if ref.digest is None and ref.tag is None:
+        if Reference(reference).digest is None and Reference(reference).tag is None:
             reference = f"{reference}:latest"
-            ref = Reference(reference)
+        source = self.registries.mirrors.source(reference)  # where it really comes from (a mirror, a rewrite)
+        ref = Reference(source)
         started = time.monotonic()
         downloaded = self._patiently(
-            f"pulling {reference}", reference, lambda: self._once(ref, progress, cancel, started), cancel
+            f"pulling {reference}", source, lambda: self._once(ref, progress, cancel, started), cancel
         )
+        if source != reference:
+            self._name_as(source, reference)
         found = self.present(reference)
         if found is None:
-            raise RegistryError(f"the engine pulled {reference} but does not have it")
+            raise RegistryError(f"the engine pulled {source} but does not have it")
         return found.model_copy(
             update={"pulled": True, "downloaded": downloaded, "seconds": time.monotonic() - started}
         )
@@ -235,10 +262,11 @@ class Puller:
         """``call`` retried while it fails in a passing way, for up to :data:`PATIENCE` seconds."""
         host = Reference(reference).registry or "docker.io"
         started = time.monotonic()
+        limit = patience()
         retrying = Retrying(
             retry=retry_if_exception_type(_Passing),
-            stop=stop_after_delay(PATIENCE) | stop_after_attempt(ATTEMPTS),
-            wait=lambda state: min(self._backoff(state), max(0.0, PATIENCE - (time.monotonic() - started))),
+            stop=stop_after_delay(limit) | stop_after_attempt(ATTEMPTS),
+            wait=lambda state: min(self._backoff(state), max(0.0, limit - (time.monotonic() - started))),
             before_sleep=lambda state: self._before_retry(what, state),
             sleep=lambda seconds: _sleep(seconds, cancel, reference),
             reraise=True,
@@ -400,8 +428,9 @@ def _progress(reference: str, layers: dict[str, tuple[int, int | None]], seconds
     return PullProgress(ref=reference, done=done, total=total, seconds=seconds)
 
 
-def _pulled(reference: str, attrs: dict[str, object], *, pulled: bool) -> PulledImage:
-    digest = repo_digest(reference, attrs.get("RepoDigests"))
+def _pulled(reference: str, attrs: dict[str, object], *, pulled: bool, source: str | None = None) -> PulledImage:
+    digests = attrs.get("RepoDigests")
+    digest = repo_digest(reference, digests) or (repo_digest(source, digests) if source else None)
     size = attrs.get("Size")
     return PulledImage(
         ref=reference, id=str(attrs["Id"]), digest=digest, size=size if isinstance(size, int) else 0, pulled=pulled

@@ -22,6 +22,7 @@ from docker import auth
 from ..._log import logger
 from ...units import parse_retry_after
 from .images import Reference
+from .mirrors import Mirrors
 
 #: The manifest kinds asked for: an image's own, and the multi-platform lists that point at them.
 MANIFEST_TYPES = ", ".join((
@@ -77,7 +78,9 @@ class ManifestError(Exception):
 class Registries:
     """The registries of one backend: their credentials and tokens (thread-safe, one session)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mirrors: Mirrors | None = None) -> None:
+        self.mirrors = mirrors or Mirrors()
+        """Where each image is really asked for (``--registry-mirror``, ``--image-rewrite``)."""
         self._session = requests.Session()
         self._session.headers["User-Agent"] = "pvisor-host"
         self._tokens: dict[tuple[str, str], str] = {}
@@ -100,7 +103,7 @@ class Registries:
             ) from None
 
     def _manifest(self, reference: str, platform: tuple[str, str]) -> ManifestInfo:
-        ref = Reference(reference)
+        ref = Reference(self.mirrors.source(reference))
         answer = self._get(ref, ref.digest or ref.tag or "latest")
         digest = answer.headers.get("Docker-Content-Digest") or ref.digest
         body = answer.json()
@@ -127,7 +130,7 @@ class Registries:
         if manifest.config_digest is None:
             raise ManifestError(f"{reference}: the registry lists no image configuration")
         try:
-            found = self._get(Reference(reference), manifest.config_digest, kind="blobs").json()
+            found = self._get(Reference(self.mirrors.source(reference)), manifest.config_digest, kind="blobs").json()
         except ManifestError:
             raise
         except Exception as exc:  # noqa: BLE001 - not JSON, a failing credential helper
@@ -138,7 +141,7 @@ class Registries:
 
     def retry_after(self, reference: str) -> float | None:
         """Seconds the registry asks to wait now (its ``Retry-After`` on a 429), or None when it asks none."""
-        ref = Reference(reference)
+        ref = Reference(self.mirrors.source(reference))
         try:
             answer = self._request("HEAD", ref, ref.digest or ref.tag or "latest")
         except ManifestError:

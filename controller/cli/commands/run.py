@@ -144,6 +144,21 @@ def batch(
     keep_images: Annotated[
         bool, typer.Option(help="Keep the task images the batch pulled when it ends (it removes them by default).")
     ] = False,
+    registry_mirror: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST[:PORT]",
+            help="Pull Docker Hub's task images through this mirror (a pull-through cache); they keep their names.",
+        ),
+    ] = None,
+    image_rewrite: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="FROM=TO",
+            help="Pull task images named FROM... from TO... instead (image name prefixes, e.g. "
+            "docker.io/swebench/=registry.internal:5000/swebench/); repeatable, the first match wins.",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress and no table; only the last line.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print summary.json (or the plan) on stdout.")] = False,
     **options: Any,
@@ -153,6 +168,7 @@ def batch(
     Options after --json are defaults for every item; a manifest line's own fields override them.
     """
     from ...backend import check_cluster_options
+    from ...backend.docker.mirrors import Mirrors
     from ...fanout.manifest import BatchInput
     from ...fanout.scheduler import BatchOptions, default_workers
     from ...fanout.summary import allowed_failures
@@ -165,6 +181,7 @@ def batch(
     if baseline is not None:
         _check_baseline(baseline, out_dir, plan=plan)
     check_cluster_options(cluster, registry)
+    Mirrors.parse(registry_mirror, image_rewrite)  # what the host can tell, before anything is asked
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, id=item_id,
         map=columns or [], defaults=spec_fields(options),
@@ -189,6 +206,8 @@ def batch(
         pool_size=batch_options.workers + 8,
         cluster=None if plan else cluster,
         registry=None if plan else registry,
+        registry_mirror=registry_mirror,
+        image_rewrites=image_rewrite,
     ) as backend:
         capacity = backend.capacity()
         if workers is None and capacity is not None:  # a cluster: as many at a time as it has engine slots

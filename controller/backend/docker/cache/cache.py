@@ -149,6 +149,7 @@ class ImageCache:
             if found is not None:
                 held = self._hold_present(ref, found, token)
                 if held is not None:
+                    self._trim(budget)
                     return held
             elif not self._pulled_elsewhere(ref):
                 layers, compressed, here = self._price(ref)
@@ -287,8 +288,26 @@ class ImageCache:
                 return None
             entry.holds[token] = Hold(process=self._me, session=self._session)
             entry.used, entry.session = self._clock(), self._session
-            state.note_peak(self._session)
         return ImageHold(ref=ref, token=token, key=found.id, present=found)
+
+    def _trim(self, budget: int | None) -> None:
+        """A batch that found its image here still keeps to its budget: what earlier batches left, that nobody
+        holds, goes (least recently used first) while the cache holds more than ``budget``. No waiting: this
+        holder needs no room."""
+        if budget is not None:
+            with self._ledger.changing() as state:
+                going: list[str] = []
+                for image in sorted(state.images.values(), key=lambda i: i.used):
+                    staying = [i.layers for i in state.images.values() if i.counts and i.key not in going]
+                    if distinct_bytes(staying) <= budget:
+                        break
+                    if (image.state == "present" and image.counts and not image.holds and image.worker is None
+                            and not image.stuck and image.session != self._session):  # fmt: skip
+                        image.state, image.worker = "removing", self._me
+                        going.append(image.key)
+            self._remove(going, marked=True)
+        with self._ledger.changing() as state:
+            state.note_peak(self._session)
 
     def _pulled_elsewhere(self, ref: str) -> bool:
         """Whether another holder pulls ``ref`` now (this one then waits, and finds it present)."""
@@ -339,6 +358,8 @@ class ImageCache:
                 hint="raise --image-budget, or run its items on a host with more room",
             )
         with self._ledger.changing() as state:
+            if any(i.ref == ref and i.state != "present" for i in state.images.values()):
+                return "wait"  # another holder pulls it (or it is on its way out): this one finds it when it is here
             if layers is None:  # unpriced: as large as the largest image here, and pulled while no other is
                 if any(i.state == "pulling" for i in state.images.values()):
                     return "wait"
