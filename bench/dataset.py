@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import CLI, HARDENING, ROOT, forget, image, scaled, task_images, task_session
+from bench.common import CLI, HARDENING, ROOT, DiskSampler, forget, image, scaled, task_images, task_session
 
 
 def dataset(work: Path) -> dict[str, Any]:
@@ -79,7 +79,8 @@ def _three_ways(
     warm = _dataset_batch(source, work / "warm", workers, f"--image-budget={budget}")
     template = _loop_template(work / "warm")
     forget(client, refs)
-    ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={budget}")
+    with DiskSampler(client) as disk:
+        ours = _dataset_batch(source, work / "ours", workers, f"--image-budget={budget}")
     forget(client, refs)
     first = _dataset_batch(source, work / "first", workers, "--pull-workers=0")
     forget(client, refs)
@@ -99,6 +100,13 @@ def _three_ways(
             "pull everything first": first["first"],
             "shell loop": loop["first"],
             "one pull plus one replay": round(warm["one_pull"] + warm["one_replay"], 1),
+        },
+        "disk": {
+            "budget": budget,
+            "accounted_peak": (ours["summary"].get("images") or {}).get("peak"),
+            "real_peak_sampled": disk.peak,
+            "accounted_vs_real": round(((ours["summary"].get("images") or {}).get("peak") or 0) / max(1, disk.peak), 3),
+            "target": "accounted within 10% of the real peak; the real peak within the budget",
         },
         "summary": ours["summary"],
     }

@@ -141,3 +141,17 @@ def parse_retry_after(value: str | None) -> float | None:
     if when.tzinfo is None:
         return None
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def host_slots(per_cpu: int, memory: int, *, most: int | None = None) -> int:
+    """Sandboxes this host runs at once: ``per_cpu`` per CPU, no more than its memory holds at ``memory`` bytes
+    each (at least one; at most ``most``)."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 * 1024**3
+    slots = max(1, min(per_cpu * cpus, total // max(memory, 1)))
+    return min(slots, most) if most is not None else slots

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 
 @dataclass
@@ -138,7 +139,9 @@ class RegistryProxy:
                 body = {"errors": [{"code": "TOOMANYREQUESTS", "message": "injected rate limit"}]}
                 return web.json_response(body, status=429, headers=headers)
             return web.Response(status=rule.status, text="injected failure", headers=headers)  # a bare 5xx
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        headers = CIMultiDict(  # every header as sent: the engine's Accept comes several times
+            (k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")
+        )
         body = await request.read()
         url = f"http://{self.upstream}{request.path_qs}"
         async with self._session.request(request.method, url, headers=headers, data=body or None,

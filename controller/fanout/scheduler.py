@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import fcntl
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -39,7 +38,7 @@ from ..preflight.checks import check_inputs, runtime_floor_warning
 from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
 from ..signals import deferred_interrupts
-from ..units import format_size
+from ..units import format_size, host_slots
 from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
@@ -82,12 +81,7 @@ class BatchOutcome(BaseModel):
 
 def default_workers(memory: int) -> int:
     """Sandboxes at a time: two per CPU, as many as the host's memory holds at ``memory`` each, at most 32."""
-    cpus = os.cpu_count() or 1
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 * 1024**3
-    return max(1, min(2 * cpus, total // max(memory, 1), 32))
+    return host_slots(2, memory, most=32)
 
 
 def image_key(spec: ReplaySpec) -> ImageKey:

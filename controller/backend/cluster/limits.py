@@ -7,7 +7,8 @@ through :class:`RemoteLimits`, an implementation of the gateway's
 :class:`~pvisor_host.gateway.limits.Limits` protocol that awaits the actor's answers.
 
 A node that dies with calls in flight would keep their slots for ever: the actor hands out slots as leases
-named after the node, and gives back the leases of a node Ray has marked dead (checked every few seconds).
+named after the node, and gives back the leases of a node Ray has marked dead (checked every few seconds;
+:meth:`ClusterLimits.reap` is that giving back, for the nodes alive at one look).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class ClusterLimits:
         return self._limits.peak
 
     async def _reap(self) -> None:
+        """Every :data:`REAP_EVERY` seconds, :meth:`reap` the nodes Ray does not list as alive."""
         import ray
 
         while True:
@@ -81,10 +83,16 @@ class ClusterLimits:
                 nodes = await asyncio.to_thread(ray.nodes)
             except Exception:  # noqa: BLE001
                 continue
-            alive = {n["NodeID"] for n in nodes if n.get("Alive")}
-            for lease, (node, _) in list(self._leases.items()):
-                if node not in alive:
-                    await self.release(lease, 0)
+            await self.reap({n["NodeID"] for n in nodes if n.get("Alive")})
+
+    async def reap(self, alive: set[str]) -> int:
+        """Give back the leases of every node not in ``alive`` (their calls will never end); how many."""
+        given = 0
+        for lease, (node, _) in list(self._leases.items()):
+            if node not in alive and lease in self._leases:  # not released meanwhile (release pops before awaiting)
+                given += 1
+                await self.release(lease, 0)
+        return given
 
 
 #: Calls the actor takes at once (waiting ``acquire`` calls included; see :class:`ClusterLimits`).

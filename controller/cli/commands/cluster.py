@@ -20,7 +20,11 @@ cluster_app = typer.Typer(help="Look at a Ray cluster of Docker hosts.", no_args
 def node_join(
     address: Address,
     slots: Annotated[
-        int | None, typer.Option(min=1, help="Replays this host runs at once (default: one per CPU).")
+        int | None,
+        typer.Option(
+            min=1,
+            help="Replays this host runs at once (default: one per CPU, no more than its memory holds at 4 GiB each).",
+        ),
     ] = None,
 ) -> int:
     """Check this host's engine, sweep our leftovers, and join the cluster at HEAD:PORT as a worker (blocks).

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from ...._log import logger
 from ....errors import PrerequisiteError
+from ....models.spec import ReplaySpec
+from ....units import host_slots
 from ..connect import ENGINE_RESOURCE, auth_environment, check_address, require_ray
 from .tasks import scratch_root
 
@@ -42,8 +44,9 @@ def join_command(address: str, slots: int, *, ray_binary: str) -> list[str]:
 
 
 def default_slots() -> int:
-    """Replays at once on this host: one per CPU."""
-    return max(1, os.cpu_count() or 1)
+    """Replays at once on this host: one per CPU, no more than its memory holds at a sandbox's default memory
+    limit each."""
+    return host_slots(1, ReplaySpec.model_fields["memory"].default)
 
 
 def join(address: str, *, slots: int | None = None) -> None:
