@@ -198,6 +198,11 @@ def test_a_registry_outage_ends_as_it_does_on_one_engine(setup, docker_client, t
 
 def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_client, tmp_path):
     cluster, registry, refs, _ = setup
+    for name in cluster.nodes:  # the node an earlier test killed comes back
+        node = docker_client.containers.get(name)
+        if node.status != "running":
+            node.start()
+    cluster.wait_for_nodes(2)
     path = manifest(tmp_path / "data", refs[:IMAGES], PER_IMAGE)
     command = [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(path), "--agent", "claude-code",
                "--inject", "--mode", "replay-only", "--out", str(tmp_path / "out"), "--quiet", "--cluster",
@@ -212,6 +217,10 @@ def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_cli
     cluster.wait_for_nodes(2)
     for name in cluster.nodes:  # every task image a node's engine holds is in its image cache, which gc reads
         node = docker_client.containers.get(name)
+        deadline = time.monotonic() + 120
+        while node.exec_run(["docker", "version"]).exit_code != 0:  # the restarted node's engine comes up
+            assert time.monotonic() < deadline, cluster.node_logs(name)[-2000:]
+            time.sleep(0.5)
         listed = node.exec_run(["python3", "-m", "pvisor_host", "images", "--json"])
         assert listed.exit_code == 0, listed.output.decode(errors="replace")[-2000:]
         known = {e["id"] for e in json.loads(listed.output) if e["role"] == "pulled"}

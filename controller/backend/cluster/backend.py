@@ -336,7 +336,7 @@ class ClusterBackend:
         """The node the items of the attempt's task image go to (None: no task image, or no engine node)."""
         if prepared.image.runtime_volume is None:
             return None
-        nodes = sorted(str(n["NodeID"]) for n in engine_nodes(self.ray))
+        nodes = self.watch.engines()
         return self.placement.place(prepared.image.id, nodes, self.task_images.layers(prepared.image.ref))
 
     def ended(self, node: str | None, pulled: str | None) -> None:

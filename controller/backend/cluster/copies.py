@@ -36,6 +36,7 @@ from ...errors import (
 )
 from ...files.archive import Budget, extract_tar, tar_stream
 from ...models.record import ReplayRecord, SupersededAttempt, load_record, save_record
+from .connect import ENGINE_RESOURCE
 
 if TYPE_CHECKING:
     from ...models.replay import Attempt, PreparedReplay
@@ -113,9 +114,11 @@ class Watch:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._dead_since: dict[str, float] = {}
         self._closed = threading.Event()
-        for entry in ray.nodes():  # dead before this batch: no copy of it can be waiting there
+        nodes = ray.nodes()
+        for entry in nodes:  # dead before this batch: no copy of it can be waiting there
             if not entry.get("Alive"):
                 self._dead_since[entry["NodeID"]] = float("-inf")
+        self._engines = _engines(nodes)
         self._thread = threading.Thread(target=self._run, name="pvisor-host-cluster-watch", daemon=True)
         self._thread.start()
 
@@ -131,12 +134,18 @@ class Watch:
         now = time.monotonic()
         with self._lock:
             self._starts = starts
+            self._engines = _engines(nodes)
             for entry in nodes:
                 node_id = entry["NodeID"]
                 if entry.get("Alive"):
                     self._dead_since.pop(node_id, None)
                 else:
                     self._dead_since.setdefault(node_id, now)
+
+    def engines(self) -> list[str]:
+        """The alive nodes with a Docker engine, as of the latest refresh (sorted ids): no Ray call per item."""
+        with self._lock:
+            return list(self._engines)
 
     def starts(self, copy_id: str) -> list[dict[str, str]]:
         """Where copy ``copy_id`` started so far (Ray starts it again when its node dies)."""
@@ -428,3 +437,8 @@ def _lost_errors(ray: Any) -> tuple[type[BaseException], ...]:
     names = ("WorkerCrashedError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
              "ActorDiedError", "ObjectReconstructionFailedError", "ObjectFetchTimedOutError")  # fmt: skip
     return tuple(kind for name in names if (kind := getattr(ray.exceptions, name, None)) is not None)
+
+
+def _engines(nodes: list[dict[str, Any]]) -> list[str]:
+    """The alive nodes of ``nodes`` (``ray.nodes()``) that advertise a Docker engine, their ids sorted."""
+    return sorted(str(n["NodeID"]) for n in nodes if n.get("Alive") and n.get("Resources", {}).get(ENGINE_RESOURCE))

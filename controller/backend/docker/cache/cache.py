@@ -307,6 +307,7 @@ class ImageCache:
                         going.append(image.key)
             self._remove(going, marked=True)
         with self._ledger.changing() as state:
+            state.budget = budget
             state.note_peak(self._session)
 
     def _pulled_elsewhere(self, ref: str) -> bool:
