@@ -279,6 +279,8 @@ class FakeBackend:
             with self._lock:
                 self.running -= 1
                 self.finished += 1
+                if task_image is not None and self.registry is not None:
+                    self.events.append(("ran", task_image))
                 if task_image is not None and task_image in self.running_images:
                     self.running_images[task_image] -= 1
                     if not self.running_images[task_image]:

@@ -88,11 +88,15 @@ class ImageWindow:
         self._ahead = max(2, 2 * workers, open_images or 0)
         """Images open at once: held (pulled or being pulled) whose items have not all ended."""
         self._keep = keep
+        self._lookups = open_images is not None
+        """The backend's nodes pull (a cluster): a pull here only resolves the image."""
         self._progress = progress
         self._ready = ready
         self._lock = threading.Condition()
         self._cancel = threading.Event()
         self._hurry = threading.Event()
+        self._first_ended = False
+        """An item has ended (or will not run): from then on, pulls go ahead of the items."""
         self._pool: futures.ThreadPoolExecutor | None = None
         self._pulls: list[futures.Future[None]] = []
         self._coordinator: threading.Thread | None = None
@@ -125,6 +129,13 @@ class ImageWindow:
         self._coordinator = threading.Thread(target=self._coordinate, name="pvisor-host-pulls", daemon=True)
         self._coordinator.start()
 
+    def want(self, ref: str) -> None:
+        """An item will ask for the image soon (its pull may start while the item checks its inputs)."""
+        image = self._images[ref]
+        with self._lock:
+            image.wanted = True
+            self._lock.notify_all()
+
     def acquire(self, ref: str, cancel: threading.Event | None = None) -> PulledImage:
         """Wait until the image is present, and hold it for one item.
 
@@ -133,14 +144,13 @@ class ImageWindow:
             Interrupted: the batch, or ``cancel``, was stopped meanwhile.
         """
         image = self._images[ref]
-        with self._lock:
-            image.wanted = True
-            self._lock.notify_all()
+        self.want(ref)
         while not image.done.wait(0.2):
             if self._cancel.is_set() or (cancel is not None and cancel.is_set()):
                 raise Interrupted("interrupted while its image was being pulled")
         with self._lock:
             if image.error is not None:
+                self._first_ended = True
                 image.items_left -= 1
                 self._lock.notify_all()
                 error = image.error
@@ -155,6 +165,7 @@ class ImageWindow:
         """The item that held the image has ended, its container gone."""
         image = self._images[ref]
         with self._lock:
+            self._first_ended = True
             image.in_use -= 1
             image.items_left -= 1
             self._lock.notify_all()
@@ -164,6 +175,7 @@ class ImageWindow:
         """An item of the image ended without asking for it (finished in an earlier run, refused first)."""
         image = self._images[ref]
         with self._lock:
+            self._first_ended = True
             image.items_left -= 1
             self._lock.notify_all()
         self._let_go_if_finished(image)
@@ -254,8 +266,12 @@ class ImageWindow:
         pulling = [i for i in self._order if i.started and not i.done.is_set()]
         if len(open_now) >= self._ahead or len(pulling) >= self._workers:
             return False
-        # the first pull goes alone: the first result comes after one pull, not after a shared one
-        return not (pulling and not any(i.done.is_set() for i in self._order if i.started))
+        # The first pull goes alone, and so does the first item once its image is here: the first result comes
+        # after one pull and one replay, not after pulls and replays that share the disk and the CPUs with it.
+        # (On a cluster a "pull" is a registry lookup and the nodes pull: nothing is shared here to wait for.)
+        if any(i.done.is_set() for i in self._order if i.started):
+            return self._first_ended or self._lookups
+        return not pulling
 
     def _reserve(self, image: _Image) -> bool:
         """Hold the image in the engine's cache, room made for it; False when it needs no pull (all its items

@@ -163,6 +163,14 @@ class _Batch:
         if spec.image is not None and self.window is not None and spec.image in self.window:
             self.window.skip(spec.image)
 
+    def want_image(self, spec: ReplaySpec) -> bool:
+        """The item will ask for its task image once its inputs are checked: its pull may start now. False: it
+        has none the window pulls."""
+        if spec.image is None or self.window is None or spec.image not in self.window:
+            return False
+        self.window.want(spec.image)
+        return True
+
     def task_image(self, spec: ReplaySpec) -> contextlib.AbstractContextManager[object]:
         """Hold the item's task image while it runs (pulled first when it is not there yet)."""
         if spec.image is None or self.window is None or spec.image not in self.window:
@@ -476,7 +484,9 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
             earlier = _finished_before_its_image(item, batch, trajectory.sha256)
             if earlier is not None:
                 return earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
-            asked.set()
+            if batch.want_image(spec):  # its pull may start while the trajectory's pre-flight runs on the host
+                check_inputs(spec, per_file=True, run_id=item_run_id(item.id), out_dir=run_dir, trajectory=trajectory)
+            asked.set()  # refused before: the window hears the item never asks (see _item_outcome)
             waiting = time.monotonic()
             with batch.task_image(spec):
                 pull_wait = round(time.monotonic() - waiting, 4)  # the task image is here (pulled, or waited for)
