@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,12 +37,26 @@ ENGINE_FIXTURES = frozenset({"docker_client"})
 NO_ENGINE = "unix:///nonexistent/pvisor-host-no-engine-for-this-test.sock"
 
 
+#: Agent images whose build takes minutes (pip installs of their SDKs): built in the background from the
+#: session's start, in this order, while the other tests run (:func:`agent_image`).
+SLOW_BUILDS = ("mini-swe-agent", "pi-agent", "openhands")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``docker`` every test that uses an engine fixture, directly or through another fixture."""
+    """Mark ``docker`` every test that uses an engine fixture, directly or through another fixture; and run
+    the tests of the agents built in the background (:func:`slow_builds`) last, so that their builds overlap
+    the rest of the suite rather than hold up its start."""
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.docker)
+    items.sort(key=_built_in_the_background)  # stable: the order otherwise
+
+
+def _built_in_the_background(item: pytest.Item) -> bool:
+    """Whether the test runs an agent of :data:`SLOW_BUILDS` (its ``agent`` parameter)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "agent_image" in getattr(item, "fixturenames", ()) and params.get("agent") in SLOW_BUILDS
 
 
 @pytest.fixture(autouse=True)
@@ -274,16 +289,32 @@ def build_test_image(client, tag: str, dockerfile: str, **kwargs) -> str:
 
 
 @pytest.fixture(scope="session")
-def agent_image(backend):
-    """Build (or find) the verified image of any agent, once per session: ``agent_image("pi-agent")``."""
+def agent_image(backend, slow_builds):
+    """Build (or find) the verified image of any agent, once per session: ``agent_image("pi-agent")`` (the
+    slow ones come from :func:`slow_builds`, started at the session's start)."""
     built: dict[str, str] = {}
 
     def image(agent: str) -> str:
         if agent not in built:
-            built[agent] = build_image(backend, agent)
+            built[agent] = slow_builds[agent].result() if agent in slow_builds else build_image(backend, agent)
         return built[agent]
 
     return image
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slow_builds(request) -> Iterator[dict[str, Any]]:
+    """The :data:`SLOW_BUILDS` images, built one after another on a thread of their own from the session's start
+    when a selected test needs ``agent_image`` (futures, by agent); none otherwise."""
+    if not any("agent_image" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield {}
+        return
+    import concurrent.futures
+
+    backend = request.getfixturevalue("backend")
+    request.getfixturevalue("claude_image")  # the base the agents share is bootstrapped once, here, first
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slow-build") as pool:
+        yield {agent: pool.submit(build_image, backend, agent) for agent in SLOW_BUILDS}
 
 
 @pytest.fixture(scope="module")
