@@ -154,23 +154,27 @@ def task_session() -> str:
 def task_images(client: Any, registry: str, count: int, *, megabytes: int) -> list[str]:
     """``count`` images in ``registry``, each on the agent images' base with ``megabytes`` of its own (random,
     so that nothing is shared but the base), none left on the engine."""
-    import io
-
     base = client.images.get(image()[0]).labels["pvisor-host.base-image"]
     refs = []
     for n in range(count):
         dockerfile = (f"FROM {base}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
                       f"&& head -c {megabytes * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
-        built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
-        ref = f"{registry}/bench/task{n:02d}:v1"
-        repository, tag = ref.rsplit(":", 1)
-        built.tag(repository, tag)
-        for line in client.images.push(repository, tag, stream=True, decode=True):
-            if "error" in line:
-                raise SystemExit(f"push of {ref} failed: {line['error']}")
-        refs.append(ref)
+        refs.append(build_and_push(client, dockerfile, f"{registry}/bench/task{n:02d}:v1"))
     forget(client, refs)
     return refs
+
+
+def build_and_push(client: Any, dockerfile: str, ref: str) -> str:
+    """Build ``dockerfile``, push it to its registry as ``ref`` (``repository:tag``); ``ref``."""
+    import io
+
+    built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+    repository, tag = ref.rsplit(":", 1)
+    built.tag(repository, tag)
+    for line in client.images.push(repository, tag, stream=True, decode=True):
+        if "error" in line:
+            raise SystemExit(f"push of {ref} failed: {line['error']}")
+    return ref
 
 
 def forget(client: Any, refs: list[str]) -> None:

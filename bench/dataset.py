@@ -22,7 +22,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import CLI, HARDENING, ROOT, DiskSampler, forget, image, scaled, task_images, task_session
+from bench.common import (
+    CLI,
+    HARDENING,
+    ROOT,
+    DiskSampler,
+    build_and_push,
+    forget,
+    image,
+    scaled,
+    task_images,
+    task_session,
+)
 
 
 def dataset(work: Path) -> dict[str, Any]:
@@ -177,14 +188,7 @@ def _swe_images(client: Any, registry: str, envs: int, tasks: int, *, env_mb: in
     for n in range(tasks):
         dockerfile = (f"FROM {environments[n % envs]}\nRUN mkdir -p /testbed && echo 'task {n}' > /testbed/README "
                       f"&& head -c {own_mb * 2**20} /dev/urandom > /opt/task.bin\nWORKDIR /testbed\n")  # fmt: skip
-        built, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
-        ref = f"{registry}/swe/sweb.eval.x86_64.bench_1776_task-{n}:latest"
-        repository, tag = ref.rsplit(":", 1)
-        built.tag(repository, tag)
-        for line in client.images.push(repository, tag, stream=True, decode=True):
-            if "error" in line:
-                raise SystemExit(f"push of {ref} failed: {line['error']}")
-        refs.append(ref)
+        refs.append(build_and_push(client, dockerfile, f"{registry}/swe/sweb.eval.x86_64.bench_1776_task-{n}:latest"))
     forget(client, refs)
     for environment in environments:
         with contextlib.suppress(Exception):  # still the parent of an image another section left: it stays

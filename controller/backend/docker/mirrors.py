@@ -68,7 +68,7 @@ class Mirrors(BaseModel):
         full, suffix = _full_name(ref)
         for prefix, target in self.rules:
             if full.startswith(prefix):
-                return f"{target}{full[len(prefix):]}{suffix}"
+                return f"{target}{full[len(prefix) :]}{suffix}"
         return ref
 
     def __bool__(self) -> bool:

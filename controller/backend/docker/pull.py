@@ -61,6 +61,8 @@ def patience() -> float:
         return max(0.0, float(os.environ.get(PATIENCE_ENV) or PATIENCE))
     except ValueError:
         return PATIENCE
+
+
 #: Attempts of one pull, at most.
 ATTEMPTS = 12
 #: The longest wait between two attempts when the registry names none (seconds).

@@ -12,6 +12,7 @@ from ...._log import logger
 from ....errors import PvisorHostError
 from ....models.image import PulledImage, PullProgress
 from ..engine import describe, engine_errors
+from ..images import ImageStore
 from ..registry import ManifestError
 from .cache import ImageCache, Priced
 from .layers import Layer, engine_layers
@@ -32,6 +33,7 @@ class DockerCacheEngine:
         self, client: docker.DockerClient, puller: Puller, *, on_removed: Callable[[str], None] | None = None
     ) -> None:
         self._client = client
+        self._images = ImageStore(client)
         self._puller = puller
         self._on_removed = on_removed
         self._layers: dict[str, list[Layer]] = {}
@@ -41,12 +43,7 @@ class DockerCacheEngine:
         return self._puller.present(ref)
 
     def has(self, image: str) -> bool:
-        with engine_errors(f"look up image {image[:19]}"):
-            try:
-                self._client.images.get(image)
-            except ImageNotFound:
-                return False
-        return True
+        return self._images.has(image)
 
     def layers(self, image_id: str) -> list[Layer]:
         """The image's layers, measured (empty when the engine has no such image)."""
