@@ -4,7 +4,6 @@ every pull from the same registry, not only the one that was refused."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -45,28 +44,44 @@ def test_what_a_failed_pull_means(text, status, kind):
         assert found.one_line().startswith(f"{'image ' + REF if kind == 'image_not_found' else 'the registry'}")
 
 
+class Time:
+    """A clock that moves only when a wait asks it to."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.pauses: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pause(self, seconds: float, cancel: threading.Event | None) -> bool:
+        self.pauses.append(seconds)
+        self.now += seconds
+        return cancel is not None and cancel.is_set()
+
+
 def test_a_rate_limit_holds_every_pull_from_that_registry_for_as_long_as_it_said():
-    gates = Gates()
-    gates.hold("127.0.0.1:5000", 0.5)
-    started = time.monotonic()
-    waited: list[float] = []
-    pulls = [threading.Thread(target=lambda: (gates.wait("127.0.0.1:5000", None), waited.append(time.monotonic())))
-             for _ in range(3)]  # fmt: skip
-    for pull in pulls:
-        pull.start()
+    clock = Time()
+    gates = Gates(clock=clock, pause=clock.pause)
+    gates.hold("127.0.0.1:5000", 2.5)
     gates.wait("ghcr.io", None)  # another registry: not held
-    assert time.monotonic() - started < 0.2
-    for pull in pulls:
-        pull.join()
-    assert len(waited) == 3 and min(waited) - started >= 0.45
+    assert clock.pauses == []
+    gates.wait("127.0.0.1:5000", None)
+    assert clock.pauses == [1.0, 1.0, 0.5] and clock.now == 102.5  # as long as it said, in steps a cancel cuts
+    gates.hold("127.0.0.1:5000", 1.0)
+    gates.hold("127.0.0.1:5000", 0.5)  # a shorter hold does not shorten the longer one
+    gates.wait("127.0.0.1:5000", None)
+    assert clock.now == 103.5
 
 
 def test_waiting_out_a_rate_limit_stops_at_a_cancel():
-    gates, cancel = Gates(), threading.Event()
+    clock, cancel = Time(), threading.Event()
+    gates = Gates(clock=clock, pause=clock.pause)
     gates.hold("reg", 30)
-    threading.Timer(0.2, cancel.set).start()
+    cancel.set()
     with pytest.raises(Interrupted):
         gates.wait("reg", cancel)
+    assert clock.pauses == [1.0]
 
 
 @pytest.mark.parametrize(("value", "seconds"), [("3", 3.0), (" 120 ", 120.0), (None, None), ("soon", None)])

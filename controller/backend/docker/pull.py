@@ -91,28 +91,42 @@ class _Passing(Exception):
         self.wait = wait
 
 
-class Gates:
-    """When each registry may be asked again: a 429 holds every pull from it, not only the refused one."""
+def _pause(seconds: float, cancel: threading.Event | None) -> bool:
+    """Wait ``seconds``; True when ``cancel`` was set meanwhile."""
+    if cancel is None:
+        time.sleep(seconds)
+        return False
+    return cancel.wait(seconds)
 
-    def __init__(self) -> None:
+
+class Gates:
+    """When each registry may be asked again: a 429 holds every pull from it, not only the refused one.
+    ``clock`` and ``pause`` are the time it goes by (tests pass their own)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[float, threading.Event | None], bool] = _pause,
+    ) -> None:
         self._lock = threading.Lock()
         self._until: dict[str, float] = {}
+        self._clock = clock
+        self._pause = pause
 
     def hold(self, registry: str, seconds: float) -> None:
         with self._lock:
-            self._until[registry] = max(self._until.get(registry, 0.0), time.monotonic() + seconds)
+            self._until[registry] = max(self._until.get(registry, 0.0), self._clock() + seconds)
 
     def wait(self, registry: str, cancel: threading.Event | None) -> None:
         """Block until the registry may be asked (a cancel ends the wait with :class:`Interrupted`)."""
         while True:
             with self._lock:
-                left = self._until.get(registry, 0.0) - time.monotonic()
+                left = self._until.get(registry, 0.0) - self._clock()
             if left <= 0:
                 return
-            if cancel is not None and cancel.wait(min(left, 1.0)):
+            if self._pause(min(left, 1.0), cancel):
                 raise Interrupted("interrupted while waiting for a rate-limited registry")
-            if cancel is None:
-                time.sleep(min(left, 1.0))
 
 
 def classify(reference: str, text: str, status: int | None = None) -> Exception:
