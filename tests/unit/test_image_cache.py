@@ -309,3 +309,15 @@ def test_a_batch_that_finds_its_image_here_trims_what_earlier_batches_left_to_it
     assert hold.present is not None and engine.pulls == refs
     assert engine.removals == ["task0", "task2"]
     assert later.usage().bytes == later.usage().peak == (50 + 250 + 20) * MB
+
+
+def test_layers_the_engine_had_before_do_not_count_as_the_caches(cache, engine):
+    refs = swe(engine, 2)
+    engine.add("env-image", [("os", 50 * MB), ("env0", 250 * MB)], [])
+    engine.present_refs["env-image"] = engine.registry["env-image"].id  # the user's: its layers were here
+    hold = cache.reserve(refs[0], budget=None)
+    assert (hold.added, hold.compressed) == (30 * MB, 10 * MB)  # its own layer only (3 × compressed, estimated)
+    cache.fill(hold)
+    assert cache.usage().bytes == 20 * MB  # what the pull brought to the disk
+    cache.fill(cache.reserve(refs[1], budget=None))
+    assert cache.usage().bytes == 40 * MB

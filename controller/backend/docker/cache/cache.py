@@ -196,7 +196,8 @@ class ImageCache:
         except BaseException:
             self._settle_failed_pull(hold)
             raise
-        layers = self._engine.layers(pulled.id)
+        foreign = {x.chain for x in self._pending_layers(hold) if x.foreign}
+        layers = [x.model_copy(update={"foreign": x.chain in foreign}) for x in self._engine.layers(pulled.id)]
         with self._ledger.changing() as state:
             entry = state.images.pop(hold.key or "", None)
             if entry is None:  # gc took our note meanwhile: the image is noted again, as ours
@@ -225,6 +226,11 @@ class ImageCache:
                 hint="raise --image-budget, or run its items on a host with more room",
             )
         return pulled
+
+    def _pending_layers(self, hold: ImageHold) -> list[Layer]:
+        """The layers the hold's pull was priced with (which of them were on the engine before)."""
+        entry = self._ledger.read().images.get(hold.key or "")
+        return list(entry.layers) if entry is not None else []
 
     def release(self, hold: ImageHold) -> None:
         """The holder is done with the image (its container is gone)."""
@@ -327,11 +333,17 @@ class ImageCache:
         except ManifestError as exc:
             logger.debug("could not price {}: {}", ref, exc)
             return None, 0, set()
-        ratio = max(self._ledger.read().ratios, default=RATIO)
+        state = self._ledger.read()
+        ratio = max(state.ratios, default=RATIO)
         layers = registry_layers(priced.diff_ids, priced.compressed, ratio)
         here = self._engine.chain_sizes()
+        cached = {x.chain for i in state.images.values() if i.counts for x in i.layers if not x.foreign}
         compressed = sum(size for x, size in zip(layers, priced.compressed, strict=False) if x.chain not in here)
-        measured = [Layer(chain=x.chain, size=here[x.chain], pull=x.pull) if x.chain in here else x for x in layers]
+        measured = [
+            Layer(chain=x.chain, size=here[x.chain], pull=x.pull, foreign=x.chain not in cached)
+            if x.chain in here else x
+            for x in layers
+        ]  # fmt: skip
         return measured, compressed, set(here)
 
     def _make_room(

@@ -44,6 +44,9 @@ class Layer(BaseModel):
     estimated: bool = False
     pull: int = 0
     """Bytes it is expected to take if it has to be pulled (its compressed size times the unpacking ratio)."""
+    foreign: bool = False
+    """It was on the engine before the cache pulled the image (another image's, the user's): the cache did not
+    bring it, and removing the cache's images would not free it, so it does not count."""
 
 
 def chain_ids(diff_ids: Sequence[str]) -> list[str]:
@@ -87,7 +90,8 @@ def registry_layers(diff_ids: Sequence[str], compressed: Sequence[int], ratio: f
 
 
 def distinct_bytes(layer_sets: Iterable[Iterable[Layer]]) -> int:
-    """Bytes the layers take on disk, each chain id once (a measured size wins over an estimate)."""
+    """Bytes the layers take on disk, each chain id once (a measured size wins over an estimate; a foreign layer
+    counts nothing, unless another image of the set brought the same one)."""
     return sum(_by_chain(layer_sets).values())
 
 
@@ -96,7 +100,7 @@ def _by_chain(layer_sets: Iterable[Iterable[Layer]]) -> dict[str, int]:
     measured: set[str] = set()
     for layers in layer_sets:
         for layer in layers:
-            if layer.chain in measured:
+            if layer.chain in measured or layer.foreign:
                 continue
             if not layer.estimated:
                 sizes[layer.chain] = layer.size
