@@ -149,6 +149,11 @@ class ImageWindow:
             if self._cancel.is_set() or (cancel is not None and cancel.is_set()):
                 raise Interrupted("interrupted while its image was being pulled")
         with self._lock:
+            # The first item runs alone (see _may_start): the first result does not share the CPUs either.
+            while not (self._first_ended or self._lookups) and any(i.in_use for i in self._order):
+                if self._cancel.is_set() or (cancel is not None and cancel.is_set()):
+                    raise Interrupted("interrupted while the batch's first item ran")
+                self._lock.wait(0.2)
             if image.error is not None:
                 self._first_ended = True
                 image.items_left -= 1

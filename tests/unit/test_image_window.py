@@ -83,8 +83,10 @@ def test_pulls_overlap_the_sandboxes(tmp_path):
     )  # fmt: skip
     pulls = [event for event in backend.events if event[0] in ("pulling", "pull")]
     assert pulls[:2] == [("pulling", refs[0]), ("pull", refs[0])]  # the first pull went alone
-    # and so did the first item once its image was here: the next pull started after it ended
-    assert backend.events.index(("pulling", refs[1])) > backend.events.index(("ran", refs[0]))
+    # and so did the first item once its image was here: the next pull, and the next item, started after it ended
+    first_ended = backend.events.index(("ran", refs[0]))
+    assert backend.events.index(("pulling", refs[1])) > first_ended
+    assert [n for n, event in enumerate(backend.events) if event[0] == "run"][1] > first_ended
 
 
 def test_a_budget_forces_removals_least_recently_used_first_and_is_never_exceeded(tmp_path):
