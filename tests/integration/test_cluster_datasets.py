@@ -43,23 +43,32 @@ def node_engines(docker_client, runtime_volumes_removed_afterwards):
 @pytest.fixture(scope="module")
 def setup(docker_client, base_image, claude_image):
     """The registry with the task images (``task/c0:v1`` ...: the base image and 20 MB of their own each; none
-    on the host's engine), and the cluster whose nodes reach it at the same name."""
+    on the host's engine), and the cluster whose nodes reach it at the same name. The sizes are each image's own
+    layers': the nodes hold the base image already, so a pull brings (and a node's budget counts) only those."""
     with Registry(docker_client) as registry:
-        refs, sizes = [], []
-        for n in range(IMAGES + 1):  # the last one is large: the node killed mid-pull is pulling it
-            megabytes = 20 if n < IMAGES else 300
-            dockerfile = (f"FROM {base_image}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
-                          f"&& head -c {megabytes * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
-            image, _ = docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
-            repository, tag = f"{registry.name}/task/c{n}", "v1"
-            image.tag(repository, tag)
-            sizes.append(int(image.attrs["Size"]))
-            for line in docker_client.images.push(repository, tag, stream=True, decode=True):
-                assert "error" not in line, line
-            docker_client.images.remove(f"{repository}:{tag}")
-            refs.append(f"{repository}:{tag}")
+        base = int(docker_client.images.get(base_image).attrs["Size"])
+        refs = push_task_images(docker_client, registry, base_image, "v1", [20] * IMAGES + [300])
+        sizes = [int(docker_client.images.get(ref).attrs["Size"]) - base for ref in refs]
+        for ref in refs:
+            docker_client.images.remove(ref)
         with Cluster(docker_client, nodes=2, slots=2, fresh=True, registry=registry.for_nodes) as cluster:
             yield cluster, registry, refs, sizes
+
+
+def push_task_images(docker_client, registry: Registry, base_image: str, tag: str, megabytes: list[int]) -> list[str]:
+    """``task/c<n>:<tag>``: the base image and ``megabytes[n]`` MB of random bytes of its own, pushed (and left on
+    the host's engine for the caller to measure, then remove)."""
+    refs = []
+    for n, size in enumerate(megabytes):
+        dockerfile = (f"FROM {base_image}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
+                      f"&& head -c {size * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
+        image, _ = docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
+        repository = f"{registry.name}/task/c{n}"
+        image.tag(repository, tag)
+        for line in docker_client.images.push(repository, tag, stream=True, decode=True):
+            assert "error" not in line, line
+        refs.append(f"{repository}:{tag}")
+    return refs
 
 
 def manifest(root: Path, refs: list[str], per_image: int) -> Path:
@@ -124,7 +133,7 @@ def test_task_images_are_pulled_by_the_nodes_near_their_items(setup, docker_clie
 
 def test_a_node_budget_forces_removals_and_each_node_stays_within_it(setup, docker_client, tmp_path):
     cluster, registry, refs, sizes = setup
-    budget = int(max(sizes[:IMAGES]) + 10 * 2**20)  # one whole task image, and less than another's own 20 MB
+    budget = int(max(sizes[:IMAGES]) + 10 * 2**20)  # one task image's own 20 MB, and less than two
     path = manifest(tmp_path / "data", refs[:IMAGES], 2)
     out = tmp_path / "out"
     done = batch(path, out, "--cluster", cluster.address, "--registry", registry.name, "--image-budget", str(budget),
@@ -196,8 +205,11 @@ def test_a_registry_outage_ends_as_it_does_on_one_engine(setup, docker_client, t
     assert result["counts"] == {"infra_error": 1} and result["categories"] == {"registry_error": 1}
 
 
-def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_client, tmp_path):
-    cluster, registry, refs, _ = setup
+def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_client, base_image, tmp_path):
+    cluster, registry, _, _ = setup
+    refs = push_task_images(docker_client, registry, base_image, "v2", [20] * IMAGES)  # no node holds them yet
+    for ref in refs:
+        docker_client.images.remove(ref)
     for name in cluster.nodes:  # the node an earlier test killed comes back
         node = docker_client.containers.get(name)
         if node.status != "running":
