@@ -82,6 +82,16 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             if done.returncode != 0:
                 raise SystemExit(f"the cluster's task-image batch failed: {done.stderr[-800:]}")
             summary = json.loads(done.stdout)
+            # The same on warm nodes (the images stay in their caches), once with every item and once with one:
+            # the difference is what an item costs beyond the batch's fixed start (imports, ray.init, pre-flight).
+            one = work / "tasks-one.jsonl"
+            one.write_text(manifest.read_text().splitlines(keepends=True)[0])
+            warm_cpu = {}
+            for name, path in (("all", manifest), ("one", one)):
+                ray_before, driver_before = _ray_cpu(), _children_cpu()
+                timed(batch_command(path, work / f"tasks-warm-{name}", "replay-only", "--quiet", "--cluster",
+                                    running.address, "--registry", registry.name, *options), env=env)  # fmt: skip
+                warm_cpu[name] = (_children_cpu() - driver_before, _ray_cpu() - ray_before)
         forget(client, refs)
         local_before = _children_cpu()
         local = timed(batch_command(manifest, work / "tasks-local", "replay-only", "--quiet", "--workers",
@@ -100,6 +110,11 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             "local_controller": round(local_cpu / items * 1000, 1),
             "beyond_local": round((driver_cpu + ray_cpu - local_cpu) / items * 1000, 1),
         },  # fmt: skip
+        "warm_cpu_ms_per_item_beyond_the_first": {
+            side: round((warm_cpu["all"][n] - warm_cpu["one"][n]) / (items - 1) * 1000, 1)
+            for n, side in enumerate(("driver", "ray"))
+        },
+        "warm_cpu_s_of_one_item_batch": {"driver": round(warm_cpu["one"][0], 2), "ray": round(warm_cpu["one"][1], 2)},
         "target": "pulls per image <= 1.5; the driver's and Ray's CPU <= 50 ms per item",
     }
 
