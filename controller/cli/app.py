@@ -38,6 +38,7 @@ _ORDER = (
     "batch",
     "compare",
     "report",
+    "results",
     "images",
     "node",
     "cluster",
@@ -79,7 +80,8 @@ class _Commands(TyperGroup):
         self._lazy = {name: _LazyCommand(name, callback) for name, callback in _LAZY.items()}
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return [name for name in _ORDER if name in self.commands or name in self._lazy]
+        known = [name for name in _ORDER if name in self.commands or name in self._lazy]
+        return known + sorted(set(self.commands) - set(known))  # a command left out of _ORDER is still listed
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         return self.commands.get(cmd_name) or self._lazy.get(cmd_name)
