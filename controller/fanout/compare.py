@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from ..errors import UsageError
 from ..files.atomic import write_atomic
 from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
+from .summary import STEP_SUMMARY_ITEMS, append_step_summary, more_line
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
@@ -286,9 +287,28 @@ def _state_line(state: ItemState | None) -> str:
 
 
 def write_reports(comparison: Comparison, out: Path) -> None:
-    """``batch --baseline``: ``compare.json`` and ``compare.xml`` beside the batch's own reports."""
+    """``batch --baseline``: ``compare.json`` and ``compare.xml`` beside the batch's own reports, and the
+    regressions in the GitHub step summary when it is asked for."""
     write_atomic(out / "compare.json", comparison.model_dump_json(indent=2).encode() + b"\n")
     write_junit(comparison, out / "compare.xml")
+    append_step_summary(markdown(comparison))
+
+
+def markdown(comparison: Comparison) -> str:
+    """The step summary's part for ``--baseline``: the counts, and each regressed item with what it was and is
+    (where its replay diverges, its verification)."""
+    regressions = comparison.regressions
+    lines = [
+        f"#### Against `{comparison.old}`",
+        "",
+        f"{len(regressions)} regressed, {len(comparison.changes) - len(regressions)} otherwise changed, "
+        f"{comparison.unchanged} unchanged (compare.json).",
+    ]
+    if regressions:
+        lines += ["", "| regressed | boundary | was → is |", "|---|---|---|"]
+        lines += [f"| `{c.id}` | {c.after_step} | {c.describe} |" for c in regressions[:STEP_SUMMARY_ITEMS]]
+        lines += more_line(len(regressions))
+    return "\n".join([*lines, ""])
 
 
 def write_junit(comparison: Comparison, path: Path) -> None:

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 from ..errors import ExitCode, UsageError
 from ..files.atomic import write_atomic
@@ -21,6 +22,11 @@ JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
 JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
 #: A further report written when a batch ends, from its directory and results (``report.html``, say).
 BatchReport = Callable[[Path, list[ItemResult]], object]
+#: ``batch --fail-on``: what makes a finished batch exit non-zero (see :func:`exit_code`).
+FailOn = Literal["regressions", "failures", "never"]
+FAIL_ON: tuple[FailOn, ...] = ("regressions", "failures", "never")
+#: Items the step summary names in each of its lists; the rest are counted.
+STEP_SUMMARY_ITEMS = 20
 
 
 def summarize(
@@ -120,8 +126,9 @@ def _unverified(result: ItemResult) -> bool:
     return result.status == "ok" and result.verification is not None and not result.verification.passed
 
 
-def markdown(summary: BatchSummary, out: Path) -> str:
-    """The GitHub step summary."""
+def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = ()) -> str:
+    """The GitHub step summary: the counts, the items whose model requests drifted from their cassette (where,
+    and in which field), and where the report is."""
     lines = [
         "### pvisor-host batch",
         "",
@@ -142,9 +149,41 @@ def markdown(summary: BatchSummary, out: Path) -> str:
     if summary.verification is not None:
         v = summary.verification
         lines += ["", f"Verification: {v.passed} of {v.verified} passed ({v.pass_rate:.1%})."]
+    drifted = [(r.id, r.model.drift) for r in results if r.model is not None and r.model.drift is not None]
+    if drifted:
+        lines += ["", "| drifted from its cassette | model call | field | message |", "|---|---|---|---|"]
+        for item, drift in drifted[:STEP_SUMMARY_ITEMS]:
+            message = "" if drift.message is None else drift.message
+            lines.append(f"| `{item}` | {drift.call} | {drift.field} | {message} |")
+        lines += more_line(len(drifted))
     run = summary.timings.get("total", {})
-    lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. Results: `{out}`", ""]
+    lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. {report_link(out)}", ""]
     return "\n".join(lines)
+
+
+def more_line(count: int) -> list[str]:
+    """``… and N more`` when a list of ``count`` items was cut at :data:`STEP_SUMMARY_ITEMS`."""
+    return ["", f"… and {count - STEP_SUMMARY_ITEMS} more (see the report)."] if count > STEP_SUMMARY_ITEMS else []
+
+
+def report_link(out: Path) -> str:
+    """Where the report is: in GitHub Actions, the run's page (whose artifacts hold the batch's directory, when
+    the job uploads it), and the path in any case."""
+    where = f"Report: `{out / 'report.html'}`"
+    server, repository, run_id = (
+        os.environ.get(k) for k in ("GITHUB_SERVER_URL", "GITHUB_REPOSITORY", "GITHUB_RUN_ID")
+    )
+    if server and repository and run_id:
+        where += f" ([this run's artifacts]({server}/{repository}/actions/runs/{run_id}#artifacts))"
+    return where + "."
+
+
+def append_step_summary(text: str) -> None:
+    """Add ``text`` to the GitHub step summary, when the job asks for one (``$GITHUB_STEP_SUMMARY``)."""
+    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if step_summary:
+        with open(step_summary, "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
 
 
 def write_reports(
@@ -157,10 +196,7 @@ def write_reports(
     write_atomic(out / "junit.xml", junit(results, summary))
     for report in more:
         report(out, results)
-    step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if step_summary:
-        with open(step_summary, "a", encoding="utf-8") as handle:
-            handle.write(markdown(summary, out) + "\n")
+    append_step_summary(markdown(summary, out, results))
 
 
 def allowed_failures(text: str | None) -> Callable[[int], int]:
@@ -185,12 +221,28 @@ def allowed_failures(text: str | None) -> Callable[[int], int]:
         raise UsageError(f"--allow-failures {text!r}: pass a number of items (3) or a percentage (5%)") from None
 
 
-def exit_code(summary: BatchSummary, allowed: int) -> ExitCode:
-    """130 when interrupted; 0 when at most ``allowed`` items are not ok; else 6 when a full disk stopped the
-    batch, 4 if the deadline cut it short, 6 when every item that is not ok failed on the infrastructure (the
-    engine, a build), not on its replay; 1 otherwise. Items never started count as not ok."""
+def exit_code(summary: BatchSummary, allowed: int, *, fail_on: FailOn = "failures", regressed: int = 0) -> ExitCode:
+    """The batch's exit code. 130 when interrupted, whatever ``fail_on``.
+
+    ``failures`` (the default without ``--baseline``): 0 when at most ``allowed`` items are not ok (and none
+    ``regressed`` against a baseline); else 6 when a full disk stopped the batch, 4 if the deadline cut it
+    short, 6 when every item that is not ok failed on the infrastructure (the engine, a build), not on its
+    replay; 1 otherwise. Items never started count as not ok.
+
+    ``regressions`` (the default with ``--baseline``): 1 when an item ``regressed``, else 0. ``never``: 0.
+    With either, a batch cut short (the disk, the deadline) still exits 6 or 4 as above: it did not answer.
+    """
     if summary.interrupted:
         return ExitCode.INTERRUPTED
+    failed = _failures(summary, allowed)
+    if fail_on == "failures":
+        return ExitCode.REPLAY_FAILED if regressed and failed == ExitCode.OK else failed
+    if failed in (ExitCode.INFRASTRUCTURE, ExitCode.TIMEOUT) and (summary.stopped or summary.deadline_reached):
+        return failed
+    return ExitCode.REPLAY_FAILED if fail_on == "regressions" and regressed else ExitCode.OK
+
+
+def _failures(summary: BatchSummary, allowed: int) -> ExitCode:
     not_ok = summary.items - summary.counts.get("ok", 0)
     if not_ok <= allowed:
         return ExitCode.OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def session(second_command: str = "true", second_result: str = "") -> list[dict]
     )
 
 
-def batch(root: Path, name: str, items: dict[str, tuple[list[dict], dict]], *args: str | Path) -> Path:
+def batch(
+    root: Path, name: str, items: dict[str, tuple[list[dict], dict]], *args: str | Path, env: dict | None = None
+) -> Path:
     lines = []
     (root / name).mkdir()
     for item_id, (events, extra) in items.items():
@@ -32,12 +35,14 @@ def batch(root: Path, name: str, items: dict[str, tuple[list[dict], dict]], *arg
     manifest = root / f"{name}.jsonl"
     manifest.write_text("\n".join(lines) + "\n")
     out = root / f"{name}-out"
-    done = run_cli("batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--quiet", *args)
-    assert done.code in (0, 1), done.stderr
+    done = run_cli("batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--quiet", *args,
+                   env=env)  # fmt: skip
+    assert done.code == (1 if name == "new" else 0), done.stderr  # with --baseline, only the regression fails it
     return out
 
 
 def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(tmp_path, claude_image):
+    step_summary = tmp_path / "step-summary.md"
     old = batch(
         tmp_path,
         "old",
@@ -54,6 +59,7 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
         },
         "--baseline",
         tmp_path / "old-out",
+        env={"GITHUB_STEP_SUMMARY": str(step_summary)},
     )
     before = {p.parent.name: json.loads(p.read_text())["status"] for p in old.glob("*/record.json")}
     assert before == dict.fromkeys(("steady", "breaks", "drifts", "retired"), "ok")
@@ -86,3 +92,14 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
         "3 items matched, 1 unchanged; 1 divergence moved, 1 gone, 1 new, 1 regression"
     )
     assert "diverges at call 2 (Bash toolu_02a)" in table.stdout
+
+    # The step summary names the regression; the same batch again, against a copy of itself, has failures that
+    # were failing already: --fail-on regressions (the default with a baseline) exits 0, failures 1.
+    assert "| `breaks` | 2 | ok, every observation exact → timeout" in step_summary.read_text()
+    shutil.copytree(new, tmp_path / "new-copy")
+    manifest = tmp_path / "new.jsonl"
+    again = [manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", new, "--quiet", "--baseline",
+             tmp_path / "new-copy"]  # fmt: skip
+    same = run_cli("batch", *again)
+    assert (same.code, json.loads((new / "compare.json").read_text())["changes"]) == (0, []), same.stderr
+    assert run_cli("batch", *again, "--fail-on", "failures").code == 1  # breaks is not ok

@@ -18,6 +18,7 @@ from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markd
 from pvisor_host.files.digest import tree_sha256
 from pvisor_host.models.batch import ItemResult, percentile
 from pvisor_host.models.image import ImageRef
+from pvisor_host.models.record import ModelDrift, ModelTotals
 from pvisor_host.models.spec import ReplaySpec
 
 from conftest import run_cli
@@ -262,6 +263,43 @@ def test_summary_counts_categories_percentiles_and_rate():
     assert exit_code(summary.model_copy(update={"interrupted": True}), 10) == ExitCode.INTERRUPTED
     text = markdown(summary, Path("/out"))
     assert "| replay_failed | 1 |" in text and "| malformed_trajectory | 1 |" in text and "deadline reached" in text
+
+
+@pytest.mark.parametrize(
+    ("fail_on", "regressed", "update", "code"),
+    [
+        ("failures", 0, {}, ExitCode.REPLAY_FAILED),  # 4 items not ok, none allowed
+        ("failures", 1, {"counts": {"ok": 6}}, ExitCode.REPLAY_FAILED),  # all ok, but one regressed
+        ("regressions", 0, {}, ExitCode.OK),  # failing, but as the baseline did
+        ("regressions", 1, {}, ExitCode.REPLAY_FAILED),
+        ("never", 1, {}, ExitCode.OK),
+        ("regressions", 0, {"deadline_reached": True}, ExitCode.TIMEOUT),  # cut short: it did not answer
+        ("never", 0, {"stopped": "the disk is full"}, ExitCode.INFRASTRUCTURE),
+        ("regressions", 0, {"interrupted": True}, ExitCode.INTERRUPTED),
+    ],
+)
+def test_fail_on_decides_what_exits_non_zero(fail_on, regressed, update, code):
+    summary = summarize(results(), total=6, started=START, finished=START, interrupted=False, deadline=False)
+    assert exit_code(summary.model_copy(update=update), 0, fail_on=fail_on, regressed=regressed) == code
+
+
+def test_the_step_summary_names_drifted_items_and_links_the_run(monkeypatch):
+    drift = ModelDrift(call=2, field="messages", message=5, diff="- Linux 6.1\n+ Linux 6.8")
+    drifted = [ItemResult(id=f"i{n}", line=n, status="ok", model=ModelTotals(calls=2, drift=drift)) for n in range(22)]
+    summary = summarize(drifted, total=22, started=START, finished=START, interrupted=False, deadline=False)
+    for name, value in (
+        ("GITHUB_SERVER_URL", "https://github.com"),
+        ("GITHUB_REPOSITORY", "o/r"),
+        ("GITHUB_RUN_ID", "7"),
+    ):
+        monkeypatch.setenv(name, value)
+    text = markdown(summary, Path("/out"), drifted)
+    assert "| drifted from its cassette | model call | field | message |" in text
+    assert "| `i0` | 2 | messages | 5 |" in text and "| `i19` |" in text and "| `i20` |" not in text
+    assert "… and 2 more (see the report)." in text
+    assert (
+        "Report: `/out/report.html` ([this run's artifacts](https://github.com/o/r/actions/runs/7#artifacts))." in text
+    )
 
 
 def test_junit_has_one_testcase_per_item_with_failures_and_errors():

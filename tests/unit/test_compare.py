@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pvisor_host.errors import UsageError
-from pvisor_host.fanout.compare import compare_runs
+from pvisor_host.fanout.compare import compare_runs, write_reports
 
 from conftest import run_cli
 
@@ -168,8 +168,11 @@ def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
         (["--baseline", "{out}"], "--baseline {out} is the batch's own --out; pass the earlier batch's directory"),
         (["--baseline", "{missing}"], "{missing} is not a directory; pass a batch's --out directory"),
         (["--baseline", "{old}", "--plan"], "--baseline compares finished runs; it does nothing with --plan"),
+        (["--fail-on", "regressions"], "--fail-on regressions needs --baseline DIR: the earlier batch to find "
+                                       "regressions against"),
+        (["--baseline", "{old}", "--fail-on", "sometimes"], "--fail-on 'sometimes': pass regressions, failures, never"),
     ],
-)
+)  # fmt: skip
 def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, message):
     old, _ = runs
     paths = {"out": tmp_path / "out", "missing": tmp_path / "missing", "old": old}
@@ -180,3 +183,16 @@ def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, me
     assert (done.code, done.stdout) == (2, "")
     assert done.stderr == f"pvisor-host: error: {message.format(**paths)}\n"
     assert not paths["out"].exists()  # nothing ran, nothing was written
+
+
+def test_the_step_summary_names_each_regression_and_what_it_was(runs, tmp_path, monkeypatch):
+    old, new = runs
+    step_summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    comparison = compare_runs(old, new)
+    write_reports(comparison, tmp_path)
+    text = step_summary.read_text()
+    regressed = [c for c in comparison.changes if c.kind == "regression"]
+    assert text.startswith(f"#### Against `{old}`\n\n{len(regressed)} regressed, ")
+    for change in regressed:
+        assert f"| `{change.id}` | {change.after_step} | {change.describe} |" in text

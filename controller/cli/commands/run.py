@@ -6,7 +6,7 @@ takes the ones given as every item's defaults, which a manifest line's own field
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from ...backend.base import AnyBackend
     from ...fanout.manifest import BatchInput, ManifestCheck
     from ...fanout.plan import ItemPlan
-    from ...fanout.scheduler import BatchOptions
+    from ...fanout.scheduler import BatchOptions, BatchOutcome
+    from ...fanout.summary import FailOn
 
 
 @with_options(replay_options, first=True)
@@ -109,6 +110,16 @@ def batch(
             "exit 1 when an item regressed."
         ),
     ] = None,
+    fail_on: Annotated[
+        str | None,
+        typer.Option(
+            metavar="regressions|failures|never",
+            help="What makes the batch exit 1: an item that regressed against --baseline (the default with it), "
+            "more failed items than --allow-failures (the default without), or nothing. A batch cut short by "
+            "its deadline or a full disk exits 4 or 6 all the same.",
+            show_default=False,
+        ),
+    ] = None,
     cluster: Annotated[
         str | None,
         typer.Option(
@@ -171,7 +182,7 @@ def batch(
     from ...backend.docker.mirrors import Mirrors
     from ...fanout.manifest import BatchInput
     from ...fanout.scheduler import BatchOptions, default_workers
-    from ...fanout.summary import allowed_failures
+    from ...fanout.summary import allowed_failures, exit_code
     from ...models.image import BuildOptions
     from ...units import parse_duration, parse_size
 
@@ -180,6 +191,7 @@ def batch(
     allowance = allowed_failures(allow_failures)
     if baseline is not None:
         _check_baseline(baseline, out_dir, plan=plan)
+    failing = _fail_on(fail_on, baseline)
     check_cluster_options(cluster, registry)
     Mirrors.parse(registry_mirror, image_rewrite)  # what the host can tell, before anything is asked
     source = BatchInput.parse(
@@ -214,10 +226,30 @@ def batch(
             batch_options = batch_options.model_copy(update={"workers": capacity})
         if plan:
             return _plan(source, backend, batch_options, json_output=json_output)
-        code = _run(source, checked, backend, batch_options, quiet=quiet, json_output=json_output, allowed=allowance)
-    if baseline is not None and code != ExitCode.INTERRUPTED:
-        code = _compare_with(baseline.absolute(), batch_options.out, code, quiet=quiet or json_output)
+        outcome = _run(source, checked, backend, batch_options, quiet=quiet, json_output=json_output)
+    regressed = 0
+    if baseline is not None and not outcome.summary.interrupted:
+        regressed = _compare_with(baseline.absolute(), batch_options.out, quiet=quiet or json_output)
+    code = exit_code(outcome.summary, allowance(checked.items), fail_on=failing, regressed=regressed)
+    if code == ExitCode.INFRASTRUCTURE and outcome.summary.stopped is not None:
+        say(f"pvisor-host: error: {outcome.summary.stopped}")
+    elif code == ExitCode.INFRASTRUCTURE:
+        first = next(r for r in outcome.results if r.status == "infra_error")
+        say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
     return code
+
+
+def _fail_on(text: str | None, baseline: Path | None) -> FailOn:
+    """``--fail-on``, checked before anything runs; its default: ``regressions`` with a baseline."""
+    from ...fanout.summary import FAIL_ON
+
+    if text is None:
+        return "regressions" if baseline is not None else "failures"
+    if text not in FAIL_ON:
+        raise UsageError(f"--fail-on {text!r}: pass {', '.join(FAIL_ON)}")
+    if text == "regressions" and baseline is None:
+        raise UsageError("--fail-on regressions needs --baseline DIR: the earlier batch to find regressions against")
+    return text
 
 
 def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool) -> None:
@@ -230,8 +262,8 @@ def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool) -> None:
     check_run_dir(baseline.absolute())
 
 
-def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) -> int:
-    """``batch --baseline``: compare, write the reports, show them; a regression makes an ok batch exit 1."""
+def _compare_with(baseline: Path, batch_dir: Path, *, quiet: bool) -> int:
+    """``batch --baseline``: compare, write the reports, show them; how many items regressed."""
     from ...fanout.compare import compare_runs, write_reports
     from .. import render
 
@@ -242,7 +274,7 @@ def _compare_with(baseline: Path, batch_dir: Path, code: int, *, quiet: bool) ->
         say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
     else:
         render.comparison(console(), comparison)
-    return ExitCode.REPLAY_FAILED if regressed and code == ExitCode.OK else code
+    return regressed
 
 
 def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, json_output: bool) -> int:
@@ -277,10 +309,8 @@ def _run(
     *,
     quiet: bool,
     json_output: bool,
-    allowed: Callable[[int], int],
-) -> int:
+) -> BatchOutcome:
     from ...fanout.scheduler import run_batch
-    from ...fanout.summary import exit_code
     from ...report import write_report
     from ...signals import ignore_interrupts
     from .. import render
@@ -305,10 +335,4 @@ def _run(
         render.batch_summary(console(), outcome.summary, options.out, quiet=quiet)
     if outcome.summary.interrupted:
         say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
-    code = exit_code(outcome.summary, allowed(total))
-    if outcome.summary.stopped is not None and code == ExitCode.INFRASTRUCTURE:
-        say(f"pvisor-host: error: {outcome.summary.stopped}")
-    elif code == ExitCode.INFRASTRUCTURE:
-        first = next(r for r in outcome.results if r.status == "infra_error")
-        say(f"pvisor-host: error: every failed item failed on the infrastructure; first {first.id}: {first.message}")
-    return code
+    return outcome
