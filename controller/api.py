@@ -227,8 +227,9 @@ def batch(
         retry_oom: retry attempts killed for memory.
         build: how an agent image that must be built is built.
         pull_workers: task images (``image``) pulled at once, ahead of their items (0: all of them first).
-        image_budget: bytes (or ``"200g"``) the task images the batch pulls may take at once; images whose items
-            are done are removed first (default: half the free space of the engine's storage).
+        image_budget: bytes (or ``"200g"``) the engine's image cache may take: the distinct layers of the task
+            images pulled for batches, shared by every batch on the engine; images nobody uses are removed first
+            (default: half of the engine storage's free space plus what the cache holds).
         keep_images: keep the task images the batch pulled when it ends (by default it removes them).
         docker_host: the engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine
             that makes the images.

@@ -41,6 +41,10 @@ class FakeEngine:
     arrive_anyway: set[str] = field(default_factory=set)
     on_price: Callable[[], None] | None = None
     """Runs as the cache prices a pull (another process doing something meanwhile)."""
+    prices: list[str] = field(default_factory=list)
+    """The references priced (asked of the registry), in order."""
+    fail_remove: BaseException | None = None
+    """Raised by the next removal (the engine went away)."""
 
     def add(self, ref: str, base: list[tuple[str, int]], own: list[tuple[str, int]]) -> Image:
         layers = base + own
@@ -75,6 +79,7 @@ class FakeEngine:
         return {x.chain: x.size for image_id in set(self.present_refs.values()) for x in self.layers(image_id)}
 
     def price(self, ref: str) -> Priced:
+        self.prices.append(ref)
         if self.on_price is not None:
             self.on_price()
         if ref in self.unpriced:
@@ -93,6 +98,9 @@ class FakeEngine:
         return PulledImage(ref=ref, id=image.id, size=sum(image.sizes), pulled=True)
 
     def remove(self, ref: str, image_id: str) -> bool:
+        if self.fail_remove is not None:
+            failure, self.fail_remove = self.fail_remove, None
+            raise failure
         if image_id in self.in_use:
             return False
         self.removals.append(ref)

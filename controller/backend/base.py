@@ -149,9 +149,10 @@ class Backend(Protocol[GatewayT]):
         """
 
     def image_budget(self, given: int | None = None) -> int | None:
-        """The budget the batch keeps to for the images it pulls, ``--image-budget`` being ``given``: that, or by
-        default half the free space of the engine's storage when it can be read (None: no budget here; a
-        cluster's nodes keep ``given`` each, on their own disks)."""
+        """The budget of the engine's image cache (the distinct layers of the task images pulled for batches),
+        ``--image-budget`` being ``given``: that, or by default half of the engine storage's free space plus what
+        the cache holds, when it can be read (None: no budget here; a cluster's nodes keep ``given`` each, on
+        their own disks)."""
 
     # -- sandboxes ------------------------------------------------------------------------------------------
 

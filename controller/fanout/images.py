@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .._log import logger
 from ..backend.base import AnyBackend
@@ -120,9 +121,9 @@ class ImageWindow:
         """Start pulling ahead (with no pull workers: pull every image now, in order)."""
         if not self._order:
             return
-        if self._workers == 0:
+        if self._workers == 0:  # every image held at once, before any item runs: no budget can apply (none waits)
             for image in self._order:
-                if self._reserve(image):
+                if self._reserve(image, budget=None):
                     self._pull(image)
             return
         self._pool = futures.ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="pvisor-host-pull")
@@ -256,8 +257,16 @@ class ImageWindow:
                     self._lock.wait(0.5)
                 if self._cancel.is_set():
                     return
-            if self._reserve(image):  # room in the cache (this may wait for other items to let go)
+            if not self._reserve(image):  # room in the cache (this may wait for other items to let go)
+                continue
+            try:
+                if self._cancel.is_set():
+                    raise RuntimeError("the window closed while the image was reserved")
                 self._pulls.append(self._pool.submit(self._pull, image))
+            except RuntimeError:  # closed meanwhile (its pool shut): the hold goes, nothing is pulled
+                self._failed(image, Interrupted(f"the batch stopped before {image.ref} was pulled"))
+                self._let_go(image)
+                return
 
     def _may_start(self, image: _Image) -> bool:
         """Whether ``image`` may be reserved now (under the lock): items have come near it (an item asked for it,
@@ -278,9 +287,9 @@ class ImageWindow:
             return self._first_ended or self._lookups
         return not pulling
 
-    def _reserve(self, image: _Image) -> bool:
-        """Hold the image in the engine's cache, room made for it; False when it needs no pull (all its items
-        ended) or cannot be had (its items get the error)."""
+    def _reserve(self, image: _Image, *, budget: int | None | Literal["batch"] = "batch") -> bool:
+        """Hold the image in the engine's cache, room made for it within ``budget`` (the batch's by default);
+        False when it needs no pull (all its items ended) or cannot be had (its items get the error)."""
         with self._lock:
             image.started = True
             if image.finished:
@@ -288,7 +297,8 @@ class ImageWindow:
                 self._lock.notify_all()
                 return False
         try:
-            hold = self._backend.reserve_image(image.ref, budget=self.stats.budget, cancel=self._cancel)
+            within = self.stats.budget if budget == "batch" else budget
+            hold = self._backend.reserve_image(image.ref, budget=within, cancel=self._cancel)
         except Exception as exc:  # noqa: BLE001 - every failure ends in the image's items, never in a hang
             self._failed(image, exc)
             return False
@@ -318,6 +328,7 @@ class ImageWindow:
                 self.stats.pull_seconds += pulled.seconds
             image.done.set()
             self._lock.notify_all()
+        self._let_go_if_finished(image)  # every item of it ended while it was pulled (refused, say)
 
     def _ready_quietly(self, ref: str) -> None:
         """What each image needs once, made in the pull's worker; a failure is the items' to report (they ask

@@ -136,6 +136,56 @@ def test_past_the_wait_the_pull_goes_over_budget_and_says_so(cache, engine, cloc
     assert any("over the --image-budget" in line for line in caplog_lines())
 
 
+def test_the_registry_is_asked_once_per_reserve_however_long_it_waits(cache, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    budget = (50 + 250 + 20) * MB + 5 * MB
+    held = take(cache, refs[0], budget)
+    clock.on_wait = lambda: cache.release(held) if clock.waits == 20 else None
+    take(cache, refs[1], budget)
+    assert clock.waits == 20 and engine.prices == ["task0", "task1"]
+
+
+def test_a_present_image_whose_pull_is_still_being_noted_is_held_once_it_is(cache, engine, clock):
+    refs = swe(engine, 1)
+    first = cache.reserve(refs[0], budget=None)
+    engine.present_refs[refs[0]] = engine.registry[refs[0]].id  # the engine has it; its puller has not noted it
+    clock.on_wait = lambda: cache.fill(first) if clock.waits == 1 else None
+    second = cache.reserve(refs[0], budget=None)
+    assert clock.waits == 1 and second.key == engine.registry[refs[0]].id  # held, not merely found
+    (entry,) = cache.entries()
+    assert set(entry.holds) == {first.token, second.token}
+
+
+def test_a_removal_the_engine_fails_is_settled_and_the_image_stays_counted(cache, engine):
+    refs = swe(engine, 1)
+    cache.release(take(cache, refs[0], None))
+    engine.fail_remove = RuntimeError("the engine went away")
+    with pytest.raises(RuntimeError):
+        cache.finish()
+    (entry,) = cache.entries()
+    assert (entry.state, entry.worker, entry.stuck) == ("present", None, True)  # nobody waits on it for ever
+
+
+def test_an_image_too_large_once_unpacked_is_not_removed_from_under_another_holder(tmp_path, engine, clock):
+    engine.add("grows", [("g", 100 * MB)], [])
+    engine.registry["grows"].compressed = [10 * MB]
+    mine = cache_for(tmp_path, engine, clock)
+    other = cache_for(tmp_path, engine, clock, owner="otherhost/5/5", session="s2")
+    reservation = mine.reserve("grows", budget=60 * MB)
+    taken = []
+    let_go = mine.release
+
+    def another_batch_holds_it_meanwhile(hold):  # between this holder letting go and the image's removal
+        let_go(hold)
+        taken.append(other.reserve("grows", budget=None))
+
+    mine.release = another_batch_holds_it_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(UsageError, match="grows takes 95.4 MiB, more than the whole --image-budget 57.2 MiB"):
+        mine.fill(reservation)
+    assert engine.removals == [] and "grows" in engine.present_refs
+    assert taken[0].key == engine.registry["grows"].id
+
+
 def test_an_image_the_engine_will_not_remove_is_tried_once_more_then_the_pull_goes_over(cache, engine, clock):
     refs = swe(engine, 2, envs=2)
     budget = (50 + 250 + 20) * MB + 5 * MB
@@ -192,10 +242,7 @@ def test_finish_removes_what_nobody_holds_hands_over_what_another_holds_and_keep
     refs = swe(engine, 3, envs=3)
     mine = cache_for(tmp_path, engine, clock)
     other = cache_for(tmp_path, engine, clock, owner="otherhost/1/1", session="s2")
-    take(mine, refs[0], None)  # held by this batch until its end: let go below
-    mine.release(mine.reserve(refs[0], budget=None))
-    for reservation in [r for r in [mine.reserve(refs[0], budget=None)]]:
-        mine.release(reservation)
+    mine.release(take(mine, refs[0], None))
     shared = take(mine, refs[1], None)
     mine.release(shared)
     held_by_other = other.reserve(refs[1], budget=None)
@@ -203,8 +250,8 @@ def test_finish_removes_what_nobody_holds_hands_over_what_another_holds_and_keep
     mine.release(kept)
     entries = {e.ref: e for e in mine.entries()}
     assert entries["task1"].owner == Ownership.current().owner
-    mine_first = mine.finish()
-    assert "task1" not in mine_first and "task1" in engine.present_refs
+    assert sorted(mine.finish()) == ["task0", "task2"]  # nobody holds them
+    assert "task1" in engine.present_refs
     assert {e.ref: e.owner for e in mine.entries()}["task1"] == "otherhost/1/1"
     other.release(held_by_other)
     assert other.finish() == ["task1"]

@@ -152,6 +152,15 @@ def test_without_pull_workers_every_image_comes_first(tmp_path):
     assert kinds[:3] == ["pull"] * 3 and "pull" not in kinds[3:]
 
 
+def test_without_pull_workers_every_image_comes_first_whatever_the_budget(tmp_path):
+    images, refs = registry(3, size=100 * MB, seconds=0.05)
+    backend = FakeBackend(seconds=0.01, registry=images)
+    outcome = run(backend, tmp_path, refs, 2, pull_workers=0, image_budget=150 * MB)  # room for one: no wait
+    assert outcome.summary.counts == {"ok": 6}
+    kinds = [kind for kind, _ in backend.events if kind != "pulling"]
+    assert kinds[:3] == ["pull"] * 3
+
+
 def test_kept_images_stay(tmp_path):
     images, refs = registry(2, seconds=0.01)
     backend = FakeBackend(seconds=0.01, registry=images)

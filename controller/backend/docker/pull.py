@@ -263,16 +263,18 @@ class Puller:
             Interrupted: ``cancel`` was set.
         """
 
+        source = self.registries.mirrors.source(reference)  # the registry really asked (a mirror, a rewrite)
+
         def once() -> T:
             try:
                 return question()
             except ManifestError as exc:
-                fault = registry_fault(reference, exc)
+                fault = registry_fault(source, exc)
                 if isinstance(fault, _Passing) and fault.wait is not None:
-                    self.gates.hold(Reference(reference).registry or "docker.io", fault.wait)
+                    self.gates.hold(Reference(source).registry or "docker.io", fault.wait)
                 raise fault from None
 
-        return self._patiently(f"asking the registry for {reference}", reference, once, cancel)
+        return self._patiently(f"asking the registry for {reference}", source, once, cancel)
 
     def _patiently(self, what: str, reference: str, call: Callable[[], T], cancel: threading.Event | None) -> T:
         """``call`` retried while it fails in a passing way, for up to :data:`PATIENCE` seconds."""
@@ -329,7 +331,7 @@ class Puller:
     def _asked_to_wait(self, ref: Reference, error: Exception) -> Exception:
         """A rate limit: how long the registry wants us to wait (asked of it directly), for every pull from it."""
         if isinstance(error, _Passing) and any(marker in error.text.lower() for marker in _RATE_LIMITED):
-            error.wait = self.registries.retry_after(ref.text)
+            error.wait = self.registries.retry_after(ref.text, resolved=True)
             if error.wait is not None:
                 self.gates.hold(ref.registry or "docker.io", error.wait)
         return error

@@ -139,9 +139,10 @@ class Registries:
             ) from None
         return found if isinstance(found, dict) else {}
 
-    def retry_after(self, reference: str) -> float | None:
-        """Seconds the registry asks to wait now (its ``Retry-After`` on a 429), or None when it asks none."""
-        ref = Reference(self.mirrors.source(reference))
+    def retry_after(self, reference: str, *, resolved: bool = False) -> float | None:
+        """Seconds the registry asks to wait now (its ``Retry-After`` on a 429), or None when it asks none.
+        ``resolved``: ``reference`` is where the image comes from already (the mirrors applied)."""
+        ref = Reference(reference if resolved else self.mirrors.source(reference))
         try:
             answer = self._request("HEAD", ref, ref.digest or ref.tag or "latest")
         except ManifestError:

@@ -148,8 +148,9 @@ def batch(
         str | None,
         typer.Option(
             metavar="SIZE",
-            help="Most disk the task images this batch pulls may take at once, e.g. 200g; images whose items are "
-            "done are removed first (default: half the free space of the engine's storage).",
+            help="Most disk the engine's image cache may take, e.g. 200g: the distinct layers of the task images "
+            "pulled for batches, shared by every batch on the engine; images nobody uses are removed first, least "
+            "recently used (default: half of the engine storage's free space plus what the cache holds).",
         ),
     ] = None,
     keep_images: Annotated[

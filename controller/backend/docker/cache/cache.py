@@ -140,6 +140,7 @@ class ImageCache:
         retried_stuck = False
         evicted: list[str] = []
         finished: set[str] | None = None
+        quote: list[Priced | None] = []
         tidied = -TIDY_EVERY
         while True:
             if self._clock() - tidied >= TIDY_EVERY:
@@ -149,10 +150,16 @@ class ImageCache:
             if found is not None:
                 held = self._hold_present(ref, found, token)
                 if held is not None:
-                    self._trim(budget)
+                    try:
+                        self._trim(budget)
+                    except BaseException:
+                        self.release(held)
+                        raise
                     return held
             elif not self._pulled_elsewhere(ref):
-                layers, compressed, here = self._price(ref)
+                if not quote:  # the registry is asked once per reserve; the engine's layers at every look
+                    quote.append(self._quote(ref))
+                layers, compressed, here = self._price(quote[0])
                 outcome = self._make_room(
                     ref, token, layers, compressed, here, budget, owned, finished, evicted,
                     ask=done is not None and finished is None,
@@ -285,9 +292,14 @@ class ImageCache:
     # -- the steps ----------------------------------------------------------------------------------------------
 
     def _hold_present(self, ref: str, found: PulledImage, token: str) -> ImageHold | None:
-        """Hold an image the engine has (None: it is being removed; ask again)."""
+        """Hold an image the engine has (None: it is being removed, or its pull is still being noted; ask
+        again)."""
         with self._ledger.changing() as state:
             entry = state.images.get(found.id)
+            if entry is None and any(
+                i.ref == ref and i.state == "pulling" and self._ledger.alive(i.worker) for i in state.images.values()
+            ):
+                return None  # pulled, not yet weighed: the pull's holder notes it under its id in a moment
             if entry is None or entry.kept:
                 return ImageHold(ref=ref, token=token, key=None, present=found)
             if entry.state == "removing":
@@ -324,14 +336,18 @@ class ImageCache:
             for entry in state.images.values()
         )
 
-    def _price(self, ref: str) -> tuple[list[Layer] | None, int, set[str]]:
-        """The layers a pull of ``ref`` brings, each estimated or (already on the engine) measured, the bytes it
-        downloads, and the layers on the engine now; None when the registry cannot say (see
-        :meth:`_make_room`)."""
+    def _quote(self, ref: str) -> Priced | None:
+        """What the registry says a pull of ``ref`` holds; None when it cannot say (see :meth:`_make_room`)."""
         try:
-            priced = self._engine.price(ref)
+            return self._engine.price(ref)
         except ManifestError as exc:
             logger.debug("could not price {}: {}", ref, exc)
+            return None
+
+    def _price(self, priced: Priced | None) -> tuple[list[Layer] | None, int, set[str]]:
+        """The layers the ``priced`` pull brings, each estimated or (already on the engine) measured, the bytes
+        it downloads, and the layers on the engine now; None when the registry could not say."""
+        if priced is None:
             return None, 0, set()
         state = self._ledger.read()
         ratio = max(state.ratios, default=RATIO)
@@ -453,31 +469,39 @@ class ImageCache:
         return chosen if chosen and _used_without(others, new, set(chosen), foreign) <= budget else None
 
     def _remove(self, keys: list[str], *, marked: bool = False) -> list[str]:
-        """Remove the images ``keys`` (marked ``removing`` by this process first, unless ``marked``): outside
-        the lock, then settled in the ledger. Returns the references removed."""
+        """Remove the images ``keys`` (marked ``removing`` by this process first, unless ``marked``; then only
+        those nobody holds): outside the lock, then settled in the ledger, whatever happened meanwhile (an
+        image not removed stays, marked stuck). Returns the references removed."""
+        if not marked:
+            with self._ledger.changing() as live:
+                mine = []
+                for key in keys:
+                    entry = live.images.get(key)
+                    if entry is not None and entry.state == "present" and not entry.holds and entry.worker is None:
+                        entry.state, entry.worker = "removing", self._me
+                        mine.append(key)
+            keys = mine
         if not keys:
             return []
         state = self._ledger.read()
-        if not marked:
+        outcome: dict[str, tuple[str, bool]] = {}
+        try:
+            for key in keys:
+                entry = state.images.get(key)
+                if entry is not None:
+                    outcome[key] = (entry.ref, self._engine.remove(entry.ref, key))
+        finally:
             with self._ledger.changing() as live:
                 for key in keys:
-                    if key in live.images:
-                        live.images[key].state, live.images[key].worker = "removing", self._me
-        outcome = {}
-        for key in keys:
-            entry = state.images.get(key)
-            if entry is not None:
-                outcome[key] = (entry.ref, self._engine.remove(entry.ref, key))
-        with self._ledger.changing() as live:
-            for key, (ref, gone) in outcome.items():
-                entry = live.images.get(key)
-                if entry is None:
-                    continue
-                if gone:
-                    del live.images[key]
-                    logger.info("removed {} from the image cache (nobody holds it)", ref)
-                else:
-                    entry.state, entry.worker, entry.stuck = "present", None, True
+                    entry = live.images.get(key)
+                    if entry is None or entry.state != "removing" or entry.worker != self._me:
+                        continue
+                    ref, gone = outcome.get(key, (entry.ref, False))
+                    if gone:
+                        del live.images[key]
+                        logger.info("removed {} from the image cache (nobody holds it)", ref)
+                    else:
+                        entry.state, entry.worker, entry.stuck = "present", None, True
         return [ref for ref, gone in outcome.values() if gone]
 
     def tidy(self) -> None:
@@ -520,7 +544,11 @@ class ImageCache:
     def _settle_failed_pull(self, hold: ImageHold) -> None:
         """A pull failed or was interrupted: forget its note, unless the image arrived all the same (then it is
         this process's to remove, as any it pulled)."""
-        arrived = self._engine.present(hold.ref)
+        try:
+            arrived = self._engine.present(hold.ref)
+        except Exception as exc:  # noqa: BLE001 - the engine that failed the pull may not answer either
+            logger.debug("could not tell whether {} arrived: {}", hold.ref, exc)
+            arrived = None
         with self._ledger.changing() as state:
             entry = state.images.pop(hold.key or "", None)
             if arrived is not None and entry is not None and arrived.id not in state.images:

@@ -119,7 +119,10 @@ class DockerCacheEngine:
             with self._lock:
                 self._layers.pop(image_id, None)
             if self._on_removed is not None:
-                self._on_removed(image_id)
+                try:
+                    self._on_removed(image_id)
+                except OSError as exc:  # what was kept beside the image (its workspace seed) stays for gc
+                    logger.warning("removed {}, but not what was kept beside it: {}", ref, exc)
         return gone
 
 
