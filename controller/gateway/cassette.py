@@ -9,8 +9,10 @@ directory (a batch item's id): ``DIR/<item>.jsonl``.
 Served back, call *n* of a run gets the tape's answer *n*. Its request is compared with the recorded one,
 conversation only (``messages``, or ``input`` and ``instructions``: the rest carries per-run ids and
 settings), with what differs from run to run by itself masked: the run's own id (agents put it in paths of
-their prompts), dates, and ``id`` fields (items the agent names afresh). The first message that still differs
-is drift, shown as the few words around its first differing character. ``--on-drift fail`` answers
+their prompts), ``id`` fields (items the agent names afresh), and what :data:`DEFAULT_MASKS` match (dates and
+times, kernel and OS versions, temporary paths, durations, pids), the agent's own ``volatile`` patterns and
+the user's (``--cassette-mask``). The first message that still differs is drift, shown as the few words around
+its first differing character. ``--on-drift fail`` answers
 it with an error, so the agent stops and the item fails as ``model_drift``; ``serve`` answers all the same.
 """
 
@@ -55,7 +57,8 @@ class Tape:
         self.path = path
         self.replaying = replaying
         self.volatile = [re.compile(pattern) for pattern in volatile or []]
-        """What the agent writes afresh each run (its profile's ``volatile`` patterns), masked when comparing."""
+        """What differs from run to run by itself beyond :data:`DEFAULT_MASKS` (the agent profile's ``volatile``
+        patterns, the user's ``--cassette-mask``), masked when comparing."""
         self.entries: list[TapeEntry] = []
         self.calls = 0
         self.drift: ModelDrift | None = None
@@ -117,7 +120,7 @@ def compare(
     """The first difference between two requests' conversations, or None (see the module docstring).
     ``recorded_run`` and ``run`` are the two runs' ids: where a prompt names its own run, that is no drift;
     nor is what matches one of the agent's ``volatile`` patterns."""
-    masks = [_DATE, *(volatile or [])]
+    masks = [*DEFAULT_MASKS, *(volatile or [])]
     old, new = _normal(recorded, recorded_run, masks), _normal(sent, run, masks)
     if not isinstance(old, dict) or not isinstance(new, dict):
         return None if old == new else ModelDrift(call=0, field="body", diff=_diff(old, new))
@@ -134,7 +137,17 @@ def compare(
     return None
 
 
-_DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+#: What differs between two runs on two hosts by itself, masked in both requests before they are compared.
+DEFAULT_MASKS = [
+    re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),  # dates
+    re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"),  # times of day
+    re.compile(r"\b(?:Linux|Darwin|Windows(?: NT)?)[ /-]v?\d+(?:\.\d+)+[\w.+~-]*"),  # kernel and OS versions
+    re.compile(r"\b\d+(?:\.\d+)+-\d+-(?:amd64|arm64|cloud-amd64|generic|aws|azure|gcp)\b"),  # a bare kernel release
+    re.compile(r"(?<![\w.])(?:/private)?(?:/tmp|/var/tmp|/var/folders/[\w-]+/[\w-]+/T)/[\w.+-]+"),  # temp dirs
+    re.compile(r"\b\d+m\d+(?:\.\d+)?s\b"),  # durations as `time` prints them (0m0.003s)
+    re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|msec|s|sec|secs|seconds?|minutes?|mins?)\b"),  # durations
+    re.compile(r"(?i)\bpid[ =:]*\d+\b"),  # pids
+]
 
 
 def _normal(request: Any, run: str, masks: list[re.Pattern[str]]) -> Any:

@@ -90,6 +90,7 @@ MODEL_OPTIONS = {
     "model_tpm": "tokens_per_minute",
     "model_price": "price",
     "model_cassette": "cassette",
+    "cassette_mask": "cassette_masks",
     "on_drift": "on_drift",
 }
 _MODEL_REQUIRED = ("model_base_url", "model", "model_api_key_env")
@@ -136,9 +137,23 @@ class ModelUpstream(BaseModel):
     cassette: Cassette | None = None
     """``record DIR``: keep every item's model exchanges in DIR; ``replay DIR``: serve them back with no upstream
     and no key (drift is reported: see on-drift)."""
+    cassette_masks: list[str] = []
+    """Regular expressions for what legitimately differs from the recording, masked when a cassette served back
+    compares a request with it (besides the default masks: dates and times, kernel and OS versions, temporary
+    paths, durations, pids and run ids)."""
     on_drift: DriftAction = "fail"
     """With a cassette served back, a request that differs from the recorded one: ``fail`` answers an error
     (the item fails as model_drift), ``serve`` answers the recorded answer all the same. Both record where."""
+
+    @field_validator("cassette_masks")
+    @classmethod
+    def _masks(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regular expression ({exc})") from None
+        return value
 
     @field_validator("base_url")
     @classmethod

@@ -9,6 +9,7 @@ replays with no upstream and no key, naming the message where a changed tool out
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,13 @@ def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_me
     for tape in tapes.iterdir():
         text = tape.read_text()
         assert KEY not in text and "pvhtok-" not in text and "Bearer " not in text
+
+    # As if recorded on another host (a CI runner's kernel changes): Claude Code's prompt names the kernel, and
+    # that is no drift (the default masks; temp paths, timings and pids: tests/unit/test_model_figures.py).
+    release = os.uname().release
+    assert any(release in tape.read_text() for tape in tapes.glob("claude-code-*.jsonl"))  # the prompt names it
+    for tape in tapes.iterdir():
+        tape.write_text(tape.read_text().replace(release, "6.1.0-18-amd64"))
 
     # No upstream at all (the stub is gone), and no key in the environment.
     replayed = batch(data, tmp_path / "replayed", "--model-cassette", "replay", str(tapes), workers=4)

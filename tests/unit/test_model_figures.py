@@ -173,3 +173,31 @@ def test_an_agents_own_fresh_text_is_masked_by_its_profile():
     assert compare(recorded, sent) is not None
     changed = {"input": [{"type": "function_call_output", "output": "Chunk ID: 705a36\nWall time: 0.1 seconds\nno"}]}
     assert compare(recorded, changed, volatile=volatile) is not None
+
+
+def test_what_differs_between_hosts_and_runs_by_itself_is_masked_by_default():
+    """Claude Code's prompt names the host's kernel; observations carry temp paths, timings and pids."""
+    recorded = {"messages": [
+        {"role": "system", "content": "Platform: linux\nOS Version: Linux 6.1.0-18-amd64\nToday: 2026-12-03"},
+        {"role": "user", "content": "wrote /tmp/tmpk2j3x9/out.txt in 0.52s (pid 4121) at 10:02:11.345; real 0m0.003s"},
+    ]}  # fmt: skip
+    sent = {"messages": [
+        {"role": "system", "content": "Platform: linux\nOS Version: Linux 6.8.0-1017-azure\nToday: 2026-12-04"},
+        {"role": "user", "content": "wrote /tmp/tmp9q8w7e/out.txt in 1.7 s (pid 77) at 23:59:01.002; real 0m1.250s"},
+    ]}  # fmt: skip
+    assert compare(recorded, sent) is None
+    changed = json.loads(json.dumps(sent).replace("out.txt", "other.txt"))
+    drift = compare(recorded, changed)
+    assert drift is not None and (drift.field, drift.message) == ("messages", 1)
+    assert "other.txt" in drift.diff
+
+
+def test_a_users_mask_is_a_regular_expression_checked_first(tmp_path):
+    import re
+
+    spec = ReplaySpec.model_validate(BASE | {"model_cassette": ("replay", tmp_path), "cassette_mask": ["seed=\\d+"]})
+    assert spec.upstream is not None and spec.upstream.cassette_masks == ["seed=\\d+"]
+    masks = [re.compile(p) for p in spec.upstream.cassette_masks]
+    assert compare({"input": "seed=1 ok"}, {"input": "seed=2 ok"}, volatile=masks) is None
+    with pytest.raises(ValidationError, match=r"'\(' is not a regular expression"):
+        ReplaySpec.model_validate(BASE | {"model_cassette": ("replay", tmp_path), "cassette_mask": ["("]})

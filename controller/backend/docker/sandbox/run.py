@@ -83,7 +83,7 @@ def _tape(prepared: PreparedReplay, attempt: Attempt) -> Tape | None:
     if upstream is None or upstream.cassette is None:
         return None
     if upstream.cassette.replaying:
-        volatile = prepared.profile.continuation.volatile
+        volatile = [*prepared.profile.continuation.volatile, *upstream.cassette_masks]
         return Tape(upstream.cassette.tape(prepared.name), replaying=True, volatile=volatile)
     return Tape(attempt.run_dir / MODEL_CASSETTE, replaying=False)
 
