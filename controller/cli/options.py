@@ -214,7 +214,7 @@ def _cli_type(field: FieldInfo) -> Any:
         annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
     if typing.get_origin(annotation) is Literal:
         return str
-    if typing.get_origin(annotation) is list:
+    if typing.get_origin(annotation) in (list, tuple):  # repeatable (a frozen model keeps a tuple)
         return list[str]
     if annotation in (str, int, float, bool, Path):
         return annotation
@@ -238,7 +238,7 @@ def _cli_default(field: FieldInfo) -> str | int | float | None:
     if field.is_required() or field.default_factory is not None:
         return None
     default = field.get_default()
-    if default is None or isinstance(default, bool) or default == []:
+    if default is None or isinstance(default, bool) or default in ([], ()):
         return None
     unit = _unit(field)
     if unit == "size":

@@ -137,7 +137,7 @@ class ModelUpstream(BaseModel):
     cassette: Cassette | None = None
     """``record DIR``: keep every item's model exchanges in DIR; ``replay DIR``: serve them back with no upstream
     and no key (drift is reported: see on-drift)."""
-    cassette_masks: list[str] = []
+    cassette_masks: tuple[str, ...] = ()
     """Regular expressions for what legitimately differs from the recording, masked when a cassette served back
     compares a request with it (besides the default masks: dates and times, kernel and OS versions, temporary
     paths, durations, pids and run ids)."""
@@ -147,7 +147,7 @@ class ModelUpstream(BaseModel):
 
     @field_validator("cassette_masks")
     @classmethod
-    def _masks(cls, value: list[str]) -> list[str]:
+    def _masks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for pattern in value:
             try:
                 re.compile(pattern)
