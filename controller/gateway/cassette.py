@@ -138,14 +138,23 @@ def compare(
 
 
 #: What differs between two runs on two hosts by itself, masked in both requests before they are compared.
+#: Each is anchored where a run of its kind starts (no backtracking across a long run of digits), and each
+#: masks only what is fresh by nature: a file directly in ``/tmp`` or a ``timeout=30s`` is not masked, a
+#: ``mkdtemp`` name or a "took 0.52s" is.
+_TEMP_DIR = r"(?:/private)?(?:/tmp|/var/tmp|/var/folders/[\w-]+/[\w-]+/T)"
+_RANDOM_NAME = r"[\w.+-]{0,40}?(?:tmp\w{5,}|pytest-of-[\w-]+/pytest-\d+|(?=[a-f]{0,40}\d)[0-9a-f]{6,}|\d{3,})[\w.+-]*"
+_UNIT = r"(?:ms|msec|s|sec|secs|seconds?|minutes?|mins?)"
 DEFAULT_MASKS = [
-    re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),  # dates
-    re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"),  # times of day
+    re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)"),  # dates, ISO timestamps' too
+    re.compile(r"(?<![\d:])\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?(?![\d:])"),  # times of day
     re.compile(r"\b(?:Linux|Darwin|Windows(?: NT)?)[ /-]v?\d+(?:\.\d+)+[\w.+~-]*"),  # kernel and OS versions
-    re.compile(r"\b\d+(?:\.\d+)+-\d+-(?:amd64|arm64|cloud-amd64|generic|aws|azure|gcp)\b"),  # a bare kernel release
-    re.compile(r"(?<![\w.])(?:/private)?(?:/tmp|/var/tmp|/var/folders/[\w-]+/[\w-]+/T)/[\w.+-]+"),  # temp dirs
-    re.compile(r"\b\d+m\d+(?:\.\d+)?s\b"),  # durations as `time` prints them (0m0.003s)
-    re.compile(r"\b\d+(?:\.\d+)?\s?(?:ms|msec|s|sec|secs|seconds?|minutes?|mins?)\b"),  # durations
+    re.compile(r"\bDarwin Kernel Version \d+(?:\.\d+)+"),  # uname -v on macOS
+    re.compile(r"\b(?:Debian|Ubuntu) \d+(?:\.\d+)+-\S+"),  # the kernel package in uname -v
+    re.compile(r"(?<![\w.])\d+(?:\.\d+)+-\d+-(?:amd64|arm64|cloud-amd64|generic|aws|azure|gcp)\b"),  # a kernel release
+    re.compile(rf"(?<![\w.]){_TEMP_DIR}/{_RANDOM_NAME}"),  # a temporary directory's made-up name
+    re.compile(r"(?<![\w.])\d+m\d+(?:\.\d+)?s\b"),  # durations as `time` prints them (0m0.003s)
+    re.compile(rf"(?i)\b(?:in|took|after|elapsed:?|real|user|sys|wall time:?)\s+\d+(?:\.\d+)?\s?{_UNIT}\b"),  # said so
+    re.compile(rf"(?<![\w.])\d+\.\d+\s?{_UNIT}\b"),  # or a measured duration has a fraction (0.52s, 1.7 seconds)
     re.compile(r"(?i)\bpid[ =:]*\d+\b"),  # pids
 ]
 

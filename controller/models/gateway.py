@@ -4,13 +4,28 @@ to record a batch's model exchanges or serve them back. Both read the CLI's comp
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CassetteMode = Literal["record", "replay"]
 DriftAction = Literal["fail", "serve"]
+
+
+def _regexes(value: tuple[str, ...]) -> tuple[str, ...]:
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{pattern!r} is not a regular expression ({exc})") from None
+    return value
+
+
+#: Regular expressions of what a cassette masks before it compares a request with its recording: an agent
+#: profile's ``volatile`` and a user's ``--cassette-mask``, both checked here (one line for a bad one).
+Masks = Annotated[tuple[str, ...], AfterValidator(_regexes)]
 """What the gateway does when a request differs from the one the cassette holds: answer with an error (the
 agent stops, the item fails as ``model_drift``) or serve the recorded answer all the same."""
 

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import UsageError
+from .gateway import Masks
 
 _NAME = r"^[a-z][a-z0-9-]*$"
 
@@ -119,16 +120,9 @@ class ContinuationNeeds(_Model):
     }
     """What the sandbox gets with a model gateway: ``{base_url}`` (the gateway), ``{api_key}`` (the per-run
     token) and ``{model}`` are filled in."""
-    volatile: list[str] = []
+    volatile: Masks = ()
     """Patterns (regular expressions) of what the agent writes afresh each run into the context it sends (a
     tool output's chunk id, its wall time): masked when a cassette compares a request with its recording."""
-
-    @field_validator("volatile")
-    @classmethod
-    def _patterns(cls, value: list[str]) -> list[str]:
-        for pattern in value:
-            re.compile(pattern)
-        return value
 
     def sandbox_model_env(self, *, base_url: str, api_key: str, model: str) -> dict[str, str]:
         """The variables that point this agent at its model."""

@@ -192,6 +192,52 @@ def test_what_differs_between_hosts_and_runs_by_itself_is_masked_by_default():
     assert "other.txt" in drift.diff
 
 
+@pytest.mark.parametrize(
+    ("fresh", "again"),
+    [
+        ("at 2026-12-03T10:02:11.345Z", "at 2026-12-04T23:59:01.002Z"),
+        ("Linux h 6.1.0-18-amd64 #1 SMP Debian 6.1.76-1 (2024-02-01)", "Linux h 6.8.0-1017-azure #1 SMP Debian 6.8.12-1 (2024-09-01)"),
+        ("Darwin Kernel Version 23.1.0: Mon", "Darwin Kernel Version 24.0.0: Mon"),
+        ("/tmp/pytest-of-root/pytest-12/t0/a.txt", "/tmp/pytest-of-ci/pytest-3/t0/a.txt"),
+        ("cwd /tmp/claude-9f3a2b1c-cwd", "cwd /tmp/claude-07d1e4aa-cwd"),
+        ("3 passed in 0.03s", "3 passed in 12s"),
+    ],
+)
+def test_each_default_mask_hides_what_is_fresh_by_nature(fresh, again):
+    assert compare({"input": fresh}, {"input": again}) is None
+
+
+@pytest.mark.parametrize(
+    ("was", "now"),
+    [
+        ("wrote /tmp/result.json", "wrote /tmp/results.json"),  # a file of the task's own, directly in /tmp
+        ("timeout: 30s", "timeout: 300s"),  # a setting, not a measurement
+        ("sleep 5s", "sleep 6s"),
+        ("expected 5 s, got 6 s", "expected 5 s, got 7 s"),
+        ("release 1.2.3", "release 1.2.4"),
+    ],
+)
+def test_a_default_mask_does_not_hide_a_real_change(was, now):
+    assert compare({"input": was}, {"input": now}) is not None
+
+
+@pytest.mark.parametrize("unit", ["1.", "/tmp/abcdef", "9", "in 1", "1:", "12-"])
+def test_the_default_masks_take_linear_time_on_long_runs(unit):
+    """A run 8 times as long takes about 8 times as long to mask, not 64 (a ratio in the same run, no clock limit)."""
+    import time
+
+    from pvisor_host.gateway.cassette import DEFAULT_MASKS
+
+    def cost(text: str) -> float:
+        started = time.process_time()
+        for mask in DEFAULT_MASKS * 20:
+            mask.sub("", text)
+        return time.process_time() - started
+
+    short, long = cost(unit * 2_000), cost(unit * 16_000)
+    assert long < 24 * max(short, 1e-3)
+
+
 def test_a_users_mask_is_a_regular_expression_checked_first(tmp_path):
     import re
 
