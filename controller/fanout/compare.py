@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from ..errors import UsageError
 from ..files.atomic import write_atomic
 from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
-from .summary import STEP_SUMMARY_ITEMS, append_step_summary, more_line
+from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
@@ -306,7 +306,7 @@ def markdown(comparison: Comparison) -> str:
     ]
     if regressions:
         lines += ["", "| regressed | boundary | was → is |", "|---|---|---|"]
-        lines += [f"| `{c.id}` | {c.after_step} | {c.describe} |" for c in regressions[:STEP_SUMMARY_ITEMS]]
+        lines += [f"| `{cell(c.id)}` | {c.after_step} | {cell(c.describe)} |" for c in regressions[:STEP_SUMMARY_ITEMS]]
         lines += more_line(len(regressions))
     return "\n".join([*lines, ""])
 

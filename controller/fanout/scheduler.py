@@ -64,7 +64,8 @@ class BatchOptions(BaseModel):
     build: BuildOptions = BuildOptions()
     """How agent images that must be built are built (``--base``, ``--ca-bundle``)."""
     pull_workers: int = 2
-    """Task images pulled at once, ahead of their items (0: every image first, before any item)."""
+    """Task images pulled at once, ahead of their items (0: every image first, before any item, which no
+    ``image_budget`` can bound: the two are refused together)."""
     image_budget: int | None = None
     """Most bytes the task images this batch pulls may take at once (None: the backend's default, half the
     free space of the engine's storage)."""
@@ -221,6 +222,11 @@ class BatchRun:
         reports: Sequence[BatchReport] = (),
         on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
+        if options.pull_workers == 0 and options.image_budget is not None:
+            raise UsageError(
+                "--image-budget cannot apply with --pull-workers 0: every image is pulled first, before any item",
+                hint="drop --pull-workers 0 to keep the images within the budget, or drop the budget",
+            )
         self._items = items
         self._images = list(images)
         self._reports = reports

@@ -154,11 +154,17 @@ def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (
         lines += ["", "| drifted from its cassette | model call | field | message |", "|---|---|---|---|"]
         for item, drift in drifted[:STEP_SUMMARY_ITEMS]:
             message = "" if drift.message is None else drift.message
-            lines.append(f"| `{item}` | {drift.call} | {drift.field} | {message} |")
+            lines.append(f"| `{cell(item)}` | {drift.call} | {cell(drift.field)} | {cell(message)} |")
         lines += more_line(len(drifted))
     run = summary.timings.get("total", {})
     lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. {report_link(out)}", ""]
     return "\n".join(lines)
+
+
+def cell(value: object) -> str:
+    """``value`` as one cell of a Markdown table: a ``|`` escaped (GitHub honours that inside code spans too),
+    on one line."""
+    return " ".join(str(value).split("\n")).replace("|", "\\|")
 
 
 def more_line(count: int) -> list[str]:
@@ -230,14 +236,15 @@ def exit_code(summary: BatchSummary, allowed: int, *, fail_on: FailOn = "failure
     replay; 1 otherwise. Items never started count as not ok.
 
     ``regressions`` (the default with ``--baseline``): 1 when an item ``regressed``, else 0. ``never``: 0.
-    With either, a batch cut short (the disk, the deadline) still exits 6 or 4 as above: it did not answer.
+    With either, a batch that did not answer still exits 6 or 4 as above: a full disk stopped it, the
+    deadline cut it short, or every item that is not ok (more than ``allowed``) failed on the infrastructure.
     """
     if summary.interrupted:
         return ExitCode.INTERRUPTED
     failed = _failures(summary, allowed)
     if fail_on == "failures":
         return ExitCode.REPLAY_FAILED if regressed and failed == ExitCode.OK else failed
-    if failed in (ExitCode.INFRASTRUCTURE, ExitCode.TIMEOUT) and (summary.stopped or summary.deadline_reached):
+    if failed in (ExitCode.INFRASTRUCTURE, ExitCode.TIMEOUT):
         return failed
     return ExitCode.REPLAY_FAILED if fail_on == "regressions" and regressed else ExitCode.OK
 

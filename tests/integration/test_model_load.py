@@ -158,8 +158,9 @@ def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_me
     # that is no drift (the default masks; temp paths, timings and pids: tests/unit/test_model_figures.py).
     release = os.uname().release
     assert any(release in tape.read_text() for tape in tapes.glob("claude-code-*.jsonl"))  # the prompt names it
+    other = "6.8.0-1017-azure" if release == "6.1.0-18-amd64" else "6.1.0-18-amd64"
     for tape in tapes.iterdir():
-        tape.write_text(tape.read_text().replace(release, "6.1.0-18-amd64"))
+        tape.write_text(tape.read_text().replace(release, other))
 
     # No upstream at all (the stub is gone), and no key in the environment.
     replayed = batch(data, tmp_path / "replayed", "--model-cassette", "replay", str(tapes), workers=4)

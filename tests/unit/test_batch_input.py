@@ -276,6 +276,9 @@ def test_summary_counts_categories_percentiles_and_rate():
         ("regressions", 0, {"deadline_reached": True}, ExitCode.TIMEOUT),  # cut short: it did not answer
         ("never", 0, {"stopped": "the disk is full"}, ExitCode.INFRASTRUCTURE),
         ("regressions", 0, {"interrupted": True}, ExitCode.INTERRUPTED),
+        ("regressions", 4, {"counts": {"ok": 2, "infra_error": 4}}, ExitCode.INFRASTRUCTURE),  # the engine died
+        ("never", 0, {"counts": {"ok": 2, "infra_error": 4}}, ExitCode.INFRASTRUCTURE),
+        ("regressions", 1, {"counts": {"ok": 2, "infra_error": 3, "replay_failed": 1}}, ExitCode.REPLAY_FAILED),
     ],
 )
 def test_fail_on_decides_what_exits_non_zero(fail_on, regressed, update, code):
@@ -297,6 +300,8 @@ def test_the_step_summary_names_drifted_items_and_links_the_run(monkeypatch):
     assert "| drifted from its cassette | model call | field | message |" in text
     assert "| `i0` | 2 | messages | 5 |" in text and "| `i19` |" in text and "| `i20` |" not in text
     assert "… and 2 more (see the report)." in text
+    piped = [drifted[0].model_copy(update={"id": "django|1"})]
+    assert "| `django\\|1` | 2 | messages | 5 |" in markdown(summary, Path("/out"), piped)  # one row, four cells
     assert (
         "Report: `/out/report.html` ([this run's artifacts](https://github.com/o/r/actions/runs/7#artifacts))." in text
     )

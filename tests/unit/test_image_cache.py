@@ -368,3 +368,48 @@ def test_layers_the_engine_had_before_do_not_count_as_the_caches(cache, engine):
     assert cache.usage().bytes == 20 * MB  # what the pull brought to the disk
     cache.fill(cache.reserve(refs[1], budget=None))
     assert cache.usage().bytes == 40 * MB
+
+
+def test_a_hold_let_go_before_its_pull_ran_leaves_no_note_and_the_image_is_asked_for_again(cache, engine, clock):
+    refs = swe(engine, 1)
+    abandoned = cache.reserve(refs[0], budget=None)  # the batch was cancelled before this pull started
+    cache.release(abandoned)
+    assert cache.entries() == [] and abandoned.key is None
+    with pytest.raises(Interrupted, match="let go before its pull started"):
+        cache.fill(abandoned)
+    again = take(cache, refs[0], budget=None)  # asked again: pulled, not waited for until the end of time
+    assert clock.waits == 0 and engine.pulls == ["task0"] and again.key == engine.registry["task0"].id
+
+
+def test_a_pull_that_fails_after_the_download_leaves_no_pulling_note(cache, engine, clock, monkeypatch):
+    refs = swe(engine, 1)
+
+    def weighing_fails(image_id: str):
+        raise RuntimeError("the engine failed to inspect it")
+
+    monkeypatch.setattr(engine, "layers", weighing_fails)
+    with pytest.raises(RuntimeError):
+        cache.fill(cache.reserve(refs[0], budget=None))
+    (entry,) = cache.entries()  # it arrived: this process's to remove, held by nobody
+    assert (entry.state, entry.holds) == ("present", {})
+    monkeypatch.undo()
+    held = cache.reserve(refs[0], budget=None)
+    assert clock.waits == 0 and held.present is not None and engine.pulls == ["task0"]
+
+
+def test_a_registry_that_could_not_price_during_the_wait_is_asked_again_now_and_then(cache, engine, clock):
+    refs = swe(engine, 2, envs=2)
+    first = cache.reserve(refs[0], budget=None)  # still pulling: the unpriced second waits for it
+    engine.unpriced.add(refs[1])  # a brief registry error
+
+    def meanwhile() -> None:
+        if clock.waits == 3:
+            engine.unpriced.discard(refs[1])
+        if clock.waits == 40:
+            cache.fill(first)
+
+    clock.on_wait = meanwhile
+    second = cache.reserve(refs[1], budget=None)
+    assert engine.prices.count("task1") == 2  # every TIDY_EVERY (10 waits of POLL) until it answers, then no more
+    assert clock.waits == 10 and second.compressed > 0  # priced once it answered: pulled alongside, not alone
+    assert not [x for e in cache.entries() for x in e.layers if x.chain.startswith("unpriced:")]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pvisor_host.errors import UsageError
 from pvisor_host.fanout.manifest import BatchInput, BatchItem
 from pvisor_host.fanout.scheduler import BatchOptions, BatchOutcome, BatchRun
 
@@ -152,13 +153,12 @@ def test_without_pull_workers_every_image_comes_first(tmp_path):
     assert kinds[:3] == ["pull"] * 3 and "pull" not in kinds[3:]
 
 
-def test_without_pull_workers_every_image_comes_first_whatever_the_budget(tmp_path):
+def test_without_pull_workers_no_budget_can_apply_and_the_two_are_refused_together(tmp_path):
     images, refs = registry(3, size=100 * MB, seconds=0.05)
     backend = FakeBackend(seconds=0.01, registry=images)
-    outcome = run(backend, tmp_path, refs, 2, pull_workers=0, image_budget=150 * MB)  # room for one: no wait
-    assert outcome.summary.counts == {"ok": 6}
-    kinds = [kind for kind, _ in backend.events if kind != "pulling"]
-    assert kinds[:3] == ["pull"] * 3
+    with pytest.raises(UsageError, match="--image-budget cannot apply with --pull-workers 0"):
+        run(backend, tmp_path, refs, 2, pull_workers=0, image_budget=150 * MB)
+    assert backend.events == [] and not (tmp_path / "out").exists()  # nothing pulled, nothing written
 
 
 def test_kept_images_stay(tmp_path):

@@ -196,7 +196,10 @@ def test_what_differs_between_hosts_and_runs_by_itself_is_masked_by_default():
     ("fresh", "again"),
     [
         ("at 2026-12-03T10:02:11.345Z", "at 2026-12-04T23:59:01.002Z"),
-        ("Linux h 6.1.0-18-amd64 #1 SMP Debian 6.1.76-1 (2024-02-01)", "Linux h 6.8.0-1017-azure #1 SMP Debian 6.8.12-1 (2024-09-01)"),
+        (
+            "Linux h 6.1.0-18-amd64 #1 SMP Debian 6.1.76-1 (2024-02-01)",
+            "Linux h 6.8.0-1017-azure #1 SMP Debian 6.8.12-1 (2024-09-01)",
+        ),
         ("Darwin Kernel Version 23.1.0: Mon", "Darwin Kernel Version 24.0.0: Mon"),
         ("/tmp/pytest-of-root/pytest-12/t0/a.txt", "/tmp/pytest-of-ci/pytest-3/t0/a.txt"),
         ("cwd /tmp/claude-9f3a2b1c-cwd", "cwd /tmp/claude-07d1e4aa-cwd"),

@@ -107,16 +107,17 @@ def batch(
         Path | None,
         typer.Option(
             help="An earlier batch's --out: compare against it at the end (compare.json, compare.xml in --out); "
-            "exit 1 when an item regressed."
+            "--fail-on is then regressions unless given."
         ),
     ] = None,
     fail_on: Annotated[
         str | None,
         typer.Option(
             metavar="regressions|failures|never",
-            help="What makes the batch exit 1: an item that regressed against --baseline (the default with it), "
-            "more failed items than --allow-failures (the default without), or nothing. A batch cut short by "
-            "its deadline or a full disk exits 4 or 6 all the same.",
+            help="What makes the batch exit 1: regressions, an item that regressed against --baseline (the "
+            "default with it); failures, more items not ok than --allow-failures, or a regression (the default "
+            "without); never. A batch that did not answer (its deadline, a full disk, the engine) exits 4 or 6 "
+            "all the same.",
             show_default=False,
         ),
     ] = None,
@@ -141,7 +142,7 @@ def batch(
         typer.Option(
             min=0,
             help="Task images (--image) pulled at once, ahead of their items, while sandboxes run (0: every image "
-            "first, before any item).",
+            "first, before any item; no --image-budget then).",
         ),
     ] = 2,
     image_budget: Annotated[

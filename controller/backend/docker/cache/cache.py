@@ -113,6 +113,10 @@ class ImageCache:
         self._sleep = sleep
         self.budget: int | None = None
         """The budget of the latest hold (what ``cluster status`` shows)."""
+        self._filling: set[str] = set()
+        """The holds whose pull runs now in this process (a hold let go before its pull ran leaves no note)."""
+        self._lock = threading.Lock()
+        """Guards ``_filling`` and a hold's ``key`` between :meth:`fill` and :meth:`release`; no I/O under it."""
 
     # -- asking for an image ----------------------------------------------------------------------------------
 
@@ -140,7 +144,8 @@ class ImageCache:
         retried_stuck = False
         evicted: list[str] = []
         finished: set[str] | None = None
-        quote: list[Priced | None] = []
+        quote: Priced | None = None
+        quoted = -TIDY_EVERY
         tidied = -TIDY_EVERY
         while True:
             if self._clock() - tidied >= TIDY_EVERY:
@@ -157,9 +162,11 @@ class ImageCache:
                         raise
                     return held
             elif not self._pulled_elsewhere(ref):
-                if not quote:  # the registry is asked once per reserve; the engine's layers at every look
-                    quote.append(self._quote(ref))
-                layers, compressed, here = self._price(quote[0])
+                if quote is None and self._clock() - quoted >= TIDY_EVERY:
+                    # the registry is asked once per reserve (again now and then while it cannot say); the
+                    # engine's layers at every look
+                    quote, quoted = self._quote(ref), self._clock()
+                layers, compressed, here = self._price(quote)
                 outcome = self._make_room(
                     ref, token, layers, compressed, here, budget, owned, finished, evicted,
                     ask=done is not None and finished is None,
@@ -198,11 +205,24 @@ class ImageCache:
         """
         if hold.present is not None:
             return hold.present
+        with self._lock:
+            if hold.key is None:
+                raise Interrupted(f"the hold of {hold.ref} was let go before its pull started")
+            self._filling.add(hold.token)
         try:
-            pulled = self._engine.pull(hold.ref, progress=progress, cancel=cancel)
+            return self._pull_and_note(hold, progress, cancel)
         except BaseException:
-            self._settle_failed_pull(hold)
+            self._settle_failed_pull(hold)  # whatever failed (the pull, weighing it, the note): nothing stays pulling
             raise
+        finally:
+            with self._lock:
+                self._filling.discard(hold.token)
+
+    def _pull_and_note(
+        self, hold: ImageHold, progress: Callable[[PullProgress], None] | None, cancel: threading.Event | None
+    ) -> PulledImage:
+        """:meth:`fill`'s pull, and the image noted as present, weighed layer by layer."""
+        pulled = self._engine.pull(hold.ref, progress=progress, cancel=cancel)
         foreign = {x.chain for x in self._pending_layers(hold) if x.foreign}
         layers = [x.model_copy(update={"foreign": x.chain in foreign}) for x in self._engine.layers(pulled.id)]
         with self._ledger.changing() as state:
@@ -227,6 +247,7 @@ class ImageCache:
         if pulled.pulled and hold.budget is not None and added > hold.budget:
             self.release(hold)
             self._remove([pulled.id])
+            hold.key = None  # let go and removed: nothing left to settle
             raise UsageError(
                 f"image {hold.ref} takes {format_size(added)}, more than the whole --image-budget "
                 f"{format_size(hold.budget)}",
@@ -240,11 +261,20 @@ class ImageCache:
         return list(entry.layers) if entry is not None else []
 
     def release(self, hold: ImageHold) -> None:
-        """The holder is done with the image (its container is gone)."""
-        if hold.key is None:
+        """The holder is done with the image (its container is gone). A hold let go before its pull ran (its
+        item was refused, the batch cancelled) takes its note of the pull with it."""
+        with self._lock:
+            key = hold.key
+            if key is None:
+                return
+            unpulled = hold.present is None and hold.token not in self._filling and self._pulling(key)
+            if unpulled:
+                hold.key = None  # a fill from now on refuses it
+        if unpulled:
+            self._settle_failed_pull(hold.model_copy(update={"key": key}))
             return
         with self._ledger.changing() as state:
-            entry = state.images.get(hold.key)
+            entry = state.images.get(key)
             if entry is not None:
                 entry.holds.pop(hold.token, None)
                 entry.used = self._clock()
@@ -266,6 +296,11 @@ class ImageCache:
                     entry.state, entry.worker = "removing", self._me
                     going.append(key)
         return self._remove(going, marked=True)
+
+    def _pulling(self, key: str) -> bool:
+        """Whether the ledger still notes ``key`` as being pulled (its pull has not been weighed yet)."""
+        entry = self._ledger.read().images.get(key)
+        return entry is not None and entry.state == "pulling"
 
     # -- what it holds ------------------------------------------------------------------------------------------
 
@@ -297,7 +332,8 @@ class ImageCache:
         with self._ledger.changing() as state:
             entry = state.images.get(found.id)
             if entry is None and any(
-                i.ref == ref and i.state == "pulling" and self._ledger.alive(i.worker) for i in state.images.values()
+                i.ref == ref and i.state == "pulling" and i.holds and self._ledger.alive(i.worker)
+                for i in state.images.values()
             ):
                 return None  # pulled, not yet weighed: the pull's holder notes it under its id in a moment
             if entry is None or entry.kept:
@@ -332,7 +368,7 @@ class ImageCache:
         """Whether another holder pulls ``ref`` now (this one then waits, and finds it present)."""
         state = self._ledger.read()
         return any(
-            entry.ref == ref and entry.state == "pulling" and self._ledger.alive(entry.worker)
+            entry.ref == ref and entry.state == "pulling" and entry.holds and self._ledger.alive(entry.worker)
             for entry in state.images.values()
         )
 
