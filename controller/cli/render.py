@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
 _CHANGE_STYLE = {
-    "regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "image_changed": "yellow",
-    "fixed": "green",
+    "regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "effects_changed": "yellow",
+    "image_changed": "yellow", "fixed": "green",
 }  # fmt: skip
 
 

@@ -6,11 +6,17 @@ one and new at the new one. For each pair it reports, regressions first:
 * ``regression`` — it was ``ok`` and is not any more, or its verification (``--verify``) passed and does not now;
 * ``fixed`` — it was not ``ok`` and is now, or its verification failed and passes now;
 * ``status_changed`` — neither is ``ok``, and the status or the failure category differs;
-* ``divergence_moved`` — same status, but the first replayed tool call whose fresh observation differs
-  from the recorded one is another call (or there is one now and was none, or the other way round);
+* ``divergence_moved`` — same status, but the replayed tool calls whose fresh observation differs from the
+  recorded one are other calls (not only the first: the whole set is compared);
+* ``effects_changed`` — same status and the same diverged calls, but the replay left the workspace otherwise:
+  a file it added or changed has other content, or one run touched a file the other did not
+  (:attr:`ItemChange.files`; from the record's workspace changes and the collected files' sha256);
 * ``image_changed`` — nothing of the above, but it ran in other bytes: its image's registry digest (or, for
   an image without one, its id) differs;
 * ``new`` and ``gone``.
+
+Two ``replay --out`` directories (a ``record.json`` each) compare the same way: their one item each is
+matched by the trajectory's file name and the boundary.
 
 With live continuations it also says how the model's figures moved between the two runs, over every item of
 each (tokens in and out, errors, retries, cost): :attr:`Comparison.model`.
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pydantic import BaseModel
@@ -37,11 +43,15 @@ from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
-ChangeKind = Literal["regression", "fixed", "status_changed", "divergence_moved", "image_changed", "new", "gone"]
+ChangeKind = Literal[
+    "regression", "fixed", "status_changed", "divergence_moved", "effects_changed", "image_changed", "new", "gone"
+]
 #: The order changes are listed in: what a CI guard must look at first.
 KIND_ORDER: tuple[ChangeKind, ...] = (
-    "regression", "status_changed", "divergence_moved", "image_changed", "gone", "new", "fixed",
+    "regression", "status_changed", "divergence_moved", "effects_changed", "image_changed", "gone", "new", "fixed",
 )  # fmt: skip
+#: In :attr:`ItemState.effects`: a file the replay removed, and one whose content was not collected.
+REMOVED, UNCOLLECTED = "removed", "?"
 
 
 class CallRef(BaseModel):
@@ -66,10 +76,17 @@ class ItemState(BaseModel):
     diverged_calls: int = 0
     """Of those, the calls whose fresh observation differs from the recorded one."""
     first_divergence: CallRef | None = None
+    diverged: list[int] = []
+    """Every replayed call (0-based) whose fresh observation differs from the recorded one."""
+    effects: dict[str, str] = {}
+    """What the replay did to the workspace: each file it added or changed → the sha256 of its final content
+    (``?`` when it was not collected: ``--collect none``, or past the limit), each it removed → ``removed``."""
     image: str | None = None
     """The bytes it ran in: the image's registry digest (``repo@sha256:...``), else its id."""
     image_id: str | None = None
     """The engine's id of that image."""
+    trajectory: str | None = None
+    """The trajectory's file name (what matches a single replay's item with the other side's)."""
     path: str
     """The item's directory, relative to its run directory."""
     model: ModelTotals | None = None
@@ -88,11 +105,16 @@ class ItemChange(BaseModel):
     new: ItemState | None = None
     image_changed: bool = False
     """It ran in another image than before (another digest, or id)."""
+    files: list[str] = []
+    """The workspace files whose effect differs between the two runs (see :attr:`ItemState.effects`)."""
 
     @property
     def describe(self) -> str:
         """One line for people: what it was and what it is."""
         line = f"{_state_line(self.old)} → {_state_line(self.new)}"
+        if self.files:
+            shown = ", ".join(self.files[:3]) + (f" and {len(self.files) - 3} more" if len(self.files) > 3 else "")
+            line += f"; files differ: {shown}"
         if self.image_changed and self.old is not None and self.new is not None:
             line += f"; image {_short(self.old.image)} → {_short(self.new.image)}"
         return line
@@ -146,8 +168,14 @@ class Comparison(BaseModel):
 
 
 def compare_runs(old: Path, new: Path) -> Comparison:
-    """Compare two batch run directories (see the module docstring)."""
+    """Compare two batch run directories, or replay directories (see the module docstring)."""
     before, after = read_run(old), read_run(new)
+    if _single(old) != _single(new):
+        raise UsageError(
+            f"{old if _single(old) else new} is one replay's --out and the other a batch's; compare two of a kind"
+        )
+    if _single(old):  # one replay each: its item is named by its trajectory (a replay has no item id)
+        before, after = _by_trajectory(before), _by_trajectory(after)
     changes: list[ItemChange] = []
     matched = 0
     for key in sorted(before.keys() | after.keys()):
@@ -158,11 +186,15 @@ def compare_runs(old: Path, new: Path) -> Comparison:
             continue
         matched += 1
         image_changed = _other_bytes(was, now)
-        change = _change(was, now) or ("image_changed" if image_changed else None)
+        files = _other_effects(was, now)
+        change = _change(was, now) or ("effects_changed" if files else "image_changed" if image_changed else None)
         if change is not None:
             changes.append(
-                ItemChange(id=key[0], after_step=key[1], kind=change, old=was, new=now, image_changed=image_changed)
-            )
+                ItemChange(
+                    id=key[0], after_step=key[1], kind=change, old=was, new=now, image_changed=image_changed,
+                    files=files,
+                )
+            )  # fmt: skip
     changes.sort(key=lambda c: (KIND_ORDER.index(c.kind), c.id, c.after_step))
     return Comparison(
         old=str(old),
@@ -203,24 +235,53 @@ def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
         return "fixed"
     if (was.status, was.category) != (now.status, now.category):
         return "status_changed"
-    if was.first_divergence != now.first_divergence:
+    if was.first_divergence != now.first_divergence or was.diverged != now.diverged:
         return "divergence_moved"
     return None
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse, in one line, a directory that is not a batch's ``--out`` (cheap: reads no record)."""
+def _other_effects(was: ItemState, now: ItemState) -> list[str]:
+    """The workspace files one run left otherwise than the other: touched by one only, or with other content
+    (a file whose content a run did not collect counts as the same when both touched it)."""
+
+    def differs(a: str | None, b: str | None) -> bool:
+        if a is None or b is None:
+            return a != b
+        return a != b and UNCOLLECTED not in (a, b)
+
+    paths = was.effects.keys() | now.effects.keys()
+    return sorted(path for path in paths if differs(was.effects.get(path), now.effects.get(path)))
+
+
+def _single(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is one ``replay --out`` directory rather than a batch's."""
+    return (run_dir / "record.json").is_file()
+
+
+def _by_trajectory(items: dict[tuple[str, int], ItemState]) -> dict[tuple[str, int], ItemState]:
+    """The items keyed by their trajectory's file name instead of their id (a single replay has no id)."""
+    return {(state.trajectory or state.id, state.after_step): state for state in items.values()}
+
+
+def check_run_dir(run_dir: Path, *, single: bool = False) -> None:
+    """Refuse, in one line, a directory that is not a batch's ``--out`` (with ``single``, nor a replay's)
+    (cheap: reads no record)."""
+    what = "a batch's or a replay's --out directory" if single else "a batch's --out directory"
     if not run_dir.is_dir():
-        raise UsageError(f"{run_dir} is not a directory; pass a batch's --out directory")
+        raise UsageError(f"{run_dir} is not a directory; pass {what}")
+    if single and _single(run_dir):
+        return
     if not (run_dir / "summary.json").is_file() and next(run_dir.glob("*/record.json"), None) is None:
-        raise UsageError(f"{run_dir} holds no batch results (no */record.json); pass a batch's --out directory")
+        raise UsageError(f"{run_dir} holds no results (no record.json, no */record.json); pass {what}")
 
 
 def read_run(run_dir: Path) -> dict[tuple[str, int], ItemState]:
-    """Every item of a batch run directory that has a readable record, by (id, after_step)."""
-    check_run_dir(run_dir)
+    """Every item of a batch run directory that has a readable record, by (id, after_step); or the one item
+    of a replay directory."""
+    check_run_dir(run_dir, single=True)
     items: dict[tuple[str, int], ItemState] = {}
-    for record_path in sorted(run_dir.glob("*/record.json")):
+    records = [run_dir / "record.json"] if _single(run_dir) else sorted(run_dir.glob("*/record.json"))
+    for record_path in records:
         if record_path.parent.name.startswith("."):
             continue  # .previous/ and staging
         try:
@@ -230,7 +291,7 @@ def read_run(run_dir: Path) -> dict[tuple[str, int], ItemState]:
         state = item_state(record, record_path.parent, run_dir)
         items[(state.id, state.after_step)] = state
     if not items and not (run_dir / "summary.json").is_file():
-        raise UsageError(f"{run_dir} holds no readable batch results (*/record.json); pass a batch's --out directory")
+        raise UsageError(f"{run_dir} holds no readable results (record.json); pass a batch's or a replay's --out")
     return items
 
 
@@ -251,12 +312,28 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
             if first is not None
             else None
         ),
+        diverged=diverged,
+        effects=_effects(record),
+        trajectory=PurePosixPath(record.inputs.trajectory.path).name,
         image=record.image.digest or record.image.id,
         image_id=record.image.id,
         path=str(item_dir.relative_to(run_dir)),
         model=record.model.totals if record.model is not None else None,
         verified=record.verification.passed if record.verification is not None else None,
     )
+
+
+def _effects(record: ReplayRecord) -> dict[str, str]:
+    """:attr:`ItemState.effects` from the record: its workspace changes, and the sha256 of each collected file."""
+    changes = record.workspace_changes
+    if changes is None:
+        return {}
+    collected = {
+        a.path.removeprefix("workspace/"): a.sha256 for a in record.artifacts if a.path.startswith("workspace/")
+    }
+    effects = {path: collected.get(path, UNCOLLECTED) for path in (*changes.added, *changes.changed)}
+    effects.update((path, REMOVED) for path in changes.removed)
+    return {path: digest for path, digest in effects.items() if not path.endswith("/")}  # files, not directories
 
 
 def _comparison(record: ReplayRecord, item_dir: Path) -> list[dict[str, object]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -26,17 +27,25 @@ def item(
     step: int = 3,
     diverge=None,
     digest: str | None = None,
+    files: dict[str, str] | None = None,
+    removed: tuple[str, ...] = (),
+    directory: Path | None = None,
 ):
     """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ).
-    ``digest``: the registry digest of its image."""
-    directory = run / item_id
+    ``digest``: the registry digest of its image. ``files``: what the replay added to the workspace (path →
+    content, collected), ``removed`` what it removed. ``directory``: a single replay's ``--out`` instead."""
+    directory = directory or run / item_id
     (directory / "output").mkdir(parents=True)
     record = json.loads(json.dumps(TEMPLATE))
+    if files is not None or removed:
+        record["workspace_changes"] = {"added": [*(files or {}), "made/"], "changed": [], "removed": list(removed)}
+        for path, content in (files or {}).items():
+            record["artifacts"].append({"path": f"workspace/{path}", "size": len(content), "sha256": sha(content)})
     record["image"]["digest"] = digest
     record["status"] = status
     record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
     record["inputs"]["after_step"] = step
-    record["batch"] = {"item_id": item_id, "line": 1, "content_key": "k"}
+    record["batch"] = {"item_id": item_id, "line": 1, "content_key": "k"} if directory == run / item_id else None
     (directory / "record.json").write_text(json.dumps(record))
     comparison = [
         {"call_id": call_id, "tool": tool, "exact": n not in (diverge or ()), "original_is_error": False,
@@ -44,6 +53,10 @@ def item(
         for n, (call_id, tool) in enumerate(CALLS[:step])
     ]  # fmt: skip
     (directory / "output" / "observation-comparison.json").write_text(json.dumps(comparison))
+
+
+def sha(content: str) -> str:
+    return hashlib.sha256(content.encode()).hexdigest()
 
 
 @pytest.fixture
@@ -63,6 +76,10 @@ def runs(tmp_path):
     item(new, "diverges-later", diverge=[2])
     item(old, "starts-diverging")
     item(new, "starts-diverging", diverge=[1, 2])
+    item(old, "diverges-more", diverge=[1])
+    item(new, "diverges-more", diverge=[1, 2])  # the same first divergence, one more after it
+    item(old, "other-effects", files={"a.txt": "1", "b.txt": "same"}, removed=("gone.txt",))
+    item(new, "other-effects", files={"a.txt": "2", "b.txt": "same", "c.txt": "new"})
     item(old, "gone")
     item(new, "new")
     item(old, "moved-boundary", step=2)
@@ -103,7 +120,9 @@ def test_every_kind_of_change_regressions_first(runs):
         ("regression", "regresses", 3),
         ("status_changed", "other-failure", 3),
         ("divergence_moved", "diverges-later", 3),
+        ("divergence_moved", "diverges-more", 3),
         ("divergence_moved", "starts-diverging", 3),
+        ("effects_changed", "other-effects", 3),
         ("gone", "gone", 3),
         ("gone", "moved-boundary", 2),
         ("new", "moved-boundary", 3),
@@ -111,14 +130,19 @@ def test_every_kind_of_change_regressions_first(runs):
         ("fixed", "fixed", 3),
     ]
     assert result.counts == {
-        "divergence_moved": 2,
+        "divergence_moved": 3,
+        "effects_changed": 1,
         "fixed": 1,
         "gone": 2,
         "new": 2,
         "regression": 1,
         "status_changed": 1,
     }
-    assert (result.matched, result.unchanged) == (8, 3)
+    assert (result.matched, result.unchanged) == (10, 3)
+    effects = next(c for c in result.changes if c.id == "other-effects")
+    assert effects.files == ["a.txt", "c.txt", "gone.txt"]  # b.txt is the same; made/ is a directory
+    assert effects.describe.endswith("; files differ: a.txt, c.txt, gone.txt")
+    assert effects.new is not None and effects.new.effects["b.txt"] == sha("same")
     later = next(c for c in result.changes if c.id == "diverges-later")
     assert later.describe == "ok, diverges at call 1 (Bash toolu_01a) → ok, diverges at call 3 (Bash toolu_03a)"
     assert later.new is not None and (later.new.replayed_calls, later.new.diverged_calls) == (3, 1)
@@ -134,10 +158,11 @@ def test_the_cli_prints_a_table_writes_junit_where_only_regressions_fail_and_exi
     lines = done.stdout.splitlines()
     assert lines[1].split()[:3] == ["regression", "regresses", "3"]
     assert lines[-1] == (
-        "8 items matched, 3 unchanged; 2 divergence moved, 1 fixed, 2 gone, 2 new, 1 regression, 1 status changed"
+        "10 items matched, 3 unchanged; 3 divergence moved, 1 effects changed, 1 fixed, 2 gone, 2 new, "
+        "1 regression, 1 status changed"
     )
     suite = ET.parse(junit).getroot()
-    assert (suite.get("tests"), suite.get("failures")) == ("9", "1")
+    assert (suite.get("tests"), suite.get("failures")) == ("11", "1")
     failed = [case.get("name") for case in suite if case.find("failure") is not None]
     assert failed == ["regresses"]
 
@@ -148,15 +173,18 @@ def test_json_and_no_regression_exits_0(runs):
     assert (done.code, done.stderr) == (0, "")
     parsed = json.loads(done.stdout)
     assert parsed["schema_version"] == "pvisor-host.compare/v1"
-    assert (parsed["matched"], parsed["unchanged"], parsed["changes"]) == (10, 10, [])
+    assert (parsed["matched"], parsed["unchanged"], parsed["changes"]) == (12, 12, [])
 
 
 def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
     done = run_cli("compare", tmp_path / "missing", runs[1])  # as people type it: one line, exit 2
     assert (done.code, done.stdout) == (2, "")
     missing = tmp_path / "missing"
-    assert done.stderr == f"pvisor-host: error: {missing} is not a directory; pass a batch's --out directory\n"
-    with pytest.raises(UsageError, match="holds no readable batch results"):
+    assert (
+        done.stderr
+        == f"pvisor-host: error: {missing} is not a directory; pass a batch's or a replay's --out directory\n"
+    )
+    with pytest.raises(UsageError, match="holds no readable results"):
         compare_runs(tmp_path / "old" / ".previous", runs[1])
     with pytest.raises(UsageError, match="is not a directory"):
         compare_runs(tmp_path / "missing", runs[1])
@@ -196,3 +224,16 @@ def test_the_step_summary_names_each_regression_and_what_it_was(runs, tmp_path, 
     assert text.startswith(f"#### Against `{old}`\n\n{len(regressed)} regressed, ")
     for change in regressed:
         assert f"| `{change.id}` | {change.after_step} | {change.describe} |" in text
+
+
+def test_two_single_replay_directories_are_compared_as_one_item_and_one_with_a_batchs(tmp_path, runs):
+    first, second = tmp_path / "replay-1", tmp_path / "replay-2"
+    item(tmp_path, "", directory=first, files={"out.txt": "one"})
+    item(tmp_path, "", directory=second, files={"out.txt": "two"}, diverge=[2])
+    result = compare_runs(first, second)
+    assert [(c.kind, c.id, c.files) for c in result.changes] == [("divergence_moved", "t.jsonl", ["out.txt"])]
+    assert compare_runs(first, first).unchanged == 1
+    done = run_cli("compare", first, second, "--json")
+    assert done.code == 0 and json.loads(done.stdout)["counts"] == {"divergence_moved": 1}
+    with pytest.raises(UsageError, match="replay-1 is one replay's --out and the other a batch's"):
+        compare_runs(runs[0], first)

@@ -12,17 +12,18 @@ from ..shared import console
 
 
 def compare(
-    old: Annotated[Path, typer.Argument(help="The earlier batch's --out directory.", show_default=False)],
-    new: Annotated[Path, typer.Argument(help="The later batch's --out directory.", show_default=False)],
+    old: Annotated[Path, typer.Argument(help="The earlier batch's (or replay's) --out directory.", show_default=False)],
+    new: Annotated[Path, typer.Argument(help="The later batch's (or replay's) --out directory.", show_default=False)],
     junit: Annotated[
         Path | None, typer.Option(help="Also write a JUnit file in which only the regressions fail.")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
 ) -> int:
-    """What changed between two batch runs: regressions first, then other status changes, moved divergences,
-    items gone and new.
+    """What changed between two batch runs (or two replays): regressions first, then other status changes,
+    other diverged calls, other workspace effects (the files), other images, items gone and new.
 
-    Items are matched by id and boundary (after_step). Exit 1 when an item that was ok is not any more.
+    Items are matched by id and boundary (after_step); a replay's one item by its trajectory's file name.
+    Exit 1 when an item that was ok is not any more.
     """
     from ...fanout.compare import compare_runs, write_junit
     from .. import render
