@@ -207,6 +207,7 @@ def batch(
     pull_workers: int = 2,
     image_budget: int | str | None = None,
     keep_images: bool = False,
+    repeat: int = 1,
     docker_host: str | None = None,
     cluster: str | None = None,
     registry: str | None = None,
@@ -231,6 +232,8 @@ def batch(
             images pulled for batches, shared by every batch on the engine; images nobody uses are removed first
             (default: half of the engine storage's free space plus what the cache holds).
         keep_images: keep the task images the batch pulled when it ends (by default it removes them).
+        repeat: run every item this many times, under ids of their own (``<id>.r1`` …); the summary's
+            ``flaky`` lists the items whose repeats ended or left the workspace otherwise.
         docker_host: the engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine
             that makes the images.
         cluster: ``HEAD:PORT`` of a Ray cluster of Docker hosts to run the items on (the ``ray`` extra; the
@@ -249,7 +252,7 @@ def batch(
         UsageError: an item is wrong (the first, by position, and how many more), or an option is.
         PrerequisiteError: (when iterated) no engine answers, or the cluster is missing something it needs.
     """
-    checked = batch_items(items, defaults)
+    checked = batch_items(items, defaults, repeat=repeat)
     check_cluster_options(cluster, registry)  # now rather than when iterated; the backend checks again
     Mirrors.parse(registry_mirror, image_rewrites)
     options = BatchOptions(

@@ -265,8 +265,12 @@ def nothing_left_behind(request) -> Iterator[None]:
 
 
 @pytest.fixture
-def containers_created(docker_client):
-    """Call with a start time: the labels of every container the engine created since then."""
+def containers_created(docker_client, slow_builds):
+    """Call with a start time: the labels of every container the engine created since then. While
+    :func:`slow_builds` builds in the background (a new engine), the containers of its build steps are left
+    out: they carry the image's labels but no ``pvisor-host.session``, which every container a command of ours
+    creates carries."""
+    building = not all(future.done() for future in slow_builds.values())
 
     def created(since: float) -> list[dict[str, str]]:
         events = docker_client.events(
@@ -275,7 +279,10 @@ def containers_created(docker_client):
             decode=True,
             filters={"type": "container", "event": "create"},
         )
-        return [event.get("Actor", {}).get("Attributes", {}) for event in events]
+        labels = [event.get("Actor", {}).get("Attributes", {}) for event in events]
+        if building or not all(future.done() for future in slow_builds.values()):
+            labels = [x for x in labels if not (x.get("pvisor-host.role") and "pvisor-host.session" not in x)]
+        return labels
 
     return created
 
@@ -325,3 +332,16 @@ def runtime_volumes_removed_afterwards(docker_client):
     for volume in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"}):
         if volume.name not in existing:
             volume.remove(force=True)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The Chromium the report tests drive (``make test`` installs it)."""
+    from browser import chromium_path
+
+    path = chromium_path()
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed; `make test` installs it (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return path

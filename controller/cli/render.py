@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..models.batch import BatchSummary, ItemResult
+from ..models.batch import BatchSummary, FlakyItem, ItemResult
 from ..models.housekeeping import AgentStatus, CatalogEntry, GcReport, HealthReport, PruneResult
 from ..models.image import BuiltImage, PullProgress
 from ..models.record import ReplayRecord
@@ -300,9 +300,12 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
         head += ", [yellow]interrupted[/yellow]"
     if summary.deadline_reached:
         head += ", [yellow]deadline reached[/yellow]"
+    if summary.flaky:
+        head += f", [yellow]{len(summary.flaky)} flaky[/yellow]"
     if quiet:
         console.print(f"{head}; {_counts(summary.counts)}; {where}", highlight=False, soft_wrap=True)
         return
+    _flaky(console, summary.flaky)
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     table.add_column("status")
     table.add_column("items", justify="right")
@@ -420,6 +423,15 @@ def comparison(console: Console, result: Comparison) -> None:
     console.print(f"{result.matched} items matched, {result.unchanged} unchanged; {counts}", highlight=False)
     if result.model is not None:
         console.print(f"model: {result.model.describe}", highlight=False, soft_wrap=True)
+    _flaky(console, result.flaky)
+
+
+def _flaky(console: Console, flaky: list[FlakyItem]) -> None:
+    """The items whose repeats (``--repeat``) differ: one line each, what each repeat did."""
+    for item in flaky:
+        files = f"; files differ: {', '.join(item.files)}" if item.files else ""
+        line = f"[yellow]flaky[/yellow] {item.id} (after step {item.after_step}): {' | '.join(item.outcomes)}{files}"
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def gc_report(console: Console, report: GcReport, *, dry_run: bool) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -38,6 +39,7 @@ from pydantic import BaseModel
 
 from ..errors import UsageError
 from ..files.atomic import write_atomic
+from ..models.batch import FlakyItem
 from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
 from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
@@ -87,6 +89,8 @@ class ItemState(BaseModel):
     """The engine's id of that image."""
     trajectory: str | None = None
     """The trajectory's file name (what matches a single replay's item with the other side's)."""
+    repeat_of: str | None = None
+    """With ``batch --repeat K``: the id its repeats share."""
     path: str
     """The item's directory, relative to its run directory."""
     model: ModelTotals | None = None
@@ -160,6 +164,8 @@ class Comparison(BaseModel):
     """Regressions first (see ``KIND_ORDER``), then by id."""
     model: ModelMove | None = None
     """How the model's figures moved, when either run continued live."""
+    flaky: list[FlakyItem] = []
+    """With ``--repeat K`` in the new run: its items whose repeats ended or left the workspace otherwise."""
 
     @property
     def regressions(self) -> list[ItemChange]:
@@ -204,7 +210,40 @@ def compare_runs(old: Path, new: Path) -> Comparison:
         counts={kind: n for kind, n in sorted(Counter(c.kind for c in changes).items())},
         changes=changes,
         model=_model_move(before, after),
+        flaky=flaky_items(after.values()),
     )
+
+
+def run_flaky(run_dir: Path) -> list[FlakyItem]:
+    """The flaky items of a batch run directory (see :func:`flaky_items`)."""
+    return flaky_items(read_run(run_dir).values())
+
+
+def flaky_items(states: Iterable[ItemState]) -> list[FlakyItem]:
+    """The items run ``--repeat K`` times whose repeats differ from the first: in status, failure category,
+    verification or diverged calls, or in the workspace files they left (not in the image they ran in)."""
+    groups: dict[tuple[str, int], list[ItemState]] = {}
+    for state in states:
+        if state.repeat_of is not None:
+            groups.setdefault((state.repeat_of, state.after_step), []).append(state)
+    found = []
+    for (item_id, after_step), repeats in sorted(groups.items()):
+        repeats.sort(key=lambda r: _repeat_number(r.id))
+        first = repeats[0]
+        files = sorted({path for other in repeats[1:] for path in _other_effects(first, other)})
+        if files or any(_change(first, other) is not None for other in repeats[1:]):
+            found.append(
+                FlakyItem(
+                    id=item_id, after_step=after_step, repeats=[r.id for r in repeats],
+                    outcomes=[_state_line(r) for r in repeats], files=files,
+                )
+            )  # fmt: skip
+    return found
+
+
+def _repeat_number(item_id: str) -> int:
+    number = item_id.rpartition(".r")[2]
+    return int(number) if number.isdigit() else 0
 
 
 def _model_move(before: dict[tuple[str, int], ItemState], after: dict[tuple[str, int], ItemState]) -> ModelMove | None:
@@ -315,6 +354,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         diverged=diverged,
         effects=_effects(record),
         trajectory=PurePosixPath(record.inputs.trajectory.path).name,
+        repeat_of=record.batch.repeat_of if record.batch is not None else None,
         image=record.image.digest or record.image.id,
         image_id=record.image.id,
         path=str(item_dir.relative_to(run_dir)),

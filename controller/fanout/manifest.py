@@ -25,7 +25,7 @@ import re
 import typing
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
@@ -39,6 +39,8 @@ from .tables import ColumnMap, Row, read_rows, strict_columns, text_cells
 from .templates import Template, is_template, parse_template, path_fields
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,119}$")
+#: Most ``--repeat`` (a flakiness check wants a few runs, not a load test).
+MAX_REPEAT = 100
 #: What a batch item collects of its workspace unless it says: the changes (a dataset's checkouts are large).
 BATCH_COLLECT = "changes"
 #: Replay options a line may not set: the batch names each item's run directory and run ids.
@@ -93,6 +95,14 @@ class BatchItem(BaseModel):
     line: int
     """1-based manifest line (or position in the shorthand's expansion)."""
     spec: ReplaySpec
+    repeat_of: str | None = None
+    """With ``--repeat K``: the id its K repeats share; its own is ``<that>.r<n>``."""
+
+    def repeats(self, times: int) -> list[BatchItem]:
+        """This item ``times`` times, under ids of their own (itself, once, when ``times`` is 1)."""
+        if times == 1:
+            return [self]
+        return [self.model_copy(update={"id": f"{self.id}.r{n}", "repeat_of": self.id}) for n in range(1, times + 1)]
 
 
 class ManifestProblem(BaseModel):
@@ -165,15 +175,18 @@ def _host_checks(spec: ReplaySpec) -> None:
 
 
 def batch_items(
-    entries: Iterable[ReplaySpec | Mapping[str, Any]], defaults: Mapping[str, Any] | None = None
+    entries: Iterable[ReplaySpec | Mapping[str, Any]], defaults: Mapping[str, Any] | None = None, *, repeat: int = 1
 ) -> list[BatchItem]:
     """Items from specs, or from mappings of manifest-row fields (``id`` included), each expanded and validated
     as a manifest row is (``after_step`` may be ``"all"``, a list, ...; ``agent`` may be left out; ``image``
-    and ``id`` may be templates), over ``defaults``. Relative paths are relative to the working directory.
+    and ``id`` may be templates), over ``defaults``; each ``repeat`` times (see :meth:`BatchItem.repeats`).
+    Relative paths are relative to the working directory.
 
     Raises:
         UsageError: the first bad entry, by its position (and how many more there are); or no entries.
     """
+    if not 1 <= repeat <= MAX_REPEAT:
+        raise UsageError(f"repeat {repeat}: pass 1 to {MAX_REPEAT}")
     defaults = dict(defaults or {})
     rows = Rows(defaults=defaults, base=Path.cwd(), strict=True)
     seen: dict[str, int] = {}
@@ -187,7 +200,7 @@ def batch_items(
         try:
             if isinstance(expanded, str):
                 raise UsageError(expanded)
-            items.append(_item(number, expanded, rows.item_defaults, seen))
+            items += _item(number, expanded, rows.item_defaults, seen).repeats(repeat)
         except UsageError as exc:
             problems.append(f"item {number}: {exc.one_line()}")
     if problems:
@@ -409,6 +422,8 @@ class BatchInput(BaseModel):
     """``--map FIELD=COLUMN``: a field read from a column named otherwise."""
     defaults: dict[str, Any] = {}
     """Replay options given on the command line; every item starts from them."""
+    repeat: Annotated[int, Field(ge=1, le=MAX_REPEAT)] = 1
+    """``--repeat K``: run every item K times, under ids of their own (``<id>.r1`` …), to see which are flaky."""
 
     @model_validator(mode="after")
     def _one_source(self) -> BatchInput:
@@ -477,10 +492,10 @@ class BatchInput(BaseModel):
             except UsageError as exc:
                 problems.append(ManifestProblem(line=number, message=exc.one_line()))
                 continue
-            count += 1
+            count += self.repeat
             images.setdefault((spec.image, spec.agent, spec.inject), spec)
             if spec.image is not None:
-                counts[spec.image] = counts.get(spec.image, 0) + 1
+                counts[spec.image] = counts.get(spec.image, 0) + self.repeat
         if count == 0 and not problems:
             raise UsageError(f"{self.name} holds no items")
         return ManifestCheck(items=count, problems=problems, image_specs=list(images.values()), image_counts=counts)
@@ -497,7 +512,7 @@ class BatchInput(BaseModel):
         for number, entry in _grouped(self._entries(), defaults.get("image")):
             if isinstance(entry, str):
                 raise UsageError(f"{self.name}:{number}: {entry}")
-            yield _item(number, entry, defaults, seen)
+            yield from _item(number, entry, defaults, seen).repeats(self.repeat)
 
     def _entries(self) -> Iterator[Entry]:
         rows = self._rows_cached

@@ -54,6 +54,7 @@ def item_result(
     return ItemResult(
         id=item_id,
         line=line,
+        repeat_of=record.batch.repeat_of if record.batch is not None else None,
         after_step=record.inputs.after_step,
         agent=record.inputs.agent,
         image=record.image.ref,

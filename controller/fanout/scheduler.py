@@ -39,6 +39,7 @@ from ..preflight.prepare import prepare, prepare_image
 from ..preflight.trajectory import check_file
 from ..signals import deferred_interrupts
 from ..units import format_size, host_slots
+from .compare import run_flaky
 from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
@@ -303,6 +304,8 @@ class BatchRun:
                 summary.images = pulls
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
+                if any(r.repeat_of for r in self.results):
+                    summary.flaky = run_flaky(options.out)
                 try:
                     write_reports(options.out, self.results, summary, more=self._reports)
                 except OSError as exc:
@@ -338,7 +341,13 @@ class BatchRun:
                     remaining = batch.remaining()
                     if remaining is not None and remaining <= 0:
                         batch.skip_image(item.spec)
-                        late = ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run")
+                        late = ItemResult(
+                            id=item.id,
+                            line=item.line,
+                            agent=item.spec.agent,
+                            status="not_run",
+                            repeat_of=item.repeat_of,
+                        )
                         yield self._done(late)
                         continue
                     while len(pending) >= 2 * workers:
@@ -439,7 +448,9 @@ Pending = dict[futures.Future[ItemResult], BatchItem]
 
 
 def _not_started(item: BatchItem, message: str) -> ItemResult:
-    return ItemResult(id=item.id, line=item.line, agent=item.spec.agent, status="not_run", message=message)
+    return ItemResult(
+        id=item.id, line=item.line, agent=item.spec.agent, status="not_run", message=message, repeat_of=item.repeat_of
+    )
 
 
 def _disk_full_line(full: DiskFull, out: Path, results: list[ItemResult]) -> str:
@@ -451,14 +462,16 @@ def _disk_full_line(full: DiskFull, out: Path, results: list[ItemResult]) -> str
 
 def _interrupted(item: BatchItem, message: str) -> ItemResult:
     return ItemResult(
-        id=item.id, line=item.line, agent=item.spec.agent, status="interrupted", category="interrupted", message=message
-    )
+        id=item.id, line=item.line, agent=item.spec.agent, status="interrupted", category="interrupted",
+        message=message, repeat_of=item.repeat_of,
+    )  # fmt: skip
 
 
 def _run_item(item: BatchItem, batch: _Batch) -> ItemResult:
     """One item, in a worker thread: resume decision, host checks, attempts. Never raises."""
     with logger.contextualize(item=item.id):
-        return _item_outcome(item, batch)
+        result = _item_outcome(item, batch)
+    return result.model_copy(update={"repeat_of": item.repeat_of}) if item.repeat_of else result
 
 
 def _item_outcome(item: BatchItem, batch: _Batch) -> ItemResult:
@@ -522,7 +535,7 @@ def _outcome(item: BatchItem, batch: _Batch, asked: threading.Event) -> ItemResu
                     gateway=batch.gateway(spec.continuation, prepared.user),
                     policy=RetryPolicy.for_spec(spec, infra=True, oom=batch.options.retry_oom),
                     cancel=batch.cancel,
-                    batch=BatchInfo(item_id=item.id, line=item.line, content_key=key),
+                    batch=BatchInfo(item_id=item.id, line=item.line, content_key=key, repeat_of=item.repeat_of),
                 )
     except Interrupted as exc:
         return _interrupted(item, exc.one_line()).model_copy(update={"path": item.id})

@@ -156,6 +156,14 @@ def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (
             message = "" if drift.message is None else drift.message
             lines.append(f"| `{cell(item)}` | {drift.call} | {cell(drift.field)} | {cell(message)} |")
         lines += more_line(len(drifted))
+    if summary.flaky:
+        lines += ["", "| flaky between repeats | boundary | each repeat | files that differ |", "|---|---|---|---|"]
+        for flaky in summary.flaky[:STEP_SUMMARY_ITEMS]:
+            files = ", ".join(flaky.files) or "-"
+            lines.append(
+                f"| `{cell(flaky.id)}` | {flaky.after_step} | {cell('; '.join(flaky.outcomes))} | {cell(files)} |"
+            )
+        lines += more_line(len(summary.flaky))
     run = summary.timings.get("total", {})
     lines += ["", f"Per item: p50 {run.get('p50', 0):.1f}s, p90 {run.get('p90', 0):.1f}s. {report_link(out)}", ""]
     return "\n".join(lines)

@@ -75,6 +75,8 @@ class ItemResult(BaseModel):
     """With ``--verify``: whether the task's verifier passed, and its reward."""
     model: ModelTotals | None = None
     """A live continuation's model figures (tokens, cost, ...), every attempt's calls included."""
+    repeat_of: str | None = None
+    """With ``--repeat K``: the id its repeats share (see :class:`FlakyItem`)."""
 
     @property
     def ran(self) -> bool:
@@ -117,6 +119,20 @@ class VerificationStats(BaseModel):
     mean_reward: float | None = None
 
 
+class FlakyItem(BaseModel):
+    """An item run ``--repeat K`` times whose outcome or effects differ between its repeats."""
+
+    id: str
+    """The id its repeats share (theirs are ``<id>.r1`` … ``<id>.rK``)."""
+    after_step: int
+    repeats: list[str]
+    """The repeats' ids, in order."""
+    outcomes: list[str]
+    """Each repeat's outcome in one line (status, verification, where it diverges), in the same order."""
+    files: list[str] = []
+    """The workspace files some repeats left otherwise than the first."""
+
+
 class BatchSummary(BaseModel):
     """``summary.json``."""
 
@@ -148,3 +164,5 @@ class BatchSummary(BaseModel):
     items' medians, and the 90th percentile of their 90th percentiles)."""
     verification: VerificationStats | None = None
     """With ``--verify``: how many items' verifiers passed, and the mean reward."""
+    flaky: list[FlakyItem] = []
+    """With ``--repeat K``: the items whose repeats ended otherwise, or left the workspace otherwise."""

@@ -296,6 +296,8 @@ class BatchInfo(BaseModel):
     line: int
     content_key: str
     """sha256 over the trajectory's sha256, the image id and every option that changes the outcome."""
+    repeat_of: str | None = None
+    """With ``batch --repeat K``: the id this item's repeats share (its own id is ``<that>.r<n>``)."""
 
 
 class ReplayRecord(BaseModel):

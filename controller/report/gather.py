@@ -103,6 +103,7 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
         ],
         images=summary.get("images"),
         verification=summary.get("verification"),
+        flaky=summary.get("flaky") or [],
         diffs_dropped=0,
         exact_hidden=0,
         model=_model_line(add_totals(totals)),

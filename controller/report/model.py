@@ -183,6 +183,8 @@ class ReportData(BaseModel):
     """The task images the batch pulled (``summary.json``'s ``images``)."""
     verification: dict[str, Any] | None = None
     """``summary.json``'s ``verification``: the pass rate and mean reward."""
+    flaky: list[dict[str, Any]] = []
+    """``summary.json``'s ``flaky`` (``--repeat``): the items whose repeats ended or left the workspace otherwise."""
     diffs_dropped: int
     """Calls that did not reproduce and have no diff because the page had no room for one."""
     exact_hidden: int

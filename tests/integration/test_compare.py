@@ -7,10 +7,13 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from browser import Browser
 from conftest import run_cli
 from trajgen import Call, Turn, claude_session, write_jsonl
 
 DIFFERENT = "an observation the fresh run will not reproduce"
+#: A call whose observation is the same every run (none) and whose effect is not: a file of fresh content.
+RANDOM = "cat /proc/sys/kernel/random/uuid > out.txt"
 
 
 def session(second_command: str = "true", second_result: str = "") -> list[dict]:
@@ -46,7 +49,13 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     old = batch(
         tmp_path,
         "old",
-        {"steady": (session(), {}), "breaks": (session(), {}), "drifts": (session(), {}), "retired": (session(), {})},
+        {
+            "steady": (session(), {}),
+            "breaks": (session(), {}),
+            "drifts": (session(), {}),
+            "random": (session(RANDOM), {}),
+            "retired": (session(), {}),
+        },
     )
     new = batch(
         tmp_path,
@@ -55,6 +64,7 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
             "steady": (session(), {}),
             "breaks": (session("sleep 120"), {"timeout": "8s"}),
             "drifts": (session(second_result=DIFFERENT), {}),
+            "random": (session(RANDOM), {}),  # the same calls, the same (empty) observations, another file
             "added": (session(), {}),
         },
         "--baseline",
@@ -62,7 +72,7 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
         env={"GITHUB_STEP_SUMMARY": str(step_summary)},
     )
     before = {p.parent.name: json.loads(p.read_text())["status"] for p in old.glob("*/record.json")}
-    assert before == dict.fromkeys(("steady", "breaks", "drifts", "retired"), "ok")
+    assert before == dict.fromkeys(("steady", "breaks", "drifts", "random", "retired"), "ok")
 
     junit = tmp_path / "compare.xml"
     done = run_cli("compare", old, new, "--json", "--junit", junit)
@@ -71,15 +81,17 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     assert [(c["kind"], c["id"]) for c in result["changes"]] == [
         ("regression", "breaks"),
         ("divergence_moved", "drifts"),
+        ("effects_changed", "random"),
         ("gone", "retired"),
         ("new", "added"),
     ]
-    assert (result["matched"], result["unchanged"]) == (3, 1)
+    assert (result["matched"], result["unchanged"]) == (4, 1)
     changes = {c["id"]: c for c in result["changes"]}
     assert changes["breaks"]["new"]["status"] == "timeout"
     assert changes["drifts"]["old"]["first_divergence"] is None  # both calls reproduced exactly
     assert changes["drifts"]["new"]["first_divergence"] == {"index": 1, "call_id": "toolu_02a", "tool": "Bash"}
     assert changes["drifts"]["new"]["status"] == "ok"  # a divergence is not a failure
+    assert changes["random"]["files"] == ["out.txt"] and changes["random"]["new"]["diverged"] == []
 
     assert json.loads((new / "compare.json").read_text())["changes"] == result["changes"]  # batch --baseline
     assert ET.parse(new / "compare.xml").getroot().get("failures") == "1"
@@ -89,7 +101,7 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     table = run_cli("compare", old, new)
     assert table.code == 1
     assert table.stdout.splitlines()[-1] == (
-        "3 items matched, 1 unchanged; 1 divergence moved, 1 gone, 1 new, 1 regression"
+        "4 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 gone, 1 new, 1 regression"
     )
     assert "diverges at call 2 (Bash toolu_02a)" in table.stdout
 
@@ -103,3 +115,50 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     same = run_cli("batch", *again)
     assert (same.code, json.loads((new / "compare.json").read_text())["changes"]) == (0, []), same.stderr
     assert run_cli("batch", *again, "--fail-on", "failures").code == 1  # breaks is not ok
+
+
+def test_two_replays_of_one_trajectory_whose_file_effects_differ(tmp_path, claude_image):
+    trajectory = write_jsonl(tmp_path / "random.jsonl", session(RANDOM))
+    outs = [tmp_path / "first", tmp_path / "second"]
+    for out in outs:
+        done = run_cli("replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "2",
+                       "--mode", "replay-only", "--out", out)  # fmt: skip
+        assert done.code == 0, done.stderr
+    done = run_cli("compare", *outs, "--json")
+    assert (done.code, done.stderr) == (0, "")
+    (change,) = json.loads(done.stdout)["changes"]
+    assert (change["kind"], change["id"], change["files"]) == ("effects_changed", "random.jsonl", ["out.txt"])
+
+
+def test_repeat_reports_an_item_whose_effects_depend_on_time_as_flaky(tmp_path, claude_image, chromium):
+    steady = write_jsonl(tmp_path / "steady.jsonl", session())
+    clock = write_jsonl(tmp_path / "clock.jsonl", session(RANDOM))
+    manifest = tmp_path / "repeat.jsonl"
+    manifest.write_text(
+        "".join(json.dumps({"id": t.stem, "trajectory": str(t), "after_step": 2}) + "\n" for t in (steady, clock))
+    )
+    out = tmp_path / "out"
+    step_summary = tmp_path / "step-summary.md"
+    done = run_cli("batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--repeat", "3", "--out", out,
+                   "--json", env={"GITHUB_STEP_SUMMARY": str(step_summary)})  # fmt: skip
+    assert done.code == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["items"], summary["counts"]) == (6, {"ok": 6})
+    assert sorted(p.name for p in out.iterdir() if (p / "record.json").is_file()) == [
+        "clock.r1", "clock.r2", "clock.r3", "steady.r1", "steady.r2", "steady.r3",
+    ]  # fmt: skip
+    (flaky,) = summary["flaky"]
+    assert (flaky["id"], flaky["repeats"], flaky["files"]) == (
+        "clock",
+        ["clock.r1", "clock.r2", "clock.r3"],
+        ["out.txt"],
+    )
+    assert "| `clock` | 2 |" in step_summary.read_text()
+    compared = run_cli("compare", out, out, "--json")
+    assert [f["id"] for f in json.loads(compared.stdout)["flaky"]] == ["clock"]
+    with Browser(chromium) as browser:  # the report lists it too
+        page = browser.open((out / "report.html").as_uri())
+        page.wait_for("!document.getElementById('flaky').hidden")
+        cells = page.js("[...document.querySelectorAll('#by-flaky tr.flaky-row td')].map(td => td.innerText.trim())")
+        assert cells[:2] + cells[3:] == ["clock", "2", "out.txt"]
+        assert cells[2].splitlines() == ["ok, every observation exact"] * 3

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import Browser, chromium_path
+from browser import Browser
 from conftest import run_cli
 from modelserver import StubServer
 from trajgen import Call, Turn, claude_files_session, claude_session, linked_copy, write_jsonl
@@ -26,16 +26,6 @@ LISTING = "printf 'alpha\\nbeta\\ngamma\\n'"
 
 def one(command: str, result: str = "") -> list[dict]:
     return claude_session("Run it.", [Turn([Call("Bash", {"command": command, "timeout": 120000}, result)])])
-
-
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    path = chromium_path()
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed; `make test` installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    return path
 
 
 @pytest.fixture(scope="module")

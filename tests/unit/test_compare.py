@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import xml.etree.ElementTree as ET
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ def item(
     files: dict[str, str] | None = None,
     removed: tuple[str, ...] = (),
     directory: Path | None = None,
+    repeat_of: str | None = None,
 ):
     """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ).
     ``digest``: the registry digest of its image. ``files``: what the replay added to the workspace (path →
@@ -45,7 +47,8 @@ def item(
     record["status"] = status
     record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
     record["inputs"]["after_step"] = step
-    record["batch"] = {"item_id": item_id, "line": 1, "content_key": "k"} if directory == run / item_id else None
+    single = directory != run / item_id
+    record["batch"] = None if single else {"item_id": item_id, "line": 1, "content_key": "k", "repeat_of": repeat_of}
     (directory / "record.json").write_text(json.dumps(record))
     comparison = [
         {"call_id": call_id, "tool": tool, "exact": n not in (diverge or ()), "original_is_error": False,
@@ -237,3 +240,33 @@ def test_two_single_replay_directories_are_compared_as_one_item_and_one_with_a_b
     assert done.code == 0 and json.loads(done.stdout)["counts"] == {"divergence_moved": 1}
     with pytest.raises(UsageError, match="replay-1 is one replay's --out and the other a batch's"):
         compare_runs(runs[0], first)
+
+
+def test_repeats_that_end_or_change_the_workspace_otherwise_are_flaky(tmp_path):
+    from pvisor_host.fanout.compare import run_flaky
+    from pvisor_host.fanout.summary import markdown, summarize
+
+    run = tmp_path / "run"
+    for n in (1, 2, 3):
+        item(run, f"steady.r{n}", repeat_of="steady", files={"a.txt": "same"})
+        item(run, f"clock.r{n}", repeat_of="clock", files={"a.txt": "same", "now.txt": f"{n}"})
+    item(run, "fails.r1", repeat_of="fails")
+    item(run, "fails.r2", repeat_of="fails", status="timeout")
+    item(run, "fails.r10", repeat_of="fails")
+    item(run, "alone", files={"now.txt": "x"})
+    flaky = run_flaky(run)
+    assert [(f.id, f.repeats, f.files) for f in flaky] == [
+        ("clock", ["clock.r1", "clock.r2", "clock.r3"], ["now.txt"]),
+        ("fails", ["fails.r1", "fails.r2", "fails.r10"], []),  # in the repeats' order, not the ids'
+    ]
+    assert flaky[1].outcomes == [
+        "ok, every observation exact",
+        "timeout, every observation exact",
+        "ok, every observation exact",
+    ]
+    assert [f.id for f in compare_runs(run, run).flaky] == ["clock", "fails"]
+    start = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+    summary = summarize([], total=0, started=start, finished=start, interrupted=False, deadline=False)
+    summary.flaky = flaky
+    text = markdown(summary, tmp_path)
+    assert "| `clock` | 3 | " + "; ".join(["ok, every observation exact"] * 3) + " | now.txt |" in text

@@ -290,3 +290,21 @@ def test_a_reader_that_stops_early_runs_no_more_rows(tmp_path):
     next(stream)
     stream.close()
     assert len(expanded) < 1000  # the window's rows at most, not the other 99,000
+
+
+def test_repeat_runs_every_item_k_times_under_ids_of_their_own(tmp_path):
+    claude(tmp_path / "t1.jsonl", 4)
+    source = BatchInput.parse(trajectories=str(tmp_path / "*.jsonl"), after_step="2-3", repeat=2, defaults={})
+    assert source.check().items == 4
+    assert [(i.id, i.repeat_of, i.spec.after_step) for i in source.items()] == [
+        ("t1-after2.r1", "t1-after2", 2),
+        ("t1-after2.r2", "t1-after2", 2),
+        ("t1-after3.r1", "t1-after3", 3),
+        ("t1-after3.r2", "t1-after3", 3),
+    ]
+    items = batch_items([{"trajectory": tmp_path / "t1.jsonl", "after_step": 1, "id": "x"}], repeat=3)
+    assert [(i.id, i.repeat_of) for i in items] == [("x.r1", "x"), ("x.r2", "x"), ("x.r3", "x")]
+    with pytest.raises(UsageError, match="repeat: Input should be greater than or equal to 1"):
+        BatchInput.parse(trajectories=str(tmp_path / "*.jsonl"), after_step="2", repeat=0, defaults={})
+    with pytest.raises(UsageError, match="repeat 101: pass 1 to 100"):
+        batch_items([{"trajectory": tmp_path / "t1.jsonl", "after_step": 1}], repeat=101)

@@ -157,6 +157,14 @@ def batch(
     keep_images: Annotated[
         bool, typer.Option(help="Keep the task images the batch pulled when it ends (it removes them by default).")
     ] = False,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            metavar="K",
+            help="Run every item K times, under ids of their own (<id>.r1 ...): the summary, the report and "
+            "compare list the items whose repeats end or change the workspace otherwise (flaky).",
+        ),
+    ] = 1,
     registry_mirror: Annotated[
         str | None,
         typer.Option(
@@ -198,7 +206,7 @@ def batch(
     Mirrors.parse(registry_mirror, image_rewrite)  # what the host can tell, before anything is asked
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, id=item_id,
-        map=columns or [], defaults=spec_fields(options),
+        map=columns or [], defaults=spec_fields(options), repeat=repeat,
     )  # fmt: skip
     checked = source.check()
     for problem in checked.problems:
