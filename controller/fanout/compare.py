@@ -115,7 +115,7 @@ class ItemChange(BaseModel):
     @property
     def describe(self) -> str:
         """One line for people: what it was and what it is."""
-        line = f"{_state_line(self.old)} → {_state_line(self.new)}"
+        line = f"{state_line(self.old)} → {state_line(self.new)}"
         if self.files:
             shown = ", ".join(self.files[:3]) + (f" and {len(self.files) - 3} more" if len(self.files) > 3 else "")
             line += f"; files differ: {shown}"
@@ -235,7 +235,7 @@ def flaky_items(states: Iterable[ItemState]) -> list[FlakyItem]:
             found.append(
                 FlakyItem(
                     id=item_id, after_step=after_step, repeats=[r.id for r in repeats],
-                    outcomes=[_state_line(r) for r in repeats], files=files,
+                    outcomes=[state_line(r) for r in repeats], files=files,
                 )
             )  # fmt: skip
     return found
@@ -389,7 +389,8 @@ def _short(image: str | None) -> str:
     return f"{name}@{digest[:19]}" if name else image[:19]
 
 
-def _state_line(state: ItemState | None) -> str:
+def state_line(state: ItemState | None) -> str:
+    """How an item ended, in one line (``-``: not in that run)."""
     if state is None:
         return "-"
     line = state.status if state.category in (None, state.status) else f"{state.status} ({state.category})"

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..fanout.compare import Comparison, state_line
 from ..fanout.results import iter_results
 from ..models.batch import PHASES, ItemResult, percentile
 from ..models.record import ModelTotals, add_totals, load_record
@@ -51,10 +52,16 @@ _LEAST_DETAIL = 48
 MESSAGE_CHARS = 300
 
 
-def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = PAGE_BUDGET) -> ReportData:
+def gather(
+    out: Path,
+    results: list[ItemResult] | None = None,
+    *,
+    budget: int = PAGE_BUDGET,
+    comparison: Comparison | None = None,
+) -> ReportData:
     """Read the batch directory ``out`` (with its items' results when the batch passes them): every item's row
     and the aggregates, then the details of as many items as ``budget`` characters of JSON hold beside the rows
-    (see :mod:`.budget`)."""
+    (see :mod:`.budget`); and, against a baseline, the ``comparison``."""
     table = _Table()
     groups = _Groups()
     images: dict[str, _ImageTally] = {}
@@ -104,6 +111,7 @@ def gather(out: Path, results: list[ItemResult] | None = None, *, budget: int = 
         images=summary.get("images"),
         verification=summary.get("verification"),
         flaky=summary.get("flaky") or [],
+        comparison=comparison_view(comparison) if comparison is not None else None,
         diffs_dropped=0,
         exact_hidden=0,
         model=_model_line(add_totals(totals)),
@@ -191,6 +199,34 @@ def _image_rows(images: dict[str, _ImageTally]) -> list[ImageRow]:
         )
         for image, t in sorted(images.items(), key=lambda entry: (-entry[1].items, entry[0]))
     ]  # fmt: skip
+
+
+#: Most changed items the page lists against a baseline (``compare.json`` has them all).
+COMPARED_ROWS = 500
+
+
+def comparison_view(comparison: Comparison) -> dict[str, Any]:
+    """What the page shows of a comparison: the counts, then each change as the baseline had it and as this run
+    has it, regressions first (as :class:`Comparison` orders them), at most :data:`COMPARED_ROWS`."""
+    return {
+        "baseline": comparison.old,
+        "matched": comparison.matched,
+        "unchanged": comparison.unchanged,
+        "counts": comparison.counts,
+        "total": len(comparison.changes),
+        "changes": [
+            {
+                "id": c.id,
+                "after_step": c.after_step,
+                "kind": c.kind,
+                "was": state_line(c.old),
+                "is": state_line(c.new),
+                "files": c.files,
+                "image_changed": c.image_changed,
+            }
+            for c in comparison.changes[:COMPARED_ROWS]
+        ],
+    }
 
 
 def _summary(out: Path) -> dict[str, Any]:

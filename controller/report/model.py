@@ -183,6 +183,9 @@ class ReportData(BaseModel):
     """The task images the batch pulled (``summary.json``'s ``images``)."""
     verification: dict[str, Any] | None = None
     """``summary.json``'s ``verification``: the pass rate and mean reward."""
+    comparison: dict[str, Any] | None = None
+    """Against a baseline (``batch --baseline``, ``report --baseline``): what changed, side by side, regressions
+    first (:func:`~pvisor_host.report.gather.comparison_view`)."""
     flaky: list[dict[str, Any]] = []
     """``summary.json``'s ``flaky`` (``--repeat``): the items whose repeats ended or left the workspace otherwise."""
     diffs_dropped: int

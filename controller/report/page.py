@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from .._version import __version__
+from ..fanout.compare import Comparison
 from ..files.atomic import write_atomic
 from ..models.batch import ItemResult
 from .gather import gather
@@ -28,8 +29,9 @@ def render_page(data: ReportData) -> bytes:
     return re.sub(r"__(TITLE|VERSION|DATA)__", lambda m: values[m.group(1)], template).encode()
 
 
-def write_report(out: Path, results: list[ItemResult] | None = None) -> Path:
-    """Write ``out/report.html`` (atomically) for the batch directory ``out`` and return its path."""
+def write_report(out: Path, results: list[ItemResult] | None = None, *, comparison: Comparison | None = None) -> Path:
+    """Write ``out/report.html`` (atomically) for the batch directory ``out`` and return its path; with a
+    ``comparison`` against a baseline, side by side."""
     path = out / REPORT_FILE
-    write_atomic(path, render_page(gather(out, results)))
+    write_atomic(path, render_page(gather(out, results, comparison=comparison)))
     return path

@@ -44,7 +44,7 @@ def batch(
     return out
 
 
-def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(tmp_path, claude_image):
+def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(tmp_path, claude_image, chromium):
     step_summary = tmp_path / "step-summary.md"
     old = batch(
         tmp_path,
@@ -104,6 +104,25 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
         "4 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 gone, 1 new, 1 regression"
     )
     assert "diverges at call 2 (Bash toolu_02a)" in table.stdout
+
+    # report.html (written again by batch --baseline) shows the same side by side, regressions first.
+    with Browser(chromium) as browser:
+        page = browser.open((new / "report.html").as_uri())
+        page.wait_for("!document.getElementById('comparison').hidden")
+        rows = page.js(
+            "[...document.querySelectorAll('#by-change tr.change-row')].map(r => [...r.cells].map(c => c.innerText))"
+        )
+        rows = [[cell.strip() for cell in row] for row in rows]
+        assert [row[:3] for row in rows] == [
+            ["regression", "breaks", "2"], ["divergence moved", "drifts", "2"], ["effects changed", "random", "2"],
+            ["gone", "retired", "2"], ["new", "added", "2"],
+        ]  # fmt: skip
+        assert rows[0][3:5] == ["ok, every observation exact", "timeout"]
+        assert rows[2][5] == "out.txt"
+        totals = page.js("document.getElementById('comparison-totals').textContent")
+        assert totals.endswith(
+            "4 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 gone, 1 new, 1 regression."
+        )
 
     # The step summary names the regression; the same batch again, against a copy of itself, has failures that
     # were failing already: --fail-on regressions (the default with a baseline) exits 0, failures 1.

@@ -270,3 +270,19 @@ def test_repeats_that_end_or_change_the_workspace_otherwise_are_flaky(tmp_path):
     summary.flaky = flaky
     text = markdown(summary, tmp_path)
     assert "| `clock` | 3 | " + "; ".join(["ok, every observation exact"] * 3) + " | now.txt |" in text
+
+
+def test_report_with_a_baseline_embeds_the_changes_regressions_first(runs):
+    old, new = runs
+    done = run_cli("report", new, "--baseline", old)
+    assert done.code == 0, done.stderr
+    page = (new / "report.html").read_text()
+    data = json.loads(page.split('<script id="report-data" type="application/json">', 1)[1].split("</script>", 1)[0])
+    compared = data["comparison"]
+    assert (compared["baseline"], compared["matched"], compared["total"]) == (str(old), 10, 11)
+    assert [(c["kind"], c["id"]) for c in compared["changes"][:2]] == [
+        ("regression", "regresses"),
+        ("status_changed", "other-failure"),
+    ]
+    assert compared["changes"][0]["was"] == "ok, every observation exact"
+    assert run_cli("report", new).code == 0 and '"comparison":' not in (new / "report.html").read_text()

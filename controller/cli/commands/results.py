@@ -40,15 +40,22 @@ def compare(
 
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A batch's --out directory.", show_default=False)],
+    baseline: Annotated[
+        Path | None,
+        typer.Option(help="An earlier batch's --out: the page shows what changed against it, regressions first."),
+    ] = None,
 ) -> int:
     """Write DIR/report.html: one self-contained page with the batch's totals, phase times, a filterable item
-    table, each item's observation diffs and the tool calls that diverge most often.
+    table, each item's observation diffs and the tool calls that diverge most often; with --baseline, what
+    changed against an earlier batch, side by side.
 
     batch writes it at the end too; run this after copying a batch directory, or to rewrite it.
     """
+    from ...fanout.compare import compare_runs
     from ...report import write_report
 
-    path = write_report(run_dir.absolute())
+    comparison = compare_runs(baseline.absolute(), run_dir.absolute()) if baseline is not None else None
+    path = write_report(run_dir.absolute(), comparison=comparison)
     typer.echo(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
     return ExitCode.OK
 

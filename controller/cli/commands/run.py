@@ -275,10 +275,12 @@ def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool) -> None:
 def _compare_with(baseline: Path, batch_dir: Path, *, quiet: bool) -> int:
     """``batch --baseline``: compare, write the reports, show them; how many items regressed."""
     from ...fanout.compare import compare_runs, write_reports
+    from ...report import write_report
     from .. import render
 
     comparison = compare_runs(baseline, batch_dir)
     write_reports(comparison, batch_dir)
+    write_report(batch_dir, comparison=comparison)  # the page again, with what changed side by side
     regressed = len(comparison.regressions)
     if quiet:
         say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
