@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,24 @@ def images(claude_image, codex_image) -> None:
     """Both agents' images, built (or found) before the first batch."""
 
 
-def manifest(root: Path, items: int, *, workspace: Path | None = None) -> Path:
-    """``items`` continuations, Claude Code and Codex in turn, ids ``claude-code-0``, ``codex-1``, ..."""
+#: A first command whose output differs every run by itself: a temp directory's made-up name, timings, a pid.
+VOLATILE = "echo hi > f.txt; mktemp -d; s=$(date +%s%N); sleep 0.01; echo took $(( ($(date +%s%N) - s) / 1000 )) us"
+
+
+def manifest(root: Path, items: int, *, workspace: Path | None = None, volatile: bool = False) -> Path:
+    """``items`` continuations, Claude Code and Codex in turn, ids ``claude-code-0``, ``codex-1``, ...; with
+    ``volatile``, their first command prints what differs from run to run (:data:`VOLATILE`)."""
     root.mkdir(parents=True, exist_ok=True)
     lines = []
     for n in range(items):
         agent = sorted(AGENTS)[n % 2]
         make, after = AGENTS[agent]
-        trajectory = write_jsonl(root / f"{agent}.jsonl", make())
+        events = make()
+        if volatile:
+            text = json.dumps(events)  # the command as it is, and inside Codex's JSON-encoded arguments
+            assert "echo hi > f.txt" in text
+            events = json.loads(text.replace("echo hi > f.txt", VOLATILE))
+        trajectory = write_jsonl(root / f"{agent}.jsonl", events)
         line = {"id": f"{agent}-{n}", "agent": agent, "trajectory": str(trajectory), "after_step": after}
         if workspace is not None:
             line["workspace_dir"] = str(workspace)
@@ -143,7 +154,7 @@ def test_a_slow_first_byte_and_a_slow_stream_are_waited_for(tmp_path):
 
 def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_message(tmp_path):
     tapes = tmp_path / "tapes"
-    data = manifest(tmp_path / "data", 4)
+    data = manifest(tmp_path / "data", 4, volatile=True)  # temp paths, timings and pids differ in every run
     with StubServer() as stub:
         recorded = batch(data, tmp_path / "recorded", *upstream(stub), "--model-cassette", "record", str(tapes),
                          env=KEY_ENV, workers=4)  # fmt: skip
@@ -155,7 +166,9 @@ def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_me
         assert KEY not in text and "pvhtok-" not in text and "Bearer " not in text
 
     # As if recorded on another host (a CI runner's kernel changes): Claude Code's prompt names the kernel, and
-    # that is no drift (the default masks; temp paths, timings and pids: tests/unit/test_model_figures.py).
+    # that is no drift (the default masks), nor are the temp directory, timings and pid the first command prints.
+    for tape in tapes.iterdir():
+        assert re.search(r"/tmp/tmp\.\w{10}\\ntook \d+ us", tape.read_text()), tape.name
     release = os.uname().release
     assert any(release in tape.read_text() for tape in tapes.glob("claude-code-*.jsonl"))  # the prompt names it
     other = "6.8.0-1017-azure" if release == "6.1.0-18-amd64" else "6.1.0-18-amd64"
@@ -180,7 +193,7 @@ def test_a_cassette_replays_offline_and_a_changed_tool_output_is_drift_at_its_me
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     (workspace / "extra.txt").write_text("new\n")
-    changed = manifest(tmp_path / "changed", 4, workspace=workspace)
+    changed = manifest(tmp_path / "changed", 4, workspace=workspace, volatile=True)
     drifted = batch(changed, tmp_path / "drifted", "--model-cassette", "replay", str(tapes), workers=4)
     assert drifted.code == 1, drifted.stderr[-3000:]
     summary = json.loads(drifted.stdout)

@@ -203,7 +203,10 @@ def test_what_differs_between_hosts_and_runs_by_itself_is_masked_by_default():
         ("Darwin Kernel Version 23.1.0: Mon", "Darwin Kernel Version 24.0.0: Mon"),
         ("/tmp/pytest-of-root/pytest-12/t0/a.txt", "/tmp/pytest-of-ci/pytest-3/t0/a.txt"),
         ("cwd /tmp/claude-9f3a2b1c-cwd", "cwd /tmp/claude-07d1e4aa-cwd"),
+        ("made /tmp/tmp.AbCdEfGhIj", "made /tmp/tmp.x9QzLmNoPq"),  # GNU mktemp's names
         ("3 passed in 0.03s", "3 passed in 12s"),
+        ("took 10234 us", "took 9987 us"),
+        ("elapsed: 1.25µs", "elapsed: 3.5µs"),
     ],
 )
 def test_each_default_mask_hides_what_is_fresh_by_nature(fresh, again):
