@@ -142,7 +142,9 @@ def compare(
 #: masks only what is fresh by nature: a file directly in ``/tmp`` or a ``timeout=30s`` is not masked, a
 #: ``mkdtemp`` or ``mktemp`` name or a "took 0.52s" is.
 _TEMP_DIR = r"(?:/private)?(?:/tmp|/var/tmp|/var/folders/[\w-]+/[\w-]+/T)"
-_RANDOM_NAME = r"[\w.+-]{0,40}?(?:tmp[.\w]\w{4,}|pytest-of-[\w-]+/pytest-\d+|(?=[a-f]{0,40}\d)[0-9a-f]{6,}|\d{3,})[\w.+-]*"
+_RANDOM_NAME = (
+    r"[\w.+-]{0,40}?(?:tmp[.\w]\w{4,}|pytest-of-[\w-]+/pytest-\d+|(?=[a-f]{0,40}\d)[0-9a-f]{6,}|\d{3,})[\w.+-]*"
+)
 _UNIT = r"(?:ns|us|µs|ms|msec|s|sec|secs|seconds?|minutes?|mins?)"
 DEFAULT_MASKS = [
     re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)"),  # dates, ISO timestamps' too
