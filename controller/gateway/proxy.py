@@ -65,6 +65,13 @@ _STATUS_WORDS = {
 }
 #: Seconds to connect to the upstream.
 CONNECT_TIMEOUT = 10.0
+#: The largest request body a sandbox may send (a long context is a few MB of JSON); a larger one is refused
+#: with 413 before more of it is read, so a sandbox cannot make the host buffer what it likes.
+MAX_REQUEST_BODY = 32 * 1024**2
+#: Requests of one run (one sandbox) in flight at once; past it, 429 at once. With the body cap, what one
+#: sandbox can make the gateway hold is bounded (``MAX_REQUESTS_PER_RUN * MAX_REQUEST_BODY``, and far less in
+#: practice: an agent has one or two calls in flight).
+MAX_REQUESTS_PER_RUN = 8
 
 
 class _Run:
@@ -72,6 +79,8 @@ class _Run:
         self.run_id = run_id
         self.journal = journal_path
         self.tape = tape
+        self.in_flight = 0
+        """Its requests being handled now (only the gateway's event loop touches it)."""
 
 
 class ModelProxy:
@@ -112,7 +121,7 @@ class ModelProxy:
         if self.config.base_url is not None:
             with contextlib.suppress(LookupError):
                 self._proxy, self._proxy_auth = get_env_proxy_for_url(URL(self.config.base_url))
-        app = web.Application(client_max_size=256 * 1024**2)
+        app = web.Application(client_max_size=MAX_REQUEST_BODY)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5)
         await self._runner.setup()
@@ -184,12 +193,33 @@ class ModelProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        body = await request.read()  # whatever its framing: a length, or chunks
-        run = self._run_for(request.headers.get("Authorization"))
+        run = self._run_for(request.headers.get("Authorization"))  # before a byte of the body is read
         if run is None:
             method, path = request.method, request.path
             logger.warning("model gateway refused a request without a valid token ({} {})", method, path)
             return _error(401, "invalid or missing token")
+        if run.in_flight >= MAX_REQUESTS_PER_RUN:
+            logger.warning("model gateway refused run {}: {} requests in flight already", run.run_id, run.in_flight)
+            return _error(429, f"too many requests at once from this sandbox (at most {MAX_REQUESTS_PER_RUN})")
+        run.in_flight += 1
+        try:
+            return await self._handle_run(request, run, started)
+        finally:
+            run.in_flight -= 1
+
+    async def _handle_run(self, request: web.Request, run: _Run, started: float) -> web.StreamResponse:
+        try:
+            length = request.content_length or 0
+            if length > MAX_REQUEST_BODY:  # said up front: not a byte of it is read
+                raise web.HTTPRequestEntityTooLarge(max_size=MAX_REQUEST_BODY, actual_size=length)
+            body = await request.read()  # whatever its framing: a length, or chunks; at most MAX_REQUEST_BODY
+        except web.HTTPRequestEntityTooLarge:
+            logger.warning("model gateway refused run {}: a request body over {} bytes", run.run_id, MAX_REQUEST_BODY)
+            answer = _error(413, f"request body larger than {MAX_REQUEST_BODY // 1024**2} MiB")
+            refused = Exchange(run.run_id, request.method, request.path_qs, None, b"", self.config.body_limit)
+            refused.answered(bytes(answer.body) if isinstance(answer.body, bytes) else b"", whole=True)
+            journal.append(run.journal, refused.finish(413, stream=False, latency=time.monotonic() - started))
+            return answer  # journaled, never taped: the recording holds only what reached the model
         exchange = Exchange(
             run.run_id, request.method, request.path_qs, request.headers.get("X-LiteLLM-Session-ID"), body,
             self.config.body_limit,

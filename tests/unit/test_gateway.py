@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -300,3 +301,79 @@ def test_a_cassette_records_then_serves_with_no_upstream_and_names_the_first_dri
     assert len(stub.model.model_requests()) == 2  # nothing reached the upstream while serving
     (entry,) = journal_of(tmp_path / "drift.jsonl")
     assert entry["drift"]["message"] == 0 and entry["status"] == 400
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_a_sandbox_cannot_make_the_gateway_hold_what_it_likes(stub, tmp_path):
+    """An oversized body is refused (413) before it is read, a run's requests in flight are capped (429), and the
+    gateway's memory stays flat while sandboxes send 16 bodies of 100 MiB at once (curl streams them from a file,
+    so only the gateway's memory is this process's)."""
+    from pvisor_host.gateway.proxy import MAX_REQUEST_BODY, MAX_REQUESTS_PER_RUN
+
+    journal = tmp_path / "model-traffic.jsonl"
+    big = tmp_path / "big.json"
+    with big.open("wb") as handle:
+        handle.truncate(100 * 1024**2)
+    stub.model.hold = 2.0
+    with gateway_for(stub) as gateway:
+        access = gateway.access("run-1", journal)
+        baseline, peak, sampling = _rss(), [0], threading.Event()
+
+        def sample() -> None:
+            while not sampling.is_set():
+                peak[0] = max(peak[0], _rss())
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        sends = [
+            subprocess.Popen(
+                [
+                    "curl",
+                    "-s",
+                    "-o",
+                    "/dev/null",
+                    "-w",
+                    "%{http_code}",
+                    "--unix-socket",
+                    gateway.address,
+                    "-H",
+                    f"Authorization: Bearer {access.api_key}",
+                    "-H",
+                    "Content-Type: application/json",
+                    "--data-binary",
+                    f"@{big}",
+                    "http://gateway/v1/chat/completions",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for _ in range(16)
+        ]
+        codes = [send.communicate(timeout=60)[0] for send in sends]
+        sampling.set()
+        sampler.join()
+        assert set(codes) <= {"413", "429"} and "413" in codes  # past the cap of 8 at once: 429 before anything
+        assert peak[0] - baseline < 64 * 1024**2  # no body was buffered (each was 100 MiB)
+        assert stub.model.requests == []
+
+        answers: list[int] = []
+        lock = threading.Lock()
+
+        def call() -> None:
+            status = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)[0]
+            with lock:
+                answers.append(status)
+
+        calls = [threading.Thread(target=call) for _ in range(MAX_REQUESTS_PER_RUN + 3)]
+        for thread in calls:
+            thread.start()
+        for thread in calls:
+            thread.join()
+        assert sorted(answers) == [200] * MAX_REQUESTS_PER_RUN + [429] * 3
+    entries = journal_of(journal)
+    refused = [e for e in entries if e["status"] == 413]
+    assert refused and all(e["request_bytes"] == 0 for e in refused) and MAX_REQUEST_BODY > 0
