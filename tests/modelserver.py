@@ -239,6 +239,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(2)
             return
+        if failure == "echo-key":  # a wrong key, as OpenAI answers it (masked), and a careless upstream (whole)
+            key = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            message = f"Incorrect API key provided: {key[:8]}{'*' * 24}{key[-4:]}. You sent: {key}"
+            self._json(401, {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}})
+            return
         if isinstance(failure, int):
             error = {"error": {"message": f"stub failure {failure}", "type": "stub_error", "code": failure}}
             extra = {"Retry-After": f"{model.retry_after:g}"} if model.retry_after is not None else {}

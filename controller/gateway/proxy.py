@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import secrets
 import threading
 import time
@@ -90,6 +91,7 @@ class ModelProxy:
     def __init__(self, upstream: ModelUpstream, api_key: str | None, *, limits: Limits | None = None) -> None:
         self.config = upstream
         self._api_key = api_key
+        self._echoes = _echoes(api_key)
         self.limits = limits if limits is not None else local_limits(upstream)
         """The limits every upstream call takes a slot in: this proxy's own, or a batch's (a cluster's)."""
         self._runs: dict[str, _Run] = {}
@@ -259,7 +261,7 @@ class ModelProxy:
         if "text/event-stream" in response.headers.get("Content-Type", ""):
             return await self._stream(request, response, run, exchange, started)
         try:
-            content = await response.read()
+            content = self._scrubbed(await response.read())
         except (TimeoutError, aiohttp.ClientError) as exc:
             answer = _error(502, f"upstream failed while answering: {reason(exc)}")
             return self._done(run, exchange, answer, started)
@@ -317,6 +319,13 @@ class ModelProxy:
                 self._taped(run, exchange, answer, bytes(kept), stream=True)
         return answer
 
+    def _scrubbed(self, content: bytes) -> bytes:
+        """An answer of the upstream without the real key in it, whole or masked as upstreams echo a wrong one
+        (``sk-abc123************wxyz``): neither the sandbox, the journal nor the cassette gets it."""
+        if self._echoes is None or not content:
+            return content
+        return self._echoes.sub(b"<the key>", content)
+
     def _done(self, run: _Run, exchange: Exchange, answer: web.Response, started: float) -> web.Response:
         """Journal an answer of known length (and tape it), then give it."""
         content = bytes(answer.body) if isinstance(answer.body, bytes | bytearray) else b""
@@ -373,6 +382,15 @@ class ModelProxy:
         exchange.answered(data)
         journal.append(run.journal, exchange.finish(entry.status, stream=True, latency=time.monotonic() - started))
         return stream
+
+
+def _echoes(key: str | None) -> re.Pattern[bytes] | None:
+    """The key as an upstream may echo it: whole, or its first and last characters around a mask (OpenAI's
+    "Incorrect API key provided: sk-proj-********abcd"), so a user can tell which key it was."""
+    if not key or len(key) < 8:
+        return None
+    whole, head, tail = (re.escape(part.encode()) for part in (key, key[:3], key[-4:]))
+    return re.compile(whole + b"|" + head + rb"[\w-]{0,12}(?:\*{3,}|\.{3}|\xe2\x80\xa6)[\w*-]{0,8}?" + tail)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -377,3 +377,18 @@ def test_a_sandbox_cannot_make_the_gateway_hold_what_it_likes(stub, tmp_path):
     entries = journal_of(journal)
     refused = [e for e in entries if e["status"] == 413]
     assert refused and all(e["request_bytes"] == 0 for e in refused) and MAX_REQUEST_BODY > 0
+
+
+def test_an_upstream_error_that_echoes_the_key_reaches_neither_the_sandbox_nor_the_journal_nor_the_tape(stub, tmp_path):
+    from pvisor_host.gateway.cassette import Tape
+
+    journal, tape = tmp_path / "model-traffic.jsonl", tmp_path / "tape.jsonl"
+    stub.model.fail_next("echo-key")
+    with gateway_for(stub, body_limit=1 << 20) as gateway:
+        access = gateway.access("run-1", journal, Tape(tape, replaying=False))
+        status, answer = post(gateway, "/v1/chat/completions", {"messages": []}, access.api_key)
+    assert status == 401
+    assert "Incorrect API key provided: <the key>. You sent: <the key>" in answer.decode()
+    written = journal.read_text() + (tape.read_text() if tape.exists() else "")
+    assert "Incorrect API key provided" in journal.read_text()  # the error is journaled, scrubbed
+    assert REAL_KEY not in written and "****" not in written
