@@ -255,7 +255,7 @@ def batch(
     checked = batch_items(items, defaults, repeat=repeat)
     check_cluster_options(cluster, registry)  # now rather than when iterated; the backend checks again
     Mirrors.parse(registry_mirror, image_rewrites)
-    options = BatchOptions(
+    options = BatchOptions.checked(
         out=Path(out).absolute(),
         workers=workers or default_workers(checked[0].spec.memory),
         deadline=parse_duration(deadline, flag="deadline") if isinstance(deadline, str) else deadline,

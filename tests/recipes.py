@@ -22,3 +22,8 @@ def github_steps() -> tuple[dict[str, str], list[dict[str, Any]]]:
 def gitlab_job() -> dict[str, Any]:
     """The ``replay`` job."""
     return yaml.safe_load(GITLAB.read_text())["replay"]
+
+
+def github_defaults() -> dict[str, Any]:
+    """The workflow's ``defaults``."""
+    return dict(yaml.safe_load(GITHUB.read_text()).get("defaults", {}))

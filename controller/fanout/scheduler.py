@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -72,6 +73,21 @@ class BatchOptions(BaseModel):
     free space of the engine's storage)."""
     keep_images: bool = False
     """Keep the task images this batch pulled when it ends (by default it removes them)."""
+
+    @classmethod
+    def checked(cls, **fields: Any) -> BatchOptions:
+        """The options, with what no field can say alone refused in one line (before any engine is asked).
+
+        Raises:
+            UsageError: ``pull_workers`` 0 (every image first) with an ``image_budget``, which cannot bound it.
+        """
+        options = cls(**fields)
+        if options.pull_workers == 0 and options.image_budget is not None:
+            raise UsageError(
+                "--image-budget cannot apply with --pull-workers 0: every image is pulled first, before any item",
+                hint="drop --pull-workers 0 to keep the images within the budget, or drop the budget",
+            )
+        return options
 
 
 class BatchOutcome(BaseModel):
@@ -223,11 +239,6 @@ class BatchRun:
         reports: Sequence[BatchReport] = (),
         on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
-        if options.pull_workers == 0 and options.image_budget is not None:
-            raise UsageError(
-                "--image-budget cannot apply with --pull-workers 0: every image is pulled first, before any item",
-                hint="drop --pull-workers 0 to keep the images within the budget, or drop the budget",
-            )
         self._items = items
         self._images = list(images)
         self._reports = reports

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from recipes import github_steps, gitlab_job
+from recipes import github_defaults, github_steps, gitlab_job
 
 from cluster import Registry
 from conftest import run_cli
@@ -145,7 +145,8 @@ def base_env(root: Path) -> dict[str, str]:
 
 def run_github(workflow_env: dict[str, str], steps: list[dict], root: Path, env: dict[str, str], artifacts: dict,
                run_id: int) -> list[str]:  # fmt: skip
-    """The job's steps in order (as GitHub runs them: ``bash -eo pipefail``); the steps it ran, by name."""
+    """The job's steps in order (``shell: bash`` is ``bash --noprofile --norc -eo pipefail``); the steps it ran,
+    by name."""
     job = {**env, **workflow_env}
     files = {name: root.parent / f"{root.name}-{name}" for name in ("output", "env", "summary")}
     for path in files.values():
@@ -191,7 +192,11 @@ def run_github(workflow_env: dict[str, str], steps: list[dict], root: Path, env:
             job["PATH"] = f"{venv / 'bin'}:{job['PATH']}"
         elif step["uses"] == "actions/download-artifact@v4":
             assert (with_["run-id"], with_["github-token"]) == (str(artifacts["latest"]), TOKEN)
-            shutil.copytree(artifacts[int(with_["run-id"])][with_["name"]], root / with_["path"])
+            stored = artifacts.get(int(with_["run-id"]), {}).get(with_["name"])
+            if stored is None:  # expired
+                assert step.get("continue-on-error") is True, "a missing baseline would fail the job"
+                continue
+            shutil.copytree(stored, root / with_["path"])
         elif step["uses"] == "actions/upload-artifact@v4":
             path = root / with_["path"]
             assert path.exists(), f"{ran[-1]}: {path} is missing"
@@ -207,6 +212,7 @@ def test_the_github_recipe_as_written_then_again_against_its_baseline(project, w
     server = CiServer(wheel)
     try:
         workflow_env, steps = github_steps()
+        assert github_defaults() == {"run": {"shell": "bash"}}  # what run_github runs the steps with
         release = workflow_env["PVISOR_HOST_WHEEL"]
         assert release.endswith(f"/{wheel.name}")  # the recipe names this version's wheel
         workflow_env |= {
@@ -233,6 +239,16 @@ def test_the_github_recipe_as_written_then_again_against_its_baseline(project, w
         compared = json.loads((tmp_path / "run2" / "replays" / "compare.json").read_text())
         assert (compared["matched"], compared["changes"]) == (1, [])
         assert "### pvisor-host batch" in (tmp_path / "run2-summary").read_text()
+        published = (tmp_path / "run2" / "junit.xml").read_bytes()  # against the baseline: only regressions fail
+        assert published == (tmp_path / "run2" / "replays" / "compare.xml").read_bytes()
+        assert (tmp_path / "run1" / "junit.xml").read_bytes() == (
+            tmp_path / "run1" / "replays" / "junit.xml"
+        ).read_bytes()
+
+        # The baseline run's artifacts expired: a warning, and the batch runs without a baseline.
+        server.github_runs, artifacts["latest"] = [99], 99
+        third = run_github(workflow_env, steps, job_dir(project, tmp_path / "run3"), env, artifacts, 103)
+        assert "Download the baseline" in third and not (tmp_path / "run3" / "replays" / "compare.json").exists()
         assert any("actions/workflows/replay.yml/runs" in path for path in server.asked)
     finally:
         server.close()
@@ -272,8 +288,14 @@ def test_the_gitlab_recipe_as_written_against_its_baseline(project, wheel, tmp_p
         done = subprocess.run(["bash", "-eo", "pipefail", "-c", "\n".join(script)], cwd=pipeline, env=env,
                               capture_output=True, text=True, timeout=900)  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
+        after = subprocess.run(["bash", "-eo", "pipefail", "-c", "\n".join(job["after_script"])], cwd=pipeline,
+                               env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert after.returncode == 0, after.stderr
         for path in job["artifacts"]["paths"] + [job["artifacts"]["reports"]["junit"]]:
             assert (pipeline / path).exists(), path
+        assert (pipeline / "junit.xml").read_bytes() == (pipeline / "replays" / "compare.xml").read_bytes()
+        assert not (tmp_path / "docker-config").exists()  # the runner's own Docker config was never written
+        assert project["registry"] not in (pipeline / ".docker" / "config.json").read_text()  # logged out
         compared = json.loads((pipeline / "replays" / "compare.json").read_text())
         assert (compared["matched"], compared["changes"]) == (1, [])
         assert json.loads((pipeline / "replays" / "summary.json").read_text())["counts"] == {"ok": 1}

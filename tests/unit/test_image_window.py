@@ -37,7 +37,7 @@ def run(backend: FakeBackend, root: Path, images: list[str], per_image: int, **o
     items, counts = dataset(root, images, per_image)
     workers = int(options.pop("workers", 2))  # type: ignore[call-overload]
     batch = BatchRun(
-        items, backend, BatchOptions(out=root / "out", workers=workers, **options), total=len(items),
+        items, backend, BatchOptions.checked(out=root / "out", workers=workers, **options), total=len(items),
         task_images=counts,
     )  # fmt: skip
     for _ in batch:

@@ -42,6 +42,7 @@ def shell_steps() -> list[tuple[str, str]]:
     _, steps = github_steps()
     found = [(f"github: {s.get('name', s['run'][:40])}", s["run"]) for s in steps if "run" in s]
     found.append(("gitlab: script", "\n".join(gitlab_job()["script"])))
+    found.append(("gitlab: after_script", "\n".join(gitlab_job()["after_script"])))
     return found
 
 

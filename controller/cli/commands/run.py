@@ -200,7 +200,7 @@ def batch(
         raise UsageError(f"two manifests given ({manifest_file} and --manifest {manifest}); pass one")
     allowance = allowed_failures(allow_failures)
     if baseline is not None:
-        _check_baseline(baseline, out_dir, plan=plan)
+        _check_baseline(baseline, out_dir, plan=plan, repeat=repeat)
     failing = _fail_on(fail_on, baseline)
     check_cluster_options(cluster, registry)
     Mirrors.parse(registry_mirror, image_rewrite)  # what the host can tell, before anything is asked
@@ -213,7 +213,7 @@ def batch(
         say(f"pvisor-host: {source.name}:{problem.line}: {problem.message}")
     if checked.problems:
         raise UsageError(f"{len(checked.problems)} of the batch's lines are wrong (listed above); nothing ran")
-    batch_options = BatchOptions(
+    batch_options = BatchOptions.checked(
         out=out_dir.absolute(),
         workers=workers or default_workers(source.spec_default("memory")),
         deadline=parse_duration(deadline, flag="--deadline") if deadline is not None else None,
@@ -262,11 +262,16 @@ def _fail_on(text: str | None, baseline: Path | None) -> FailOn:
     return text
 
 
-def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool) -> None:
+def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool, repeat: int) -> None:
     from ...fanout.compare import check_run_dir
 
     if plan:
         raise UsageError("--baseline compares finished runs; it does nothing with --plan")
+    if repeat > 1:
+        raise UsageError(
+            "--repeat finds the flaky items of one run; it cannot be compared item by item with --baseline",
+            hint="run --repeat on its own, and compare a run without it against the baseline",
+        )
     if baseline.absolute() == batch_dir.absolute():
         raise UsageError(f"--baseline {baseline} is the batch's own --out; pass the earlier batch's directory")
     check_run_dir(baseline.absolute())
