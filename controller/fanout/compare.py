@@ -15,8 +15,9 @@ one and new at the new one. For each pair it reports, regressions first:
   an image without one, its id) differs;
 * ``new`` and ``gone``.
 
-Two ``replay --out`` directories (a ``record.json`` each) compare the same way: their one item each is
-matched by the trajectory's file name and the boundary.
+Two ``replay --out`` directories (a ``record.json`` each) compare the same way: their one item each is the
+pair (named by the earlier one's trajectory file; a warning when the two trajectories' names differ), and a
+boundary that moved is ``gone`` and ``new`` as for a batch.
 
 With live continuations it also says how the model's figures moved between the two runs, over every item of
 each (tokens in and out, errors, retries, cost): :attr:`Comparison.model`.
@@ -37,6 +38,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from .._log import logger
 from ..errors import UsageError
 from ..files.atomic import write_atomic
 from ..models.batch import FlakyItem
@@ -180,8 +182,12 @@ def compare_runs(old: Path, new: Path) -> Comparison:
         raise UsageError(
             f"{old if _single(old) else new} is one replay's --out and the other a batch's; compare two of a kind"
         )
-    if _single(old):  # one replay each: its item is named by its trajectory (a replay has no item id)
+    if _single(old):  # one replay each: the two items are the pair, named by the earlier one's trajectory
         before, after = _by_trajectory(before), _by_trajectory(after)
+        (first,), (second,) = before.values(), after.values()
+        if first.trajectory != second.trajectory:
+            logger.warning("comparing replays of two trajectories: {} and {}", first.trajectory, second.trajectory)
+        after = {(first.trajectory or first.id, second.after_step): second}
     changes: list[ItemChange] = []
     matched = 0
     for key in sorted(before.keys() | after.keys()):

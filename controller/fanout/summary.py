@@ -170,9 +170,10 @@ def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (
 
 
 def cell(value: object) -> str:
-    """``value`` as one cell of a Markdown table: a ``|`` escaped (GitHub honours that inside code spans too),
-    on one line."""
-    return " ".join(str(value).split("\n")).replace("|", "\\|")
+    """``value`` as one cell of a Markdown table, as text: on one line, ``|`` escaped (GitHub honours that
+    inside code spans too), and no HTML, link or code span of its own (a file or an id may be named so)."""
+    text = " ".join(str(value).split("\n")).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return text.replace("|", "\\|").replace("`", "'").replace("[", "\\[").replace("]", "\\]")
 
 
 def more_line(count: int) -> list[str]:

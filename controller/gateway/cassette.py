@@ -139,24 +139,30 @@ def compare(
 
 #: What differs between two runs on two hosts by itself, masked in both requests before they are compared.
 #: Each is anchored where a run of its kind starts (no backtracking across a long run of digits), and each
-#: masks only what is fresh by nature: a file directly in ``/tmp`` or a ``timeout=30s`` is not masked, a
-#: ``mkdtemp`` or ``mktemp`` name or a "took 0.52s" is.
+#: masks only what is fresh by nature, in the shapes the tools that make it print: a temp directory's
+#: made-up name as ``mktemp``, Python's ``tempfile`` and pytest make them (a file named by the task, even in
+#: ``/tmp``, is not masked), a duration a word says was measured ("took 0.52s", "real 0m0.003s", "(12 ms)";
+#: not ``timeout=30s`` or ``sleep 1.5s``), dates and times, kernel and OS builds, pids.
 _TEMP_DIR = r"(?:/private)?(?:/tmp|/var/tmp|/var/folders/[\w-]+/[\w-]+/T)"
-_RANDOM_NAME = (
-    r"[\w.+-]{0,40}?(?:tmp[.\w]\w{4,}|pytest-of-[\w-]+/pytest-\d+|(?=[a-f]{0,40}\d)[0-9a-f]{6,}|\d{3,})[\w.+-]*"
-)
+_MADE_UP = r"(?:tmp\.[A-Za-z0-9]{10}|tmp[a-z0-9_]{8}|pytest-of-[\w-]+/pytest-\d+)(?![\w.])"
 _UNIT = r"(?:ns|us|µs|ms|msec|s|sec|secs|seconds?|minutes?|mins?)"
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
 DEFAULT_MASKS = [
+    # `date`, `ls -l`, `git log`: [weekday] month day, then a time or a year
+    re.compile(
+        rf"\b(?:(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun),? +)?{_MONTH} +\d{{1,2}} +(?:\d{{1,2}}:\d{{2}}(?::\d{{2}})?|\d{{4}})\b"
+    ),
     re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)"),  # dates, ISO timestamps' too
     re.compile(r"(?<![\d:])\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?(?![\d:])"),  # times of day
     re.compile(r"\b(?:Linux|Darwin|Windows(?: NT)?)[ /-]v?\d+(?:\.\d+)+[\w.+~-]*"),  # kernel and OS versions
     re.compile(r"\bDarwin Kernel Version \d+(?:\.\d+)+"),  # uname -v on macOS
+    re.compile(r"#\d+(?:~[\w.]+)?(?:-Ubuntu)? SMP"),  # uname -v's build number (Debian's, Ubuntu's #26~22.04.1-Ubuntu)
     re.compile(r"\b(?:Debian|Ubuntu) \d+(?:\.\d+)+-\S+"),  # the kernel package in uname -v
     re.compile(r"(?<![\w.])\d+(?:\.\d+)+-\d+-(?:amd64|arm64|cloud-amd64|generic|aws|azure|gcp)\b"),  # a kernel release
-    re.compile(rf"(?<![\w.]){_TEMP_DIR}/{_RANDOM_NAME}"),  # a temporary directory's made-up name
+    re.compile(rf"(?<![\w.]){_TEMP_DIR}/{_MADE_UP}"),  # a temporary directory's made-up name
     re.compile(r"(?<![\w.])\d+m\d+(?:\.\d+)?s\b"),  # durations as `time` prints them (0m0.003s)
     re.compile(rf"(?i)\b(?:in|took|after|elapsed:?|real|user|sys|wall time:?)\s+\d+(?:\.\d+)?\s?{_UNIT}\b"),  # said so
-    re.compile(rf"(?<![\w.])\d+\.\d+\s?{_UNIT}\b"),  # or a measured duration has a fraction (0.52s, 1.7 seconds)
+    re.compile(rf"\(\d+(?:\.\d+)?\s?{_UNIT}\)"),  # as test runners print them: (0.00s), (12 ms)
     re.compile(r"(?i)\bpid[ =:]*\d+\b"),  # pids
 ]
 

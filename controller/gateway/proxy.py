@@ -241,6 +241,7 @@ class ModelProxy:
             )
         except Refused as refused:
             exchange.tried(tries)
+            refused.body = self._scrubbed(refused.body)
             return self._done(run, exchange, _refusal(refused), started)
         except TimeoutError:
             exchange.tried(tries)
@@ -297,7 +298,8 @@ class ModelProxy:
         error = None
         kept = bytearray() if run.tape is not None else None
         try:
-            async for chunk in upstream.content.iter_any():
+            async for data in upstream.content.iter_any():
+                chunk = self._scrubbed(data)  # a key split across two chunks is not caught: upstreams echo it whole
                 try:
                     await answer.write(chunk)
                 except ConnectionResetError:  # aiohttp's ClientConnectionResetError is a ClientError too

@@ -12,6 +12,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 CassetteMode = Literal["record", "replay"]
 DriftAction = Literal["fail", "serve"]
+"""What the gateway does when a request differs from the one the cassette holds: answer with an error (the
+agent stops, the item fails as ``model_drift``) or serve the recorded answer all the same."""
 
 
 def _regexes(value: tuple[str, ...]) -> tuple[str, ...]:
@@ -26,8 +28,6 @@ def _regexes(value: tuple[str, ...]) -> tuple[str, ...]:
 #: Regular expressions of what a cassette masks before it compares a request with its recording: an agent
 #: profile's ``volatile`` and a user's ``--cassette-mask``, both checked here (one line for a bad one).
 Masks = Annotated[tuple[str, ...], AfterValidator(_regexes)]
-"""What the gateway does when a request differs from the one the cassette holds: answer with an error (the
-agent stops, the item fails as ``model_drift``) or serve the recorded answer all the same."""
 
 #: A run's tape, recorded into its run directory; the batch then keeps it in the cassette's directory.
 MODEL_CASSETTE = "model-cassette.jsonl"

@@ -286,3 +286,14 @@ def test_report_with_a_baseline_embeds_the_changes_regressions_first(runs):
     ]
     assert compared["changes"][0]["was"] == "ok, every observation exact"
     assert run_cli("report", new).code == 0 and '"comparison":' not in (new / "report.html").read_text()
+
+
+def test_two_replays_of_a_renamed_trajectory_are_still_the_pair(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    item(tmp_path, "", directory=first, files={"out.txt": "one"})
+    item(tmp_path, "", directory=second, files={"out.txt": "two"})
+    record = json.loads((second / "record.json").read_text())
+    record["inputs"]["trajectory"]["path"] = "/data/renamed.jsonl"
+    (second / "record.json").write_text(json.dumps(record))
+    result = compare_runs(first, second)
+    assert (result.matched, [(c.kind, c.id) for c in result.changes]) == (1, [("effects_changed", "t.jsonl")])

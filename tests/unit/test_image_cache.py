@@ -413,3 +413,23 @@ def test_a_registry_that_could_not_price_during_the_wait_is_asked_again_now_and_
     assert engine.prices.count("task1") == 2  # every TIDY_EVERY (10 waits of POLL) until it answers, then no more
     assert clock.waits == 10 and second.compressed > 0  # priced once it answered: pulled alongside, not alone
     assert not [x for e in cache.entries() for x in e.layers if x.chain.startswith("unpriced:")]
+
+
+def test_a_hold_let_go_while_its_pull_runs_keeps_the_pull_noted_until_it_is_weighed(cache, engine, monkeypatch):
+    refs = swe(engine, 1)
+    first = cache.reserve(refs[0], budget=None)
+    pull = engine.pull
+
+    def let_go_meanwhile(ref, **kwargs):
+        cache.release(first)  # its item was cancelled while the pull ran
+        (noted,) = cache.entries()
+        assert (noted.state, noted.holds) == ("pulling", {})  # still noted as pulling: a second asker waits for it
+        assert cache._pulled_elsewhere(ref)
+        return pull(ref, **kwargs)
+
+    monkeypatch.setattr(engine, "pull", let_go_meanwhile)
+    cache.fill(first)
+    (entry,) = cache.entries()
+    assert (entry.state, entry.holds) == ("present", {})
+    second = cache.reserve(refs[0], budget=None)
+    assert second.key == entry.key and engine.pulls == ["task0"] and set(cache.entries()[0].holds) == {second.token}

@@ -116,7 +116,9 @@ class ImageCache:
         self._filling: set[str] = set()
         """The holds whose pull runs now in this process (a hold let go before its pull ran leaves no note)."""
         self._lock = threading.Lock()
-        """Guards ``_filling`` and a hold's ``key`` between :meth:`fill` and :meth:`release`; no I/O under it."""
+        """Guards ``_filling`` and a hold's ``key`` between :meth:`fill` and :meth:`release` (a release reads the
+        ledger under it, so that a fill cannot start between its look and its settling; no engine or registry
+        call is made under it)."""
 
     # -- asking for an image ----------------------------------------------------------------------------------
 
@@ -332,8 +334,7 @@ class ImageCache:
         with self._ledger.changing() as state:
             entry = state.images.get(found.id)
             if entry is None and any(
-                i.ref == ref and i.state == "pulling" and i.holds and self._ledger.alive(i.worker)
-                for i in state.images.values()
+                i.ref == ref and i.state == "pulling" and self._ledger.alive(i.worker) for i in state.images.values()
             ):
                 return None  # pulled, not yet weighed: the pull's holder notes it under its id in a moment
             if entry is None or entry.kept:
@@ -368,7 +369,7 @@ class ImageCache:
         """Whether another holder pulls ``ref`` now (this one then waits, and finds it present)."""
         state = self._ledger.read()
         return any(
-            entry.ref == ref and entry.state == "pulling" and entry.holds and self._ledger.alive(entry.worker)
+            entry.ref == ref and entry.state == "pulling" and self._ledger.alive(entry.worker)
             for entry in state.images.values()
         )
 
