@@ -163,7 +163,9 @@ def test_a_full_disk_stops_the_batch_with_one_line_and_a_rerun_finishes_it(tmp_p
     before = {c.id for c in ours(docker_client)}
     path = manifest(tmp_path / "data", 20, command="head -c 150000 /dev/urandom > blob-N.bin")
     out = small_disk / "out"
-    result = batch(path, out, "--workers", "2")
+    # One at a time, so that items finish before the disk fills: two items at once (a 150 KB blob collected,
+    # and its patch, each) can fill the 700 KB together before either has finished.
+    result = batch(path, out, "--workers", "1")
     assert result.code == 6, result.stderr
     lines = [line for line in result.error_lines if "is full" in line]
     assert len(lines) == 1, result.stderr
