@@ -67,7 +67,7 @@ class CiServer:
     def answer(self, path: str, headers: Any) -> tuple[int, bytes]:
         if path.endswith(f"/{self.wheel.name}"):
             return 200, self.wheel.read_bytes()
-        if path == "/repos/o/r/actions/workflows/replay.yml/runs?branch=main&status=success&per_page=1":
+        if path == "/repos/o/r/actions/workflows/replay.yml/runs?branch=main&event=push&status=success&per_page=1":
             if headers.get("Authorization") != f"Bearer {TOKEN}":
                 return 401, b'{"message": "Bad credentials"}'
             runs = [{"id": n} for n in self.github_runs[:1]]
