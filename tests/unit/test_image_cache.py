@@ -358,6 +358,34 @@ def test_a_batch_that_finds_its_image_here_trims_what_earlier_batches_left_to_it
     assert later.usage().bytes == later.usage().peak == (50 + 250 + 20) * MB
 
 
+def test_an_image_on_its_way_out_is_not_in_the_peak_of_a_copy_that_holds_another_meanwhile(
+    tmp_path, engine, clock, monkeypatch
+):
+    """Two copies of one batch on a node find their image here; while the first removes what an earlier batch
+    left, the second holds the image too: the peak is what stays, not what is being removed."""
+    refs = swe(engine, 3, envs=3)
+    earlier = cache_for(tmp_path, engine, clock, owner="otherhost/5/5", session="earlier")
+    for ref in refs:
+        earlier.release(take(earlier, ref, None))
+        clock.now += 1
+    budget = (50 + 250 + 20) * MB
+    first = cache_for(tmp_path, engine, clock, owner="node/1/1", session="later")
+    second = cache_for(tmp_path, engine, clock, owner="node/2/2", session="later")
+    remove = engine.remove
+    meanwhile = []
+
+    def second_holds_meanwhile(ref, image_id):
+        if not meanwhile:
+            meanwhile.append(second.reserve(refs[1], budget=budget))
+        return remove(ref, image_id)
+
+    monkeypatch.setattr(engine, "remove", second_holds_meanwhile)
+    held = first.reserve(refs[1], budget=budget)
+    assert held.present is not None and meanwhile[0].present is not None
+    assert engine.removals == ["task0", "task2"]
+    assert first.peak("later") == first.usage().bytes == budget
+
+
 def test_layers_the_engine_had_before_do_not_count_as_the_caches(cache, engine):
     refs = swe(engine, 2)
     engine.add("env-image", [("os", 50 * MB), ("env0", 250 * MB)], [])

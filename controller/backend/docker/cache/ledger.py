@@ -91,10 +91,16 @@ class CacheState(BaseModel):
         """Bytes the cache's pulled images take now, each layer once (no estimate)."""
         return distinct_bytes(i.layers for i in self.images.values() if i.counts and i.state != "pulling")
 
+    def staying(self) -> int:
+        """Bytes the cache's pulled images take once the removals under way end (a removal the engine refuses
+        leaves its image present: counted from then on)."""
+        return distinct_bytes(i.layers for i in self.images.values() if i.counts and i.state == "present")
+
     def note_peak(self, session: str | None) -> None:
-        """The cache's bytes on disk now count toward the peak of ``session`` and of every session holding an
-        image."""
-        used = self.on_disk()
+        """The cache's bytes on disk now, but for images on their way out, count toward the peak of ``session``
+        and of every session holding an image. An image being removed is not counted: its removal was decided
+        before this moment (a batch trimming what earlier batches left does not peak at what it trims)."""
+        used = self.staying()
         sessions = {h.session for i in self.images.values() for h in i.holds.values()} | {session}
         for name in sorted(n for n in sessions if n is not None):
             self.peaks[name] = max(self.peaks.pop(name, 0), used)  # re-inserted: the latest stay
