@@ -96,6 +96,12 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{rest:02d}s"
 
 
+def shortlist(items: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``: the first ``shown`` of ``items``, and how many are left out."""
+    left = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {left} more" if left > 0 else "")
+
+
 def short_size(size: int) -> str:
     """Bytes as the shortest string :func:`parse_size` reads back exactly (``4g``, ``64k``, ``1500``)."""
     for unit, power in (("t", 4), ("g", 3), ("m", 2), ("k", 1)):

@@ -4,10 +4,29 @@
 set -eu
 # The output goes to files in a directory the host made (the engine keeps no logs of a sandbox).
 exec >>/pvisor-host/logs/stdout.log 2>>/pvisor-host/logs/stderr.log
+# relay "PORT SOCKET": listen on 127.0.0.1:PORT and forward to the host's SOCKET; return once it listens
+# (the first replayed call may come at once), judged by /proc/net/tcp, as no tool is sure to be there.
+relay() {
+    # shellcheck disable=SC2086 # "PORT SOCKET" is two arguments
+    "${PVISOR_HOST_RELAY_BIN}" $1 &
+    listening=$(printf '0100007F:%04X 00000000:0000 0A' "${1%% *}")
+    tries=0
+    while [ "$tries" -lt 200 ]; do
+        while IFS= read -r line; do
+            case "$line" in *"$listening"*) return 0 ;; esac
+        done </proc/net/tcp
+        sleep 0.01 2>/dev/null || sleep 1
+        tries=$((tries + 1))
+    done
+}
 # A live continuation reaches its model only through the gateway's socket: relay 127.0.0.1:PORT to it.
 if [ -n "${PVISOR_HOST_RELAY:-}" ]; then
-    # shellcheck disable=SC2086 # "PORT SOCKET" is two arguments
-    "${PVISOR_HOST_RELAY_BIN}" $PVISOR_HOST_RELAY &
+    relay "$PVISOR_HOST_RELAY"
+fi
+# --egress: the replayed tools' proxy (http_proxy and friends) is 127.0.0.1:PORT, relayed to the host's
+# egress proxy through the run's own socket; the sandbox has no network of its own.
+if [ -n "${PVISOR_HOST_EGRESS_RELAY:-}" ]; then
+    relay "$PVISOR_HOST_EGRESS_RELAY"
 fi
 if [ ! -r /pvisor-host/input/verify.sh ]; then
     if [ -r /pvisor-host/input/env.sh ]; then

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..models.batch import BatchSummary, FlakyItem, ItemResult
 from ..models.housekeeping import AgentStatus, CatalogEntry, GcReport, HealthReport, PruneResult
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
 _CHANGE_STYLE = {
     "regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "effects_changed": "yellow",
-    "image_changed": "yellow", "fixed": "green",
+    "new_hosts": "yellow", "image_changed": "yellow", "fixed": "green",
 }  # fmt: skip
 
 
@@ -77,6 +78,8 @@ def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> Non
         )
     if record.collection.truncated:
         table.add_row("collected", "[yellow]truncated at the collect limit[/yellow]")
+    if record.egress is not None:
+        table.add_row("egress", Text(record.egress.describe()))
     table.add_row("image", f"{record.image.ref} ({record.image.agent} {record.image.agent_version})")
     table.add_row("time", format_duration(record.timings.get("total", 0.0)))
     table.add_row("artifacts", f"{_relative(out_dir)}/ ({len(record.artifacts)} files, record.json)")
@@ -327,6 +330,8 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
         console.print(line, highlight=False, soft_wrap=True)
     if summary.model is not None:
         console.print(f"model: {summary.model.describe()}", highlight=False, soft_wrap=True)
+    if summary.egress is not None:
+        console.print(f"egress: {summary.egress.describe()}", highlight=False, soft_wrap=True, markup=False)
     total = summary.timings.get("total", {})
     console.print(
         f"per item p50 {format_duration(total.get('p50', 0))}, p90 {format_duration(total.get('p90', 0))}; "

@@ -11,6 +11,8 @@ one and new at the new one. For each pair it reports, regressions first:
 * ``effects_changed`` — same status and the same diverged calls, but the replay left the workspace otherwise:
   a file it added or changed has other content, or one run touched a file the other did not
   (:attr:`ItemChange.files`; from the record's workspace changes and the collected files' sha256);
+* ``new_hosts`` — nothing of the above, but its replayed tool calls reached hosts through the egress proxy
+  (``--egress``) that they did not reach before (:attr:`ItemChange.new_hosts`; any other change names them too);
 * ``image_changed`` — nothing of the above, but it ran in other bytes: its image's registry digest (or, for
   an image without one, its id) differs;
 * ``new`` and ``gone``.
@@ -43,16 +45,19 @@ from ..errors import UsageError
 from ..files.atomic import write_atomic
 from ..models.batch import FlakyItem
 from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
+from ..units import shortlist
 from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
 ChangeKind = Literal[
-    "regression", "fixed", "status_changed", "divergence_moved", "effects_changed", "image_changed", "new", "gone"
-]
+    "regression", "fixed", "status_changed", "divergence_moved", "effects_changed", "new_hosts", "image_changed",
+    "new", "gone",
+]  # fmt: skip
 #: The order changes are listed in: what a CI guard must look at first.
 KIND_ORDER: tuple[ChangeKind, ...] = (
-    "regression", "status_changed", "divergence_moved", "effects_changed", "image_changed", "gone", "new", "fixed",
+    "regression", "status_changed", "divergence_moved", "effects_changed", "new_hosts", "image_changed", "gone",
+    "new", "fixed",
 )  # fmt: skip
 #: In :attr:`ItemState.effects`: a file the replay removed, and one whose content was not collected.
 REMOVED, UNCOLLECTED = "removed", "?"
@@ -99,6 +104,8 @@ class ItemState(BaseModel):
     """A live continuation's model figures (every attempt's)."""
     verified: bool | None = None
     """With ``--verify``: whether the task's verifier passed."""
+    egress: list[str] | None = None
+    """With ``--egress``: the ``host:port`` its replayed tool calls reached (None: it ran without)."""
 
 
 class ItemChange(BaseModel):
@@ -113,14 +120,17 @@ class ItemChange(BaseModel):
     """It ran in another image than before (another digest, or id)."""
     files: list[str] = []
     """The workspace files whose effect differs between the two runs (see :attr:`ItemState.effects`)."""
+    new_hosts: list[str] = []
+    """``host:port`` reached through the egress proxy in the new run and not in the old (both with ``--egress``)."""
 
     @property
     def describe(self) -> str:
         """One line for people: what it was and what it is."""
         line = f"{state_line(self.old)} → {state_line(self.new)}"
         if self.files:
-            shown = ", ".join(self.files[:3]) + (f" and {len(self.files) - 3} more" if len(self.files) > 3 else "")
-            line += f"; files differ: {shown}"
+            line += f"; files differ: {shortlist(self.files)}"
+        if self.new_hosts:
+            line += f"; new hosts reached: {shortlist(self.new_hosts)}"
         if self.image_changed and self.old is not None and self.new is not None:
             line += f"; image {_short(self.old.image)} → {_short(self.new.image)}"
         return line
@@ -199,12 +209,15 @@ def compare_runs(old: Path, new: Path) -> Comparison:
         matched += 1
         image_changed = _other_bytes(was, now)
         files = _other_effects(was, now)
-        change = _change(was, now) or ("effects_changed" if files else "image_changed" if image_changed else None)
+        hosts = _new_hosts(was, now)
+        change = _change(was, now) or (
+            "effects_changed" if files else "new_hosts" if hosts else "image_changed" if image_changed else None
+        )
         if change is not None:
             changes.append(
                 ItemChange(
                     id=key[0], after_step=key[1], kind=change, old=was, new=now, image_changed=image_changed,
-                    files=files,
+                    files=files, new_hosts=hosts,
                 )
             )  # fmt: skip
     changes.sort(key=lambda c: (KIND_ORDER.index(c.kind), c.id, c.after_step))
@@ -283,6 +296,13 @@ def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
     if was.first_divergence != now.first_divergence or was.diverged != now.diverged:
         return "divergence_moved"
     return None
+
+
+def _new_hosts(was: ItemState, now: ItemState) -> list[str]:
+    """The hosts the new run reached through the egress proxy and the old did not (both ran with ``--egress``)."""
+    if was.egress is None or now.egress is None:
+        return []
+    return [host for host in now.egress if host not in was.egress]
 
 
 def _other_effects(was: ItemState, now: ItemState) -> list[str]:
@@ -366,6 +386,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         path=str(item_dir.relative_to(run_dir)),
         model=record.model.totals if record.model is not None else None,
         verified=record.verification.passed if record.verification is not None else None,
+        egress=list(record.egress.hosts) if record.egress is not None else None,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 from ..errors import ExitCode, UsageError
 from ..files.atomic import write_atomic
 from ..models.batch import PHASES, RESULTS_FILE, BatchSummary, ItemResult, VerificationStats, percentile
+from ..models.egress import EgressStats
 from ..models.record import add_totals
 
 #: Item statuses JUnit reports as failures (the replay's outcome) and as errors (the machinery's).
@@ -65,6 +66,7 @@ def summarize(
         failed=[r.id for r in results if r.status != "ok"],
         model=add_totals([r.model for r in results if r.model is not None and not r.skipped]),
         verification=_verification(results),
+        egress=EgressStats.over([r.egress for r in results if r.egress is not None and not r.skipped]),
     )
 
 
@@ -149,6 +151,8 @@ def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (
     if summary.verification is not None:
         v = summary.verification
         lines += ["", f"Verification: {v.passed} of {v.verified} passed ({v.pass_rate:.1%})."]
+    if summary.egress is not None:
+        lines += ["", f"Egress: {cell(summary.egress.describe())}."]
     drifted = [(r.id, r.model.drift) for r in results if r.model is not None and r.model.drift is not None]
     if drifted:
         lines += ["", "| drifted from its cassette | model call | field | message |", "|---|---|---|---|"]

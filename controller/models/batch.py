@@ -8,6 +8,7 @@ from datetime import datetime
 from pydantic import BaseModel
 
 from ..units import percentile
+from .egress import EgressStats, EgressTotals
 from .record import ModelTotals
 
 __all__ = [
@@ -75,6 +76,8 @@ class ItemResult(BaseModel):
     """With ``--verify``: whether the task's verifier passed, and its reward."""
     model: ModelTotals | None = None
     """A live continuation's model figures (tokens, cost, ...), every attempt's calls included."""
+    egress: EgressTotals | None = None
+    """With ``--egress``: the connections its tool calls made and were refused, the bytes, the hosts."""
     repeat_of: str | None = None
     """With ``--repeat K``: the id its repeats share (see :class:`FlakyItem`)."""
 
@@ -164,5 +167,7 @@ class BatchSummary(BaseModel):
     items' medians, and the 90th percentile of their 90th percentiles)."""
     verification: VerificationStats | None = None
     """With ``--verify``: how many items' verifiers passed, and the mean reward."""
+    egress: EgressStats | None = None
+    """With ``--egress``: the items' connections, refusals and bytes, and the hosts reached and refused."""
     flaky: list[FlakyItem] = []
     """With ``--repeat K``: the items whose repeats ended otherwise, or left the workspace otherwise."""

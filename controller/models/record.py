@@ -19,6 +19,7 @@ from ..files.archive import Skipped
 from ..files.atomic import write_atomic
 from ..files.trees import WorkspaceChanges
 from ..units import percentile
+from .egress import EgressInfo
 from .image import ImageRef
 from .result import ReplayResult
 
@@ -327,6 +328,8 @@ class ReplayRecord(BaseModel):
     """With ``--verify``: the task's verifier's outcome and reward."""
     collection: Collection = Collection()
     model: ModelInfo | None = None
+    egress: EgressInfo | None = None
+    """With ``--egress``: the hosts the sandbox reached and was refused, connection by connection."""
     attempt: int = 1
     """Which attempt this record is (pvisor's retryable failures are retried in fresh sandboxes)."""
     attempts: list[AttemptSummary] = []

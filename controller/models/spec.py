@@ -27,6 +27,7 @@ from pydantic import (
 
 from ..errors import UsageError
 from ..units import DURATION_JSON_SCHEMA, SIZE_JSON_SCHEMA, parse_duration, parse_size
+from .egress import Egress, EgressLimit
 from .gateway import Cassette, DriftAction, Masks, ModelPrice
 
 Mode = Literal["continue", "replay-only", "prepare-only"]
@@ -253,6 +254,15 @@ class ReplaySpec(BaseModel):
     """Cap on the bytes collected from the sandbox; past it the record says ``truncated``."""
     network: Network = "none"
     """``none`` (no interface but loopback) or ``bridge`` (the engine's default bridge)."""
+    egress: Egress | None = None
+    """Hosts the replayed tool calls may reach through pvisor-host's egress proxy, the sandbox keeping no network of
+    its own: allow:HOST[:PORT] entries (*.NAME for subdomains; ports 80 and 443 without one) and presets (pypi,
+    npm, github), comma-separated; none allows nothing. Deny by default; names resolve on the host, and a
+    non-public address is refused unless listed itself. Every connection is journaled in the record
+    (docs/egress.md)."""
+    egress_limit: EgressLimit = EgressLimit()
+    """Caps on one sandbox's egress: connections=N (in all), bytes=SIZE (both ways), at_once=N. Past them a
+    connection is refused or cut, and the record says which cap."""
     env: list[str] = []
     """Names of host variables passed into the sandbox (values never enter the container config)."""
     user: str | None = None
@@ -374,6 +384,9 @@ class ReplaySpec(BaseModel):
             raise ValueError(f"--no-workspace and --collect {self.collect} disagree; pass one")
         if self.verify is not None and not self.verify.strip():
             raise ValueError("--verify: an empty command")
+        if self.egress is not None and self.network != "none":
+            raise ValueError(f"--egress with --network {self.network}: the bridge reaches every host; keep "
+                             "--network none and list the hosts with --egress")  # fmt: skip
         return self
 
     @property

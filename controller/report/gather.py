@@ -110,6 +110,7 @@ def gather(
         ],
         images=summary.get("images"),
         verification=summary.get("verification"),
+        egress=summary.get("egress"),
         flaky=summary.get("flaky") or [],
         comparison=comparison_view(comparison) if comparison is not None else None,
         diffs_dropped=0,
@@ -222,6 +223,7 @@ def comparison_view(comparison: Comparison) -> dict[str, Any]:
                 "was": state_line(c.old),
                 "is": state_line(c.new),
                 "files": c.files,
+                "new_hosts": c.new_hosts,
                 "image_changed": c.image_changed,
             }
             for c in comparison.changes[:COMPARED_ROWS]
@@ -260,6 +262,8 @@ def _row_view(result: ItemResult) -> ItemView:
         tokens=result.model.input_tokens + result.model.output_tokens if result.model is not None else None,
         verified=verification.passed if verification is not None else None,
         reward=verification.reward if verification is not None else None,
+        egress=result.egress.connections if result.egress is not None else None,
+        refused=result.egress.refused if result.egress is not None else None,
         model=_model_line(result.model),
     )
 

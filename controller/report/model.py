@@ -87,6 +87,10 @@ class ItemView(BaseModel):
     verified: bool | None = None
     """With ``--verify``: whether the task's verifier passed."""
     reward: float | None = None
+    egress: int | None = None
+    """With ``--egress``: the connections its tool calls made through the egress proxy."""
+    refused: int | None = None
+    """With ``--egress``: the connections the proxy refused it."""
     calls: list[CallView] = []
     """The replayed calls; the exact ones only while the page's budget allows (see ``exact_listed``)."""
     exact_listed: bool = True
@@ -105,6 +109,7 @@ class ItemView(BaseModel):
 ROW = (
     "id", "line", "dir", "status", "agent", "after_step", "image", "replayed", "duration", "diverged", "errored",
     "continued", "exact", "verified", "reward", "pull_wait", "tokens", "category", "message", "attempts", "skipped",
+    "egress", "refused",
 )  # fmt: skip
 #: What a row's trailing columns default to (left off when they hold it).
 ROW_DEFAULTS: dict[str, Any] = {"diverged": 0, "errored": 0, "exact": None, "attempts": 1, "skipped": 0}
@@ -183,6 +188,8 @@ class ReportData(BaseModel):
     """The task images the batch pulled (``summary.json``'s ``images``)."""
     verification: dict[str, Any] | None = None
     """``summary.json``'s ``verification``: the pass rate and mean reward."""
+    egress: dict[str, Any] | None = None
+    """``summary.json``'s ``egress``: the connections, the hosts reached and those refused."""
     comparison: dict[str, Any] | None = None
     """Against a baseline (``batch --baseline``, ``report --baseline``): what changed, side by side, regressions
     first (:func:`~pvisor_host.report.gather.comparison_view`)."""

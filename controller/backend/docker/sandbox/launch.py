@@ -3,12 +3,15 @@ its mounts, its environment (secret values only through env.sh) and the limits r
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from ....models.ownership import Ownership
 from ....models.record import Limits
 from ....models.replay import Attempt, PreparedReplay, SandboxPlan
 from .. import labels as L
 from ..build.inject import RUNTIME_MOUNT
 from ..build.recipe import RELAY_PATH
+from ..egress import EGRESS_MOUNT, EgressAccess
 from ..gateway import SOCKET_MOUNT, ModelAccess
 from . import container as sandbox
 from .stage import INPUT_MOUNT, LOGS_MOUNT, RUN_MOUNT, VERIFIER_MOUNT, Staging
@@ -64,6 +67,15 @@ def secret_env(prepared: PreparedReplay, model: ModelAccess | None, host_env: di
     return env
 
 
+def model_hosts(model: ModelAccess | None) -> list[str]:
+    """The host of the model gateway a sandbox calls, which its tools reach directly (not through the egress
+    proxy): none besides loopback but on an internal model network."""
+    if model is None:
+        return []
+    host = urlsplit(model.base_url).hostname
+    return [host] if host else []
+
+
 def container_spec(
     prepared: PreparedReplay,
     attempt: Attempt,
@@ -71,6 +83,7 @@ def container_spec(
     *,
     ownership: Ownership,
     model: ModelAccess | None = None,
+    egress: EgressAccess | None = None,
 ) -> sandbox.ContainerSpec:
     """The hardened container for one attempt (every relaxation comes from an explicit flag)."""
     spec = prepared.spec
@@ -91,15 +104,18 @@ def container_spec(
         mounts.append(sandbox.BindMount(source=staging.verifier_dir, target=VERIFIER_MOUNT))
         environment["PVISOR_HOST_WORKSPACE"] = prepared.workspace_path
     network: str = spec.network
+    relay_bin = f"{RUNTIME_MOUNT}/relay" if prepared.image.runtime_volume else RELAY_PATH
     if model is not None:
         network = model.network
         environment |= model.container_env
         if model.container_env:
-            environment["PVISOR_HOST_RELAY_BIN"] = (
-                f"{RUNTIME_MOUNT}/relay" if prepared.image.runtime_volume else RELAY_PATH
-            )
+            environment["PVISOR_HOST_RELAY_BIN"] = relay_bin
         if model.socket_dir is not None:
             mounts.append(sandbox.BindMount(source=model.socket_dir, target=SOCKET_MOUNT, read_only=True))
+    if egress is not None:  # the sandbox keeps no network: the relay carries its tools' proxy connections
+        environment |= egress.container_env
+        environment["PVISOR_HOST_RELAY_BIN"] = relay_bin
+        mounts.append(sandbox.BindMount(source=egress.socket_dir, target=EGRESS_MOUNT, read_only=True))
     return sandbox.ContainerSpec(
         image=prepared.image.id,
         command=pvisor_command(prepared, attempt, staging.trajectory_in_sandbox),

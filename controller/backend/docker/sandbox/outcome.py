@@ -16,6 +16,7 @@ from pathlib import Path
 from ...._version import __version__
 from ....files.digest import hash_file
 from ....gateway.journal import totals
+from ....models.egress import EgressInfo
 from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
 from ....models.record import (
@@ -65,6 +66,8 @@ class AttemptState:
         self.interrupted = False
         self.infra_error: str | None = None
         self.used_gateway = False
+        self.egress_journal: list[EgressInfo] = []
+        """With ``--egress``: the run's journal, once the proxy has let the run go."""
 
     def phase(self, name: str, since: float) -> float:
         """Note that phase ``name`` took from ``since`` until now; return now."""
@@ -161,6 +164,7 @@ def build_record(
     info.timed_out = state.outcome.timed_out
     reports = state.collected.reports
     state.timings["total"] = round(sum(v for k, v in state.timings.items() if k != "total"), 4)
+    artifacts = _artifacts(state)
     return ReplayRecord(
         pvisor_host_version=__version__,
         run_id=state.attempt.run_id,
@@ -174,7 +178,7 @@ def build_record(
         limits=limits(prepared, cspec),
         container=info,
         result=state.result,
-        artifacts=_artifacts(state),
+        artifacts=artifacts,
         workspace_changes=state.collected.changes,
         collect=prepared.spec.collect_mode,
         verification=state.verification,
@@ -185,9 +189,51 @@ def build_record(
             logs_truncated=state.logs_truncated,
         ),
         model=model,
+        egress=_egress(state, artifacts),
         attempt=state.attempt.number,
         host={"hostname": socket.gethostname(), "owner": ownership.owner},
     )
+
+
+def _egress(state: AttemptState, artifacts: list[Artifact]) -> EgressInfo | None:
+    """The run's egress journal, each connection given the replayed tool call it happened during where pvisor's
+    events tell (one call running then, by the clock host and sandbox share)."""
+    if not state.egress_journal:
+        return None
+    info = state.egress_journal[0]
+    events = next((a.path for a in artifacts if a.role == "replay_events"), None)
+    calls = tool_calls(state.attempt.run_dir / events) if events else []
+    for event in info.events:
+        during = [c for c in calls if c[0] <= event.at <= c[1]]
+        if len(during) == 1:
+            event.call, event.tool = during[0][2], during[0][3]
+    return info
+
+
+def tool_calls(path: Path) -> list[tuple[float, float, str, str | None]]:
+    """The replayed tool calls in pvisor's ``replay-events.jsonl``: (started, finished, call id, tool), times in
+    seconds since the epoch; a call that never finished lasts until the end."""
+    started: dict[str, tuple[float, str | None]] = {}
+    calls = []
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            event = json.loads(line).get("event") or {}
+            data, at = event.get("data") or {}, float(event["observed_at_unix_ms"]) / 1000
+            payload = data.get("payload") or {}
+            call = str(payload["call_id"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if data.get("name") == "tool_started":
+            started[call] = (at, payload.get("tool"))
+        elif data.get("name") == "tool_finished" and call in started:
+            begun, tool = started.pop(call)
+            calls.append((begun, at, call, tool))
+    calls += [(begun, float("inf"), call, tool) for call, (begun, tool) in started.items()]
+    return calls
 
 
 def _inputs(

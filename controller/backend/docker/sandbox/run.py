@@ -8,6 +8,7 @@ trees (:mod:`.collect`), parses pvisor's result, and writes ``result.json`` and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -29,9 +30,11 @@ from ....models.ownership import Ownership
 from ....models.record import ContainerInfo, ReplayRecord, save_record
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import parse_result
+from ....models.spec import parse_user
 from ....signals import deferred_interrupts
 from ..build.files import ImageFiles
 from ..cleanup import usage
+from ..egress import egress_access
 from ..gateway import Gateway, ModelAccess
 from . import container as sandbox
 from . import launch
@@ -120,9 +123,16 @@ def _run(
             verify=prepared.spec.verify,
         )
         clock = state.phase("stage", clock)
-        cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model)
-        info = ContainerInfo(name=cspec.name, command=cspec.command)
-        _run_container(client, state, cspec, info, staging, cancel, clock, leftovers)
+        with contextlib.ExitStack() as stack:
+            egress = None
+            if prepared.spec.egress is not None:
+                egress, state.egress_journal = stack.enter_context(egress_access(
+                    attempt.run_id, prepared.spec.egress, prepared.spec.egress_limit,
+                    uid=parse_user(prepared.user)[0], no_proxy=launch.model_hosts(model),
+                ))  # fmt: skip
+            cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model, egress=egress)
+            info = ContainerInfo(name=cspec.name, command=cspec.command)
+            _run_container(client, state, cspec, info, staging, cancel, clock, leftovers)
     except KeyboardInterrupt:
         state.interrupted = True
     except InfrastructureError as exc:
