@@ -36,8 +36,11 @@ NOT_OUTCOME: dict[str, bool | set[str]] = {
 
 def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageRef, workspace_sha256: str | None) -> str:
     """The item's identity for resuming (see the module docstring)."""
+    options = spec.model_dump(mode="json", exclude=NOT_OUTCOME)
+    if spec.egress is None:  # no egress: its caps change nothing, and the keys stay those of before --egress existed
+        del options["egress"], options["egress_limit"]
     material = {
-        "options": spec.model_dump(mode="json", exclude=NOT_OUTCOME),
+        "options": options,
         "trajectory": trajectory_sha256,
         "image": image.id,
         "agent_image": image.agent_image,

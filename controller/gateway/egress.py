@@ -210,8 +210,10 @@ class EgressProxy:
             if not isinstance(request, h11.Request):
                 return  # the sandbox hung up, or sent no request: nothing to journal
             method = request.method.decode("ascii", "replace")
-            host, port, path = _target(method, request.target.decode("ascii", "replace"))
+            host, port, path, problem = _target(method, request.target.decode("ascii", "replace"))
             event = event.model_copy(update={"host": host, "port": port, "method": method, "path": path})
+            if problem is not None:
+                raise Refusal(problem)
             address = await self._decide(run, host, port)
             event.address, event.verdict = address, "allowed"
             try:
@@ -418,21 +420,25 @@ async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any
         conn.receive_data(await reader.read(CHUNK))
 
 
-def _target(method: str, target: str) -> tuple[str, int, str | None]:
-    """The host, port and path a proxy request names (authority form for CONNECT, absolute form otherwise)."""
+def _target(method: str, target: str) -> tuple[str, int, str | None, str | None]:
+    """The host, port and path a proxy request names (authority form for CONNECT, absolute form otherwise), and
+    what is wrong with it, if anything (:class:`Refusal` when not even a host can be told)."""
     if method == "CONNECT":
         host, sep, port = target.rpartition(":")
-        if not sep or not port.isdigit():
-            raise Refusal(f"CONNECT {target}: expected HOST:PORT")
-        return host.strip("[]").lower(), int(port), None
+        if not sep or not port.isdigit() or not host:
+            raise Refusal(f"CONNECT {target[:200]}: expected HOST:PORT")
+        return host.strip("[]").lower(), int(port), None, None
     parts = urlsplit(target)
-    if parts.scheme != "http" or not parts.hostname:
+    if not parts.hostname:
         raise Refusal(f"{method} {target[:200]}: a proxy request names an http:// URL (HTTPS goes by CONNECT)")
     try:
-        number = parts.port or 80
+        number = parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError:
         raise Refusal(f"{target[:200]}: a bad port") from None
-    return parts.hostname.lower(), number, parts.path or "/"
+    problem = None
+    if parts.scheme != "http":
+        problem = f"{method} {parts.scheme}://: a proxy request names an http:// URL (HTTPS goes by CONNECT)"
+    return parts.hostname.lower(), number, parts.path or "/", problem
 
 
 async def _refuse(conn: h11.Connection, writer: asyncio.StreamWriter, line: str, status: int = 403) -> None:

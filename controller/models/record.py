@@ -66,6 +66,8 @@ class Limits(BaseModel):
 
     user: str
     network: str
+    egress: str | None = None
+    """With ``--egress``: the hosts the sandbox's tools could reach through the host's egress proxy."""
     read_only_rootfs: bool
     cap_drop: list[str]
     cap_add: list[str]

@@ -216,8 +216,13 @@ def test_the_content_key_changes_with_what_changes_the_outcome_only():
         content_key(spec(mode="replay-only"), "abc", IMAGE, None),
         content_key(spec(memory="1g"), "abc", IMAGE, None),
         content_key(spec(env=["HOME"]), "abc", IMAGE, None),
+        content_key(spec(egress="pypi"), "abc", IMAGE, None),
+        content_key(spec(egress="pypi", egress_limit="bytes=1m"), "abc", IMAGE, None),
     ]
     assert len({key, *changed}) == 1 + len(changed)
+    assert content_key(spec(egress_limit="bytes=1m"), "abc", IMAGE, None) == key  # no egress: its caps change nothing
+    # the key of an item without --egress is the one it had before --egress existed (a batch resumes across it)
+    assert key == "9b63399dfa2e6a3c85cdaec455373c1ad4899da60f8f5eeaf231585fea6ffa37"
 
 
 def test_tree_digest_sees_content_names_and_modes(tmp_path):

@@ -320,3 +320,27 @@ def test_missing_required_option_is_a_usage_error(tmp_path):
     result = run_cli("replay", "--agent", "claude-code", env=NO_ENGINE)
     assert result.code == 2
     assert "Missing option" in result.stderr and "--trajectory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "line"),
+    [
+        ("allow:", "--egress: '': the host is empty"),
+        ("allow:pypi.org:99999", "--egress: 'pypi.org:99999': the port must be a number from 1 to 65535"),
+        ("allow:https://pypi.org/simple",
+         "--egress: 'https://pypi.org/simple' is a URL; give its host (and port): allow:HOST[:PORT]"),
+    ],
+)  # fmt: skip
+def test_bad_egress_values_are_one_line_each_before_any_engine(tmp_path, claude, value, line):
+    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1",
+                         "--egress", value)  # fmt: skip
+    assert_one_line(result, 2, line)
+    assert not out.exists()
+
+
+def test_egress_with_the_bridge_is_refused(tmp_path, claude):
+    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1",
+                         "--egress", "pypi", "--network", "bridge")  # fmt: skip
+    assert result.code == 2 and len(result.error_lines) == 1, result.stderr
+    assert "--egress with --network bridge: the bridge reaches every host" in result.error_lines[0]
+    assert not out.exists()

@@ -32,10 +32,12 @@ def item(
     removed: tuple[str, ...] = (),
     directory: Path | None = None,
     repeat_of: str | None = None,
+    egress: list[str] | None = None,
 ):
     """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ).
     ``digest``: the registry digest of its image. ``files``: what the replay added to the workspace (path →
-    content, collected), ``removed`` what it removed. ``directory``: a single replay's ``--out`` instead."""
+    content, collected), ``removed`` what it removed. ``directory``: a single replay's ``--out`` instead.
+    ``egress``: the hosts it reached through the egress proxy (None: it ran without ``--egress``)."""
     directory = directory or run / item_id
     (directory / "output").mkdir(parents=True)
     record = json.loads(json.dumps(TEMPLATE))
@@ -44,6 +46,9 @@ def item(
         for path, content in (files or {}).items():
             record["artifacts"].append({"path": f"workspace/{path}", "size": len(content), "sha256": sha(content)})
     record["image"]["digest"] = digest
+    if egress is not None:
+        limit = {"connections": 1000, "bytes": 4 * 1024**3, "at_once": 64}
+        record["egress"] = {"allowed": "pypi", "limit": limit, "connections": len(egress), "hosts": egress}
     record["status"] = status
     record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
     record["inputs"]["after_step"] = step
@@ -297,3 +302,22 @@ def test_two_replays_of_a_renamed_trajectory_are_still_the_pair(tmp_path):
     (second / "record.json").write_text(json.dumps(record))
     result = compare_runs(first, second)
     assert (result.matched, [(c.kind, c.id) for c in result.changes]) == (1, [("effects_changed", "t.jsonl")])
+
+
+def test_an_item_that_reached_new_hosts_is_flagged_and_any_other_change_names_them(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    item(old, "same-hosts", egress=["pypi.org:443"])
+    item(new, "same-hosts", egress=["pypi.org:443"])
+    item(old, "reaches-more", egress=["pypi.org:443"])
+    item(new, "reaches-more", egress=["files.pythonhosted.org:443", "pypi.org:443", "evil.test:443"])
+    item(old, "fails-and-reaches", egress=[])
+    item(new, "fails-and-reaches", status="replay_failed", category="tool_error", egress=["evil.test:443"])
+    item(old, "had-no-egress")
+    item(new, "had-no-egress", egress=["pypi.org:443"])  # no list before: nothing to call new
+    result = compare_runs(old, new)
+    assert [(c.kind, c.id, c.new_hosts) for c in result.changes] == [
+        ("regression", "fails-and-reaches", ["evil.test:443"]),
+        ("new_hosts", "reaches-more", ["files.pythonhosted.org:443", "evil.test:443"]),
+    ]
+    assert result.changes[1].describe.endswith("; new hosts reached: files.pythonhosted.org:443, evil.test:443")
+    assert result.unchanged == 2

@@ -155,6 +155,7 @@ def limits(prepared: PreparedReplay, cspec: sandbox.ContainerSpec) -> Limits:
         collect_limit=prepared.spec.collect_limit,
         runtime=cspec.runtime or "runc",
         runtime_version=prepared.runtime.version,
+        egress=str(prepared.spec.egress) if prepared.spec.egress is not None else None,
         profile=prepared.sandbox,
         notes=[GVISOR_PIDS] if prepared.runtime.gvisor else [],
     )
