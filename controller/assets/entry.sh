@@ -10,14 +10,14 @@ relay() {
     # shellcheck disable=SC2086 # "PORT SOCKET" is two arguments
     "${PVISOR_HOST_RELAY_BIN}" $1 &
     listening=$(printf '0100007F:%04X 00000000:0000 0A' "${1%% *}")
-    tries=0
-    while [ "$tries" -lt 200 ]; do
+    waited=0 # hundredths of a second, at most 3 s
+    while [ "$waited" -lt 300 ]; do
         while IFS= read -r line; do
             case "$line" in *"$listening"*) return 0 ;; esac
         done </proc/net/tcp
-        sleep 0.01 2>/dev/null || sleep 1
-        tries=$((tries + 1))
+        if sleep 0.01 2>/dev/null; then waited=$((waited + 1)); else sleep 1; waited=$((waited + 100)); fi
     done
+    echo "pvisor-host: the relay on 127.0.0.1:${1%% *} is not listening after 3 s; going on" >&2
 }
 # A live continuation reaches its model only through the gateway's socket: relay 127.0.0.1:PORT to it.
 if [ -n "${PVISOR_HOST_RELAY:-}" ]; then

@@ -29,11 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import os
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -50,16 +49,23 @@ CONNECT_TIMEOUT = 10.0
 MAX_HEAD = 64 * 1024
 #: Bytes read at a time.
 CHUNK = 64 * 1024
-#: Request headers that are the proxy's business, never forwarded.
+#: Headers that are the proxy's business, never passed on as they came (the body's framing is passed on, so
+#: that h11 frames the body as it came).
 _HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"proxy-authenticate", b"te",
-    b"trailer", b"upgrade", b"transfer-encoding", b"content-length",
+    b"trailer", b"upgrade", b"host",
 })  # fmt: skip
 
 _REASONS = {400: b"Bad Request", 403: b"Forbidden", 502: b"Bad Gateway"}
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: IPv6 prefixes that carry an IPv4 address in their last 32 bits (NAT64, RFC 6052 and 8215; IPv4-compatible,
+#: deprecated; IPv4-translated, RFC 2765): judged as that IPv4 address.
+_EMBEDDING = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96", "::ffff:0:0:0/96"))
+#: The longest host name DNS allows.
+MAX_HOST = 253
 
 
 class Refusal(Exception):
@@ -72,22 +78,39 @@ async def resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
+def judged(address: Address) -> Address | None:
+    """The address a connection to ``address`` really reaches, as far as the host can tell: an IPv4 address
+    mapped, embedded (NAT64, IPv4-compatible, IPv4-translated) or 6to4-encoded in an IPv6 one is that IPv4
+    address; a Teredo address is None (its IPv4 end is not to be judged from here)."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return address
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return None
+    if any(address in network for network in _EMBEDDING):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return address
+
+
 def public(address: Address) -> bool:
     """Whether ``address`` is on the public internet (not loopback, private, link-local and so cloud metadata,
-    shared, reserved or multicast). An IPv4 address mapped into IPv6 is judged as itself."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_global and not address.is_multicast
+    shared, reserved or multicast), judged as what it really reaches (:func:`judged`)."""
+    real = judged(address)
+    return real is not None and real.is_global and not real.is_multicast
 
 
 def kind(address: Address) -> str:
     """What a non-public address is, in a word or two (for the refusal's one line)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    for word, test in (("loopback", address.is_loopback), ("link-local", address.is_link_local),
-                       ("private", address.is_private), ("multicast", address.is_multicast)):  # fmt: skip
+    real = judged(address)
+    if real is None:
+        return "a Teredo address"
+    for word, test in (("loopback", real.is_loopback), ("link-local", real.is_link_local),
+                       ("private", real.is_private), ("multicast", real.is_multicast)):  # fmt: skip
         if test:
-            return f"a {word} address" + (" (cloud metadata)" if str(address) == "169.254.169.254" else "")
+            return f"a {word} address" + (" (cloud metadata)" if str(real) == "169.254.169.254" else "")
     return "not a public address"
 
 
@@ -101,11 +124,13 @@ class EgressRun:
         self.limit = limit
         self.socket_path = socket_path
         self.info = EgressInfo(allowed=str(policy), limit=limit)
-        self.open = 0
+        self.attempts = 0
+        """Connections that named a host (allowed or not): the connection cap's count."""
         self.used = 0
         """Bytes through its connections so far, both ways (the byte cap's count)."""
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self._seen: dict[str, set[str]] = {"allowed": set(), "refused": set()}
 
     def journal(self, event: EgressEvent) -> None:
         info = self.info
@@ -113,12 +138,14 @@ class EgressRun:
         if event.verdict == "allowed":
             info.sent += event.sent
             info.received += event.received
-            if target not in info.hosts:
-                info.hosts.append(target)
+            hosts = info.hosts
         else:
             info.refused += 1
-            if target not in info.refused_hosts:
-                info.refused_hosts.append(target)
+            hosts = info.refused_hosts
+        seen = self._seen[event.verdict]
+        if target not in seen and len(seen) < EVENTS_KEPT:  # bounded, like the events
+            seen.add(target)
+            hosts.append(target)
         if len(info.events) < EVENTS_KEPT:
             info.events.append(event)
         else:
@@ -163,8 +190,8 @@ class EgressProxy:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def open(self, run_id: str, policy: Egress, limit: EgressLimit, socket_path: Path, uid: int | None) -> EgressRun:
-        """Listen for ``run_id`` on the unix socket ``socket_path`` (made now, for ``uid`` alone)."""
+    def open(self, run_id: str, policy: Egress, limit: EgressLimit, socket_path: Path) -> EgressRun:
+        """Listen for ``run_id`` on the unix socket ``socket_path`` (made now; who may use it is the caller's)."""
         run = EgressRun(run_id, policy, limit, socket_path)
 
         async def listen() -> None:
@@ -173,9 +200,6 @@ class EgressProxy:
             )
 
         self._call(listen())
-        if uid is not None and os.geteuid() == 0:
-            os.chown(socket_path, uid, uid)
-        socket_path.chmod(0o600)
         return run
 
     def close_run(self, run: EgressRun) -> EgressInfo:
@@ -196,6 +220,13 @@ class EgressProxy:
     # -- one connection ---------------------------------------------------------------------------------------
 
     def _accept(self, run: EgressRun, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(run.tasks) >= run.limit.at_once:  # refused before a byte is read: it holds nothing here
+            line = f"pvisor-host egress: refused: --egress-limit: {run.limit.at_once} connections at once\n"
+            writer.write(f"HTTP/1.1 403 Forbidden\r\ncontent-length: {len(line)}\r\nconnection: close\r\n\r\n{line}"
+                         .encode())  # fmt: skip
+            writer.close()
+            run.info.refused += 1
+            return
         task = asyncio.ensure_future(self._serve(run, reader, writer))
         run.tasks.add(task)
         task.add_done_callback(run.tasks.discard)
@@ -204,7 +235,6 @@ class EgressProxy:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
         event = EgressEvent(at=time.time(), host="?", port=0, method="?", verdict="refused")
         started = time.monotonic()
-        run.open += 1
         try:
             request = await asyncio.wait_for(_next_event(conn, reader), CONNECT_TIMEOUT)
             if not isinstance(request, h11.Request):
@@ -212,6 +242,7 @@ class EgressProxy:
             method = request.method.decode("ascii", "replace")
             host, port, path, problem = _target(method, request.target.decode("ascii", "replace"))
             event = event.model_copy(update={"host": host, "port": port, "method": method, "path": path})
+            run.attempts += 1  # before any wait: connections asking at once cannot all slip under the cap
             if problem is not None:
                 raise Refusal(problem)
             address = await self._decide(run, host, port)
@@ -222,24 +253,24 @@ class EgressProxy:
                 event.status, event.reason = 502, f"could not connect: {_describe(exc)}"
                 await _refuse(conn, writer, f"pvisor-host egress: {host}:{port}: {event.reason}", status=502)
                 return
+            run.info.connections += 1
             if method == "CONNECT":
                 await self._tunnel(run, conn, reader, writer, upstream, event)
             else:
                 await self._forward(run, conn, request, reader, writer, upstream, event)
         except Refusal as exc:
-            event.reason = str(exc)
-            event.status = 403
-            await _refuse(conn, writer, f"pvisor-host egress: refused {event.host}:{event.port}: {exc}")
+            event.reason, event.status = str(exc), 403
+            named = f" {event.host}:{event.port}" if event.host != "?" else ""
+            await _refuse(conn, writer, f"pvisor-host egress: refused{named}: {exc}")
         except (OSError, TimeoutError) as exc:  # a request head that never came, or an exchange broken off
             event.reason = event.reason or f"broken off: {_describe(exc)}"
-        except h11.ProtocolError as exc:
+        except h11.ProtocolError as exc:  # the sandbox's side (the upstream's is an OSError: see _upstream_event)
             event.reason = f"not an HTTP proxy request: {exc}"
             await _refuse(conn, writer, f"pvisor-host egress: {event.reason}", status=400)
         except asyncio.CancelledError:
             event.reason = event.reason or "the sandbox ended"
             raise
         finally:
-            run.open -= 1
             writer.close()
             event.duration = round(time.monotonic() - started, 4)
             if event.host != "?":
@@ -250,29 +281,25 @@ class EgressProxy:
         info = run.info
         if run.policy.allows(host, port) is None:
             raise Refusal("not in --egress" if run.policy.rules else "--egress allows no host")
-        if info.limited == "bytes" or run.bytes_left <= 0:
+        if run.bytes_left <= 0:
             info.limited = "bytes"
             raise Refusal(f"--egress-limit: the sandbox's {run.limit.bytes} bytes are used up")
-        if info.connections >= run.limit.connections:
+        if run.attempts > run.limit.connections:
             info.limited = "connections"
             raise Refusal(f"--egress-limit: the sandbox's {run.limit.connections} connections are used up")
-        if run.open > run.limit.at_once:
-            raise Refusal(f"--egress-limit: {run.limit.at_once} connections at once")
         try:
             literal: Address | None = ipaddress.ip_address(host)
         except ValueError:
             literal = None
         try:
             found = [str(literal)] if literal is not None else await self._resolve(host, port)
-        except OSError as exc:
-            raise Refusal(f"{host} does not resolve on the host ({exc.strerror or exc})") from None
-        usable = [a for a in found if public(ipaddress.ip_address(a)) or run.policy.lists_address(
-            ipaddress.ip_address(a), port)]  # fmt: skip
+        except (OSError, ValueError) as exc:  # UnicodeError too: a label IDNA cannot encode
+            raise Refusal(f"{host} does not resolve on the host ({getattr(exc, 'strerror', None) or exc})") from None
+        addresses = [ipaddress.ip_address(a.split("%")[0]) for a in found]
+        usable = [str(a) for a in addresses if public(a) or run.policy.lists_address(a, port)]
         if not usable:
-            first = ipaddress.ip_address(found[0]) if found else None
-            what = f"{first}, {kind(first)}" if first is not None else "no address"
+            what = f"{addresses[0]}, {kind(addresses[0])}" if addresses else "no address"
             raise Refusal(f"{host} resolves to {what} (allowed only when the address itself is listed)")
-        info.connections += 1
         return usable[0]
 
     async def _tunnel(
@@ -287,12 +314,12 @@ class EgressProxy:
         writer.write(conn.send(h11.Response(status_code=200, reason=b"Connection established", headers=[])))
         await writer.drain()
         up_reader, up_writer = upstream
-        leftover, _ = conn.trailing_data
         try:
-            if leftover:
-                up_writer.write(leftover)
-                event.sent += len(leftover)
+            leftover, _ = conn.trailing_data  # what the sandbox sent right after its CONNECT
+            await _carry(run, event, "sent", leftover, up_writer)
             await _pump(run, event, reader, writer, up_reader, up_writer)
+        except _Cut as exc:
+            event.reason = str(exc)
         finally:
             up_writer.close()
 
@@ -309,52 +336,45 @@ class EgressProxy:
         up_reader, up_writer = upstream
         client = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         try:
-            headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP and k.lower() != b"host"]
-            framing = [(k, v) for k, v in request.headers if k.lower() in (b"content-length", b"transfer-encoding")]
-            authority = event.host if event.port == 80 else f"{event.host}:{event.port}"
+            host = f"[{event.host}]" if ":" in event.host else event.host
+            authority = host if event.port == 80 else f"{host}:{event.port}"
             target = urlsplit(request.target.decode("ascii", "replace"))
             origin = (target.path or "/") + (f"?{target.query}" if target.query else "")
             up_writer.write(client.send(h11.Request(
                 method=request.method, target=origin.encode(),
-                headers=[(b"host", authority.encode()), *headers, *framing, (b"connection", b"close")],
+                headers=[(b"host", authority.encode()), *_passed(request.headers), (b"connection", b"close")],
             )))  # fmt: skip
             while True:  # the request body, as it arrives
                 part = await _next_event(conn, reader)
                 if isinstance(part, h11.Data):
-                    _count(run, event, "sent", len(part.data))
-                    up_writer.write(client.send(part))
-                    await up_writer.drain()
+                    await _carry(run, event, "sent", part.data, up_writer, _framed(client))
                 elif isinstance(part, h11.EndOfMessage):
                     up_writer.write(client.send(part))
                     await up_writer.drain()
                     break
                 else:
                     raise OSError("the sandbox hung up mid-request")
-            answer = await _next_event(client, up_reader)
+            answer = await _upstream_event(client, up_reader)
             while isinstance(answer, h11.InformationalResponse):  # 100 Continue: the body was sent already
-                answer = await _next_event(client, up_reader)
+                answer = await _upstream_event(client, up_reader)
             if not isinstance(answer, h11.Response):
                 raise OSError("the upstream sent no answer")
             event.status = answer.status_code
-            passed = [(k, v) for k, v in answer.headers if k.lower() not in _HOP]
-            framing = [(k, v) for k, v in answer.headers if k.lower() in (b"content-length", b"transfer-encoding")]
             writer.write(conn.send(h11.Response(
                 status_code=answer.status_code, reason=answer.reason,
-                headers=[*passed, *framing, (b"connection", b"close")],
+                headers=[*_passed(answer.headers), (b"connection", b"close")],
             )))  # fmt: skip
             while True:
-                part = await _next_event(client, up_reader)
+                part = await _upstream_event(client, up_reader)
                 if isinstance(part, h11.Data):
-                    _count(run, event, "received", len(part.data))
-                    writer.write(conn.send(part))
-                    await writer.drain()
+                    await _carry(run, event, "received", part.data, writer, _framed(conn))
                 elif isinstance(part, h11.EndOfMessage):
                     writer.write(conn.send(part) or b"")
                     await writer.drain()
                     break
                 else:
                     raise OSError("the upstream hung up mid-answer")
-        except _Cut as exc:
+        except _Cut as exc:  # what fitted under the cap has reached the sandbox; the connection is cut here
             event.reason = str(exc)
         finally:
             up_writer.close()
@@ -364,13 +384,29 @@ class _Cut(Exception):
     """The run's byte cap was reached: the connection is cut."""
 
 
-def _count(run: EgressRun, event: EgressEvent, way: str, size: int) -> None:
-    """Count ``size`` bytes of ``event`` (``sent`` or ``received``); past the run's byte cap, :class:`_Cut`."""
-    setattr(event, way, getattr(event, way) + size)
-    run.used += size
-    if run.bytes_left < 0:
+async def _carry(run: EgressRun, event: EgressEvent, way: str, data: bytes, sink: asyncio.StreamWriter,
+                 frame: Callable[[bytes], bytes] = bytes) -> None:  # fmt: skip
+    """Pass ``data`` (going ``sent`` or ``received``) on to ``sink``, counted, as much of it as the run's byte cap
+    leaves room for (``frame`` makes the bytes to write of it); :class:`_Cut` when that was not all of it."""
+    taken = data[: max(0, run.bytes_left)]
+    setattr(event, way, getattr(event, way) + len(taken))
+    run.used += len(taken)
+    if taken:
+        sink.write(frame(taken))
+        await sink.drain()
+    if len(taken) < len(data):
         run.info.limited = "bytes"
         raise _Cut(f"cut: the sandbox's --egress-limit of {run.limit.bytes} bytes was reached")
+
+
+def _framed(conn: h11.Connection) -> Callable[[bytes], bytes]:
+    """Body bytes as ``conn`` puts them on the wire (a chunk's framing included)."""
+    return lambda data: conn.send(h11.Data(data=data)) or b""
+
+
+def _passed(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers passed on: not the proxy's own (hop-by-hop, ``Host``)."""
+    return [(k, v) for k, v in headers if k.lower() not in _HOP]
 
 
 def _describe(exc: BaseException) -> str:
@@ -387,13 +423,11 @@ async def _pump(
     up_reader: asyncio.StreamReader,
     up_writer: asyncio.StreamWriter,
 ) -> None:
-    """Copy both ways until both ends are done, counting bytes; the byte cap cuts both."""
+    """Copy both ways until both ends are done, counting bytes; the byte cap cuts both (:class:`_Cut`)."""
 
     async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter, way: str) -> None:
         while data := await source.read(CHUNK):
-            _count(run, event, way, len(data))
-            sink.write(data)
-            await sink.drain()
+            await _carry(run, event, way, data, sink)
         with contextlib.suppress(OSError):
             if sink.can_write_eof():
                 sink.write_eof()
@@ -403,8 +437,6 @@ async def _pump(
     try:
         for finished in asyncio.as_completed(tasks):
             await finished
-    except _Cut as exc:
-        event.reason = str(exc)
     finally:
         for task in tasks:
             task.cancel()
@@ -420,25 +452,39 @@ async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any
         conn.receive_data(await reader.read(CHUNK))
 
 
+async def _upstream_event(client: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    """The upstream's next h11 event; an answer that is not HTTP is an :class:`OSError` (the sandbox gets 502)."""
+    try:
+        return await _next_event(client, reader)
+    except h11.ProtocolError as exc:
+        raise OSError(f"the upstream's answer is not HTTP ({exc})") from None
+
+
 def _target(method: str, target: str) -> tuple[str, int, str | None, str | None]:
-    """The host, port and path a proxy request names (authority form for CONNECT, absolute form otherwise), and
-    what is wrong with it, if anything (:class:`Refusal` when not even a host can be told)."""
+    """The host (lower case, no trailing dot), port and path a proxy request names (authority form for CONNECT,
+    absolute form otherwise), and what is wrong with it, if anything (:class:`Refusal` when not even a host can be
+    told)."""
     if method == "CONNECT":
         host, sep, port = target.rpartition(":")
         if not sep or not port.isdigit() or not host:
             raise Refusal(f"CONNECT {target[:200]}: expected HOST:PORT")
-        return host.strip("[]").lower(), int(port), None, None
-    parts = urlsplit(target)
-    if not parts.hostname:
-        raise Refusal(f"{method} {target[:200]}: a proxy request names an http:// URL (HTTPS goes by CONNECT)")
-    try:
-        number = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise Refusal(f"{target[:200]}: a bad port") from None
+        host, number, path, scheme = host.strip("[]"), int(port), None, "http"
+    else:
+        parts = urlsplit(target)
+        if not parts.hostname:
+            raise Refusal(f"{method} {target[:200]}: a proxy request names an http:// URL (HTTPS goes by CONNECT)")
+        try:
+            number = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise Refusal(f"{target[:200]}: a bad port") from None
+        host, path, scheme = parts.hostname, parts.path or "/", parts.scheme
+    host = host.lower().rstrip(".")
+    if not host or len(host) > MAX_HOST or not 0 < number < 65536:
+        raise Refusal(f"{method} {target[:200]}: not a host and port")
     problem = None
-    if parts.scheme != "http":
-        problem = f"{method} {parts.scheme}://: a proxy request names an http:// URL (HTTPS goes by CONNECT)"
-    return parts.hostname.lower(), number, parts.path or "/", problem
+    if scheme != "http":
+        problem = f"{method} {scheme}://: a proxy request names an http:// URL (HTTPS goes by CONNECT)"
+    return host, number, path, problem
 
 
 async def _refuse(conn: h11.Connection, writer: asyncio.StreamWriter, line: str, status: int = 403) -> None:

@@ -144,15 +144,21 @@ def parse_rule(text: str) -> EgressRule:
         ports = (int(port),)
     if host.startswith("["):
         try:
-            address = ipaddress.IPv6Address(host[1:-1])
+            six = ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise ValueError(f"{text!r}: {host} is not an IPv6 address") from None
-        return EgressRule(host=str(address), ports=ports)
+        if six.is_unspecified:
+            raise ValueError(f"{text!r}: [::] is no host (it means this one)")
+        return EgressRule(host=str(six), ports=ports)
     host = host.lower().rstrip(".")
     try:
-        return EgressRule(host=str(ipaddress.IPv4Address(host)), ports=ports)
+        address = ipaddress.IPv4Address(host)
     except ValueError:
         pass
+    else:
+        if address.is_unspecified:
+            raise ValueError(f"{text!r}: 0.0.0.0 is no host (it means this one)")
+        return EgressRule(host=str(address), ports=ports)
     name = host.removeprefix("*.")
     if "*" in name or not all(_LABEL.match(label) for label in name.split(".")) or name.replace(".", "").isdigit():
         raise ValueError(f"{text!r}: {host!r} is not a host name (a wildcard is only *.NAME)")
@@ -242,13 +248,16 @@ class EgressInfo(BaseModel):
     """The ``--egress`` list, as given (presets by name)."""
     limit: EgressLimit
     connections: int = 0
+    """Connections made to an upstream."""
     refused: int = 0
+    """Connections refused (not listed, a non-public address, a cap), each with its reason in ``events``."""
     sent: int = 0
     received: int = 0
-    limited: str | None = None
-    """Which cap was reached (``connections``, ``bytes``), if one was."""
+    limited: Literal["connections", "bytes"] | None = None
+    """Which cap was reached, if one was."""
     hosts: list[str] = []
-    """``host:port`` reached (allowed), in the order first reached."""
+    """``host:port`` reached, each once, in the order their first connection ended (at most :data:`EVENTS_KEPT`;
+    so is ``refused_hosts``)."""
     refused_hosts: list[str] = []
     events: list[EgressEvent] = []
     """The first :data:`EVENTS_KEPT` events; the counts above cover all."""
@@ -272,7 +281,7 @@ class EgressTotals(BaseModel):
     refused: int = 0
     sent: int = 0
     received: int = 0
-    limited: str | None = None
+    limited: Literal["connections", "bytes"] | None = None
     hosts: list[str] = []
     """``host:port`` reached (at most :data:`HOSTS_KEPT`)."""
     refused_hosts: list[str] = []

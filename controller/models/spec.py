@@ -387,6 +387,9 @@ class ReplaySpec(BaseModel):
         if self.egress is not None and self.network != "none":
             raise ValueError(f"--egress with --network {self.network}: the bridge reaches every host; keep "
                              "--network none and list the hosts with --egress")  # fmt: skip
+        if self.egress is not None and self.continuation is not None and self.continuation.network != "unix":
+            raise ValueError(f"--egress with --model-network {self.continuation.network}: that puts the sandbox on a "
+                             "network of its own; keep --model-network unix (the default) with --egress")  # fmt: skip
         return self
 
     @property

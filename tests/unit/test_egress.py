@@ -4,6 +4,7 @@ upstreams on 127.0.0.1, names resolved by a table (the proxy's resolver seam), n
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import json
 import re
 import socket
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 
 from pvisor_host.backend.docker.egress import proxy_env
 from pvisor_host.backend.docker.sandbox.outcome import tool_calls
-from pvisor_host.gateway.egress import EgressProxy
+from pvisor_host.gateway.egress import EgressProxy, public
 from pvisor_host.models.egress import PRESETS, Egress, EgressInfo, EgressLimit, EgressStats, EgressTotals
 from pvisor_host.models.spec import ReplaySpec
 
@@ -63,6 +64,8 @@ def test_presets_are_documented_as_they_are():
         ("pypi,,npm", "an empty entry"),
         ("allow:[::1", "an IPv6 address in brackets"),
         ("allow:[nope]:1", "is not an IPv6 address"),
+        ("allow:0.0.0.0:80", "0.0.0.0 is no host"),
+        ("allow:[::]:80", "[::] is no host"),
     ],
 )
 def test_bad_entries_are_refused_in_one_line(value, message):
@@ -75,11 +78,33 @@ def test_bad_entries_are_refused_in_one_line(value, message):
 def test_egress_needs_the_network_off_and_limits_read_back():
     with pytest.raises(ValidationError, match="--egress with --network bridge"):
         ReplaySpec(trajectory=Path("t.jsonl"), after_step=1, egress="pypi", network="bridge")  # type: ignore[arg-type]
+    for network in ("internal", "pass-through"):
+        with pytest.raises(ValidationError, match=f"--egress with --model-network {network}: that puts the sandbox"):
+            ReplaySpec.model_validate({
+                "trajectory": "t.jsonl", "after_step": 1, "egress": "pypi", "model_base_url": "http://m.test/v1",
+                "model": "m", "model_api_key_env": "KEY", "model_network": network,
+            })  # fmt: skip
+    assert ReplaySpec(trajectory=Path("t.jsonl"), after_step=1, egress_limit="bytes=1m").egress is None  # type: ignore[arg-type]
     limit = EgressLimit.model_validate("connections=5,bytes=2m")
     assert (limit.connections, limit.bytes, limit.at_once) == (5, 2 * 1024**2, 64)
     assert EgressLimit.model_validate(str(limit)) == limit
     with pytest.raises(ValidationError, match="expected connections=N,bytes=SIZE"):
         EgressLimit.model_validate("conns=5")
+
+
+@pytest.mark.parametrize(
+    ("address", "reaches"),
+    [
+        ("8.8.8.8", True), ("2001:4860:4860::8888", True), ("10.0.0.1", False), ("127.0.0.1", False),
+        ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("::1", False), ("fd00::1", False),
+        ("fe80::1", False), ("::ffff:10.0.0.1", False), ("::ffff:8.8.8.8", True), ("64:ff9b::a00:1", False),
+        ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::808:808", True), ("64:ff9b:1::a00:1", False),
+        ("2002:7f00:1::", False), ("2002:a00:1::", False), ("::7f00:1", False), ("::ffff:0:7f00:1", False),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False), ("ff02::1", False), ("224.0.0.1", False),
+    ],
+)  # fmt: skip
+def test_only_public_addresses_pass_in_any_ipv6_form_that_carries_ipv4(address, reaches):
+    assert public(ipaddress.ip_address(address)) is reaches
 
 
 def test_the_proxy_variables_in_every_form_the_tools_read():
@@ -139,8 +164,8 @@ def proxy():
     proxy.close()
 
 
-def _open(proxy: EgressProxy, tmp_path: Path, egress: str, limit: EgressLimit | None = None):
-    return proxy.open("r1", Egress.model_validate(egress), limit or EgressLimit(), tmp_path / "e.sock", None)
+def _open(proxy: EgressProxy, tmp_path: Path, egress: str, limit: EgressLimit | None = None, name: str = "e"):
+    return proxy.open("r1", Egress.model_validate(egress), limit or EgressLimit(), tmp_path / f"{name}.sock")
 
 
 def _ask(path: Path, raw: bytes) -> bytes:
@@ -196,14 +221,15 @@ def test_listed_hosts_are_reached_the_rest_refused_with_one_line_each(proxy, ups
     assert not run.socket_path.exists()
 
 
-def test_an_allowed_name_with_an_unlisted_address_is_refused_unless_the_address_is_listed(proxy, upstream, tmp_path):
-    NAMES["local.test"] = ["127.0.0.1"]
+def test_an_allowed_name_with_an_unlisted_address_is_refused_unless_the_address_is_listed(
+    proxy, upstream, tmp_path, monkeypatch
+):
+    monkeypatch.setitem(NAMES, "local.test", ["127.0.0.1"])
     run = _open(proxy, tmp_path, f"allow:local.test:{upstream}")
     status, body = _get(run.socket_path, f"http://local.test:{upstream}/")
     assert status == 403 and b"resolves to 127.0.0.1, a loopback address" in body
     proxy.close_run(run)
-    listed = proxy.open("r2", Egress.model_validate(f"allow:local.test:{upstream},allow:127.0.0.1:{upstream}"),
-                        EgressLimit(), tmp_path / "f.sock", None)  # fmt: skip
+    listed = _open(proxy, tmp_path, f"allow:local.test:{upstream},allow:127.0.0.1:{upstream}", name="f")
     assert _get(listed.socket_path, f"http://local.test:{upstream}/named") == (200, b"got /named")
     proxy.close_run(listed)
 
@@ -213,16 +239,16 @@ def test_a_connect_tunnel_carries_bytes_both_ways_and_counts_them(proxy, upstrea
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(str(run.socket_path))
-        sock.sendall(f"CONNECT 127.0.0.1:{upstream} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        assert sock.recv(1000) == b"HTTP/1.1 200 Connection established\r\n\r\n"
         request = b"GET /tunnelled HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        sock.sendall(request)
+        # the tunnelled request sent at once, behind the CONNECT (those bytes are carried and counted too)
+        sock.sendall(f"CONNECT 127.0.0.1:{upstream} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode() + request)
+        assert sock.recv(39) == b"HTTP/1.1 200 Connection established\r\n\r\n"
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
     assert answer.endswith(b"got /tunnelled")
     deadline = time.monotonic() + 5
-    while run.open and time.monotonic() < deadline:
+    while run.tasks and time.monotonic() < deadline:
         time.sleep(0.01)
     info = proxy.close_run(run)
     [event] = info.events
@@ -243,8 +269,7 @@ def test_the_caps_refuse_connections_and_cut_bytes_and_say_which(proxy, upstream
     info = proxy.close_run(run)
     assert (info.connections, info.refused, info.limited) == (2, 1, "connections")
 
-    run = proxy.open("r3", Egress.model_validate(f"allow:127.0.0.1:{upstream}"), EgressLimit(bytes=100_000),
-                     tmp_path / "g.sock", None)  # fmt: skip
+    run = _open(proxy, tmp_path, f"allow:127.0.0.1:{upstream}", EgressLimit(bytes=100_000), name="g")
     answer = _ask(run.socket_path, f"GET http://127.0.0.1:{upstream}/big/1000000 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 200 ") and len(answer) < 1_000_000  # cut short
     status, body = _get(run.socket_path, f"http://127.0.0.1:{upstream}/after")
@@ -253,7 +278,46 @@ def test_the_caps_refuse_connections_and_cut_bytes_and_say_which(proxy, upstream
     assert info.limited == "bytes"
     cut = info.events[0]
     assert cut.verdict == "allowed" and cut.reason is not None and "--egress-limit of 100000 bytes" in cut.reason
-    assert 100_000 <= cut.received < 1_000_000
+    assert cut.received == 100_000 and answer.endswith(b"\r\n\r\n" + b"x" * 100_000)  # the cap, to the byte
+
+
+def test_connections_past_at_once_are_refused_before_a_byte_is_read(proxy, tmp_path):
+    run = _open(proxy, tmp_path, "pypi", EgressLimit(at_once=2))
+    idle = [socket.socket(socket.AF_UNIX) for _ in range(2)]
+    try:
+        for sock in idle:
+            sock.connect(str(run.socket_path))  # connected, and saying nothing
+        deadline = time.monotonic() + 5
+        while len(run.tasks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answer = _ask(run.socket_path, b"")
+        assert answer.startswith(b"HTTP/1.1 403 Forbidden") and b"--egress-limit: 2 connections at once" in answer
+    finally:
+        for sock in idle:
+            sock.close()
+    info = proxy.close_run(run)
+    assert info.refused == 1 and info.events == []
+
+
+@pytest.mark.parametrize(
+    ("request_line", "answer"),
+    [
+        (f"CONNECT {'a' * 300}.test:443", "not a host and port"),
+        ("CONNECT pypi.org", "expected HOST:PORT"),
+        ("CONNECT pypi.org:99999", "not a host and port"),
+        ("GET /relative", "a proxy request names an http:// URL"),
+        (f"GET http://{'b' * 64}.pythonhosted.org/", "does not resolve on the host"),
+    ],
+)
+def test_odd_targets_get_one_line_and_never_a_connection(proxy, tmp_path, monkeypatch, request_line, answer):
+    async def idna(host: str, port: int) -> list[str]:
+        return [socket.getaddrinfo(host, port)[0][4][0]]  # the real resolver's refusal of a 64-byte label
+
+    monkeypatch.setattr(proxy, "_resolve", idna)
+    run = _open(proxy, tmp_path, "pypi,allow:*.pythonhosted.org")
+    reply = _ask(run.socket_path, f"{request_line} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert reply.startswith(b"HTTP/1.1 403 ") and answer in reply.decode(), reply
+    assert proxy.close_run(run).connections == 0
 
 
 def test_not_a_proxy_request_gets_400_and_a_silent_client_nothing(proxy, tmp_path):
@@ -273,7 +337,7 @@ def test_the_journal_keeps_the_first_events_and_counts_all(proxy, upstream, tmp_
         assert _get(run.socket_path, f"http://h{n}.test/")[0] == 403
     info = proxy.close_run(run)
     assert (len(info.events), info.dropped, info.refused) == (3, 2, 5)
-    assert info.refused_hosts == [f"h{n}.test:80" for n in range(5)]
+    assert info.refused_hosts == [f"h{n}.test:80" for n in range(3)]  # bounded like the events
     assert info.events[0].reason == "--egress allows no host"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...gateway.egress import EgressProxy, EgressRun
 from ...models.egress import Egress, EgressInfo, EgressLimit
+from .sockets import own_socket, socket_dir
 
 #: Where the relay listens inside the sandbox for the egress proxy, and where the run's socket is mounted.
 EGRESS_PORT = 18081
@@ -71,13 +71,13 @@ def egress_access(
 ) -> Iterator[tuple[EgressAccess, list[EgressInfo]]]:
     """The run's socket, listening for as long as the block runs; the journal is appended to the list yielded
     when the block ends (on every path), and the socket's directory is removed."""
-    directory = Path(tempfile.mkdtemp(prefix="pvh-eg-", dir="/tmp"))  # short: AF_UNIX paths are 108 bytes
-    directory.chmod(0o755)
+    directory = socket_dir("pvh-eg-")
     proxy = egress_proxy()
     journal: list[EgressInfo] = []
     try:
-        run = proxy.open(run_id, policy, limit, directory / _SOCKET_NAME, uid)
+        run = proxy.open(run_id, policy, limit, directory / _SOCKET_NAME)
         try:
+            own_socket(run.socket_path, uid)
             env = {"PVISOR_HOST_EGRESS_RELAY": f"{EGRESS_PORT} {EGRESS_MOUNT}/{_SOCKET_NAME}", **proxy_env(no_proxy)}
             yield EgressAccess(socket_dir=directory, container_env=env, run=run), journal
         finally:

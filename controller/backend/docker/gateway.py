@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from ...models.ownership import Ownership
 from ...models.spec import ModelUpstream
 from . import labels as L
 from .engine import engine_errors
+from .sockets import own_socket, socket_dir
 
 #: Where the relay listens inside the sandbox, and where the gateway's socket directory is mounted.
 RELAY_PORT = 18080
@@ -125,14 +124,10 @@ class Gateway:
             self._network = None
 
     def _start_unix(self, proxy: ModelProxy) -> None:
-        # A short path: AF_UNIX paths are limited to 108 bytes.
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="pvh-gw-", dir="/tmp"))
-        self._socket_dir.chmod(0o755)
+        self._socket_dir = socket_dir("pvh-gw-")
         path = self._socket_dir / _SOCKET_NAME
         proxy.listen_unix(str(path))
-        if self._uid is not None and os.geteuid() == 0:
-            os.chown(path, self._uid, self._uid)
-        path.chmod(0o600)
+        own_socket(path, self._uid)
         self.address = str(path)
         logger.debug("model gateway listening on {}", path)
 
