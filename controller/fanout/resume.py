@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES, ItemResult, VerificationResult
-from ..models.egress import EgressTotals
 from ..models.image import ImageRef
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
@@ -83,7 +82,7 @@ def item_result(
         if verified is not None
         else None,  # fmt: skip
         model=record.model.totals if record.model is not None else None,
-        egress=EgressTotals.of(record.egress) if record.egress is not None else None,
+        egress=record.egress.totals() if record.egress is not None else None,
     )
 
 

@@ -241,12 +241,14 @@ class EgressEvent(BaseModel):
     tool: str | None = None
 
 
-class EgressInfo(BaseModel):
-    """``record.egress``: what the sandbox was allowed, and what it reached or was refused."""
+#: Hosts an item's or a batch's totals name; the rest are counted.
+HOSTS_KEPT = 50
 
-    allowed: str
-    """The ``--egress`` list, as given (presets by name)."""
-    limit: EgressLimit
+
+class EgressTotals(BaseModel):
+    """What a sandbox's tool calls did through the egress proxy, counted; one item's egress in a row of
+    ``results.jsonl`` (its hosts cut at :data:`HOSTS_KEPT`), and the counts of ``record.egress``."""
+
     connections: int = 0
     """Connections made to an upstream."""
     refused: int = 0
@@ -256,13 +258,15 @@ class EgressInfo(BaseModel):
     limited: Literal["connections", "bytes"] | None = None
     """Which cap was reached, if one was."""
     hosts: list[str] = []
-    """``host:port`` reached, each once, in the order their first connection ended (at most :data:`EVENTS_KEPT`;
-    so is ``refused_hosts``)."""
+    """``host:port`` reached, each once, in the order their first connection ended (at most :data:`EVENTS_KEPT`
+    in the record; so is ``refused_hosts``)."""
     refused_hosts: list[str] = []
-    events: list[EgressEvent] = []
-    """The first :data:`EVENTS_KEPT` events; the counts above cover all."""
-    dropped: int = 0
-    """Events past :data:`EVENTS_KEPT`, counted but not kept."""
+
+    def totals(self) -> EgressTotals:
+        """The counts alone, the hosts cut at :data:`HOSTS_KEPT` (a row of ``results.jsonl``)."""
+        fields = self.model_dump(include=set(EgressTotals.model_fields))
+        fields["hosts"], fields["refused_hosts"] = self.hosts[:HOSTS_KEPT], self.refused_hosts[:HOSTS_KEPT]
+        return EgressTotals.model_validate(fields)
 
     def describe(self) -> str:
         """One line for people: connections, refusals, bytes, the hosts."""
@@ -270,28 +274,16 @@ class EgressInfo(BaseModel):
                          f"--egress-limit {self.limited} reached" if self.limited else None)  # fmt: skip
 
 
-#: Hosts an item's or a batch's totals name; the rest are counted.
-HOSTS_KEPT = 50
+class EgressInfo(EgressTotals):
+    """``record.egress``: what the sandbox was allowed, what it reached or was refused, and each connection."""
 
-
-class EgressTotals(BaseModel):
-    """One item's egress in a row of ``results.jsonl`` (from its record's journal)."""
-
-    connections: int = 0
-    refused: int = 0
-    sent: int = 0
-    received: int = 0
-    limited: Literal["connections", "bytes"] | None = None
-    hosts: list[str] = []
-    """``host:port`` reached (at most :data:`HOSTS_KEPT`)."""
-    refused_hosts: list[str] = []
-
-    @classmethod
-    def of(cls, info: EgressInfo) -> EgressTotals:
-        return cls(
-            connections=info.connections, refused=info.refused, sent=info.sent, received=info.received,
-            limited=info.limited, hosts=info.hosts[:HOSTS_KEPT], refused_hosts=info.refused_hosts[:HOSTS_KEPT],
-        )  # fmt: skip
+    allowed: str
+    """The ``--egress`` list, as given (presets by name)."""
+    limit: EgressLimit
+    events: list[EgressEvent] = []
+    """The first :data:`EVENTS_KEPT` events; the counts cover all."""
+    dropped: int = 0
+    """Events past :data:`EVENTS_KEPT`, counted but not kept."""
 
 
 class EgressStats(BaseModel):

@@ -373,7 +373,8 @@ def test_totals_and_the_batch_stats():
         "3 connections, 1 refused; 10 B sent, 2.0 KiB received; reached pypi.org:443; refused evil.test:443; "
         "--egress-limit bytes reached"
     )
-    one = EgressTotals.of(info)
+    one = info.totals()
+    assert type(one) is EgressTotals and one.hosts == info.hosts
     two = EgressTotals(connections=1, hosts=["pypi.org:443", "files.pythonhosted.org:443"])
     stats = EgressStats.over([one, two])
     assert stats is not None
