@@ -96,6 +96,18 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{rest:02d}s"
 
 
+def key_values(text: str, keys: dict[str, str], expected: str) -> dict[str, str]:
+    """A model's fields from its compact form on the command line, ``key=value,key=value`` (``keys``: each key
+    the form may say → the field it sets); ``ValueError`` names the first part that is not one of them."""
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in keys:
+            raise ValueError(f"{part!r}: expected {expected}")
+        fields[keys[key.strip()]] = value.strip()
+    return fields
+
+
 def shortlist(items: list[str], shown: int = 3) -> str:
     """``a, b, c and 4 more``: the first ``shown`` of ``items``, and how many are left out."""
     left = len(items) - shown

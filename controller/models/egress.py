@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..units import format_size, parse_size, short_size, shortlist
+from ..units import format_size, key_values, parse_size, short_size, shortlist
 
 #: What a preset name stands for (docs/egress.md lists them too; a test keeps the two the same).
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -191,13 +191,8 @@ class EgressLimit(BaseModel):
         """``connections=50,bytes=200m[,at_once=8]``, as the CLI takes it."""
         if not isinstance(value, str):
             return value
-        fields: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in value.split(","))):
-            key, sep, number = part.partition("=")
-            key = key.strip().replace("-", "_")
-            if not sep or key not in cls.model_fields:
-                raise ValueError(f"{part!r}: expected connections=N,bytes=SIZE[,at_once=N]")
-            fields[key] = number.strip()
+        keys = {spelling: name for name in cls.model_fields for spelling in (name, name.replace("_", "-"))}
+        fields: dict[str, Any] = key_values(value, keys, "connections=N,bytes=SIZE[,at_once=N]")
         return fields
 
     @field_validator("bytes", mode="before")

@@ -10,6 +10,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..units import key_values
+
 CassetteMode = Literal["record", "replay"]
 DriftAction = Literal["fail", "serve"]
 """What the gateway does when a request differs from the one the cassette holds: answer with an error (the
@@ -51,13 +53,7 @@ class ModelPrice(BaseModel):
         """``input=3,output=15[,cached=0.3]``, as the CLI takes it."""
         if not isinstance(value, str):
             return value
-        fields: dict[str, str] = {}
-        for part in filter(None, (p.strip() for p in value.split(","))):
-            key, sep, number = part.partition("=")
-            if not sep or key.strip() not in _PRICE_KEYS:
-                raise ValueError(f"{part!r}: expected input=PRICE,output=PRICE[,cached=PRICE] per million tokens")
-            fields[_PRICE_KEYS[key.strip()]] = number.strip()
-        return fields
+        return key_values(value, _PRICE_KEYS, "input=PRICE,output=PRICE[,cached=PRICE] per million tokens")
 
     def cost(self, *, input_tokens: int, output_tokens: int, cached_tokens: int) -> float:
         """What these tokens cost (``input_tokens`` includes the cached ones, as the APIs count them)."""
