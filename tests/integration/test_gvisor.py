@@ -89,6 +89,7 @@ def test_every_hardening_default_holds_under_gvisor(tmp_path, claude_image):
     assert limits | {"timeout": 0} == {
         "user": "65532:65532",
         "network": "none",
+        "egress": None,
         "read_only_rootfs": True,
         "cap_drop": ["ALL"],
         "cap_add": [],

@@ -269,6 +269,7 @@ def test_hardened_defaults_are_really_applied(tmp_path, claude_image, docker_cli
     assert limits | {"timeout": 0} == {
         "user": "65532:65532",
         "network": "none",
+        "egress": None,
         "read_only_rootfs": True,
         "cap_drop": ["ALL"],
         "cap_add": [],

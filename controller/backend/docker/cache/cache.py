@@ -18,8 +18,10 @@ other's images, share one budget, and never remove an image the other uses.
 **Making room.** The budget counts the distinct layers of the cache's images. Before a pull that would go past
 it, images are removed least recently used first: only images the cache pulled, that nobody holds, that no
 container uses, and that the caller lets go (a cluster node keeps its batch's images until the driver says
-their items are done). When removing every such image would not make room, nothing is removed and the pull
-waits for holders to let go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget and says so; so
+their items are done). The batch's own images it has not said it is done with are spared for :data:`SPARE_WAIT` only (their
+later items may be waiting on another node). When removing every such image would not make room, nothing is
+removed and the pull waits for holders to let go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget
+and says so; so
 does a pull when nothing is held anywhere and nothing can go. An image whose pull alone downloads more than
 the budget is refused, in one line.
 
@@ -49,6 +51,10 @@ from .ledger import CachedImage, CacheState, Hold, Ledger
 
 #: How long a pull waits for holders to let go before it goes ahead over the budget (seconds).
 WAIT_FOR_ROOM = 600.0
+#: How long a pull spares its own batch's images that nobody holds but that the batch has not said it is done
+#: with (seconds); then they may go like any other. On a cluster the items still to run of such an image may be
+#: waiting on another node for room its own images take: sparing them for ever would be a wait across nodes.
+SPARE_WAIT = 30.0
 #: How often a waiting pull looks at the ledger again (seconds).
 POLL = 0.5
 #: How often a waiting pull checks the ledger against the engine (seconds).
@@ -143,6 +149,7 @@ class ImageCache:
         """
         token = uuid.uuid4().hex
         deadline = self._clock() + WAIT_FOR_ROOM
+        spared_until = self._clock() + SPARE_WAIT
         retried_stuck = False
         evicted: list[str] = []
         finished: set[str] | None = None
@@ -169,9 +176,10 @@ class ImageCache:
                     # engine's layers at every look
                     quote, quoted = self._quote(ref), self._clock()
                 layers, compressed, here = self._price(quote)
+                sparing = done is not None and self._clock() <= spared_until
                 outcome = self._make_room(
-                    ref, token, layers, compressed, here, budget, owned, finished, evicted,
-                    ask=done is not None and finished is None,
+                    ref, token, layers, compressed, here, budget, owned, finished if sparing else None, evicted,
+                    ask=sparing and finished is None,
                     late=self._clock() > deadline,
                 )  # fmt: skip
                 if isinstance(outcome, ImageHold):
