@@ -18,10 +18,9 @@ other's images, share one budget, and never remove an image the other uses.
 **Making room.** The budget counts the distinct layers of the cache's images. Before a pull that would go past
 it, images are removed least recently used first: only images the cache pulled, that nobody holds, that no
 container uses, and that the caller lets go (a cluster node keeps its batch's images until the driver says
-their items are done). The batch's own images it has not said it is done with are spared for :data:`SPARE_WAIT` only (their
-later items may be waiting on another node). When removing every such image would not make room, nothing is
-removed and the pull waits for holders to let go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget
-and says so; so
+their items are done, or for :data:`SPARE_WAIT` at most: their later items may be waiting on another node).
+When removing every such image would not make room, nothing is removed and the pull waits for holders to let
+go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget and says so; so
 does a pull when nothing is held anywhere and nothing can go. An image whose pull alone downloads more than
 the budget is refused, in one line.
 
