@@ -61,7 +61,7 @@ test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actio
 test-docker: venv engine-runsc browser ## Run only the tests that drive the real engine
 	$(BIN)/pytest -m 'docker and not faults'
 
-test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs mid-run: nothing lost or leaked
+test-faults: venv engine-runsc ## Restart the engine, fill a disk, flood logs, lose cluster nodes mid-run: nothing lost or leaked
 	$(BIN)/pytest -m faults
 
 bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; writes bench-results.json

@@ -195,6 +195,7 @@ def wait_until_running(cluster: Cluster, name: str, process: subprocess.Popen[st
     raise AssertionError(f"no sandbox started on {name}: {process.communicate()[1][-3000:]}")
 
 
+@pytest.mark.faults  # `make test-faults` (CI runs it after `make test`)
 @pytest.mark.parametrize("failure", ["kill", "pause", "disconnect"])
 def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_client, failure):
     manifest = slow_manifest(tmp_path / "data", 8, 6)

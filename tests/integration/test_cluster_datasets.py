@@ -148,6 +148,7 @@ def test_a_node_budget_forces_removals_and_each_node_stays_within_it(setup, dock
             assert node["task_images"] <= 1, node  # the others were removed to stay within it
 
 
+@pytest.mark.faults  # `make test-faults` (CI runs it after `make test`)
 def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_path):
     cluster, registry, refs, _ = setup
     big = refs[IMAGES]
@@ -205,6 +206,7 @@ def test_a_registry_outage_ends_as_it_does_on_one_engine(setup, docker_client, t
     assert result["counts"] == {"infra_error": 1} and result["categories"] == {"registry_error": 1}
 
 
+@pytest.mark.faults
 def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_client, base_image, tmp_path):
     cluster, registry, _, _ = setup
     refs = push_task_images(docker_client, registry, base_image, "v2", [20] * IMAGES)  # no node holds them yet
