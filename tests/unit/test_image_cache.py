@@ -322,6 +322,35 @@ def test_the_batchs_own_image_nobody_holds_goes_after_a_short_wait_whatever_the_
     assert SPARE_WAIT <= clock.now - started < SPARE_WAIT + 1
 
 
+def test_the_batchs_own_image_is_spared_from_its_last_use_not_from_when_the_pull_began_to_wait(cache, engine, clock):
+    """A pull that has waited past :data:`SPARE_WAIT` for a holder still spares that image once it is let go: its
+    items still to run may come next (removing it at once would pull it again); one unused that long goes at
+    once."""
+    from pvisor_host.backend.docker.cache.cache import SPARE_WAIT
+
+    refs = swe(engine, 3, envs=3)
+    budget = (50 + 250 + 20) * MB
+    held = take(cache, refs[0], budget)
+    started = clock.now
+    released: list[float] = []
+
+    def let_go() -> None:
+        if not released and clock.now - started > SPARE_WAIT + 10:
+            cache.release(held)
+            released.append(clock.now)
+
+    clock.on_wait = let_go
+    second = take(cache, refs[1], budget, done=lambda: set())  # the driver never says task0 is done
+    assert engine.removals == ["task0"] and not second.over_budget
+    assert SPARE_WAIT <= clock.now - released[0] < SPARE_WAIT + 1
+    cache.release(second)
+    clock.on_wait = None
+    clock.now += SPARE_WAIT + 1  # task1 unused since
+    waits = clock.waits
+    take(cache, refs[2], budget, done=lambda: set())
+    assert engine.removals == ["task0", "task1"] and clock.waits == waits  # no wait at all
+
+
 def test_a_cancel_ends_the_wait(cache, engine, clock):
     refs = swe(engine, 2, envs=2)
     budget = (50 + 250 + 20) * MB

@@ -18,7 +18,8 @@ other's images, share one budget, and never remove an image the other uses.
 **Making room.** The budget counts the distinct layers of the cache's images. Before a pull that would go past
 it, images are removed least recently used first: only images the cache pulled, that nobody holds, that no
 container uses, and that the caller lets go (a cluster node keeps its batch's images until the driver says
-their items are done, or for :data:`SPARE_WAIT` at most: their later items may be waiting on another node).
+their items are done, or until :data:`SPARE_WAIT` after their last use: their later items may be waiting on
+another node).
 When removing every such image would not make room, nothing is removed and the pull waits for holders to let
 go (up to :data:`WAIT_FOR_ROOM`), then goes ahead over the budget and says so; so
 does a pull when nothing is held anywhere and nothing can go. An image whose pull alone downloads more than
@@ -50,8 +51,8 @@ from .ledger import CachedImage, CacheState, Hold, Ledger
 
 #: How long a pull waits for holders to let go before it goes ahead over the budget (seconds).
 WAIT_FOR_ROOM = 600.0
-#: How long a pull spares its own batch's images that nobody holds but that the batch has not said it is done
-#: with (seconds); then they may go like any other. On a cluster the items still to run of such an image may be
+#: How long after its last use an image of a pull's own batch that nobody holds, but that the batch has not said
+#: it is done with, is spared (seconds); then it may go like any other. On a cluster the items still to run of such an image may be
 #: waiting on another node for room its own images take: sparing them for ever would be a wait across nodes.
 SPARE_WAIT = 30.0
 #: How often a waiting pull looks at the ledger again (seconds).
@@ -148,7 +149,6 @@ class ImageCache:
         """
         token = uuid.uuid4().hex
         deadline = self._clock() + WAIT_FOR_ROOM
-        spared_until = self._clock() + SPARE_WAIT
         retried_stuck = False
         evicted: list[str] = []
         finished: set[str] | None = None
@@ -175,10 +175,9 @@ class ImageCache:
                     # engine's layers at every look
                     quote, quoted = self._quote(ref), self._clock()
                 layers, compressed, here = self._price(quote)
-                sparing = done is not None and self._clock() <= spared_until
                 outcome = self._make_room(
-                    ref, token, layers, compressed, here, budget, owned, finished if sparing else None, evicted,
-                    ask=sparing and finished is None,
+                    ref, token, layers, compressed, here, budget, owned, finished, evicted,
+                    ask=done is not None and finished is None,
                     late=self._clock() > deadline,
                 )  # fmt: skip
                 if isinstance(outcome, ImageHold):
@@ -453,8 +452,7 @@ class ImageCache:
                 return "ask"
             victims = [] if room else self._victims(state, entry, here, budget or 0, finished)
             busy = any(  # someone will let go: a holder, a pull or removal, or the batch's items still to run
-                i.holds or i.state != "present" or (finished is not None and i.session == self._session
-                                                    and i.key not in finished and i.counts)
+                i.holds or i.state != "present" or (self._spared(i, finished) and i.counts)
                 for k, i in state.images.items() if k != entry.key
             )  # fmt: skip
             if room or (victims is None and (late or not busy)):
@@ -501,7 +499,7 @@ class ImageCache:
             (
                 i for i in others
                 if i.state == "present" and not i.holds and not i.stuck and i.worker is None
-                and (finished is None or i.session != self._session or i.key in finished)
+                and not self._spared(i, finished)
             ),
             key=lambda i: (pulled_again(i), i.used),
         )  # fmt: skip
@@ -511,6 +509,16 @@ class ImageCache:
                 break
             chosen.append(image.key)
         return chosen if chosen and _used_without(others, new, set(chosen), foreign) <= budget else None
+
+    def _spared(self, image: CachedImage, finished: set[str] | None) -> bool:
+        """Whether ``image`` stays for its batch's items still to run: this batch's, not among the ``finished``
+        it named (None: it names none, so nothing is spared), and used within the last :data:`SPARE_WAIT`."""
+        return (
+            finished is not None
+            and image.session == self._session
+            and image.key not in finished
+            and self._clock() - image.used < SPARE_WAIT
+        )
 
     def _remove(self, keys: list[str], *, marked: bool = False) -> list[str]:
         """Remove the images ``keys`` (marked ``removing`` by this process first, unless ``marked``; then only
