@@ -52,8 +52,9 @@ from .ledger import CachedImage, CacheState, Hold, Ledger
 #: How long a pull waits for holders to let go before it goes ahead over the budget (seconds).
 WAIT_FOR_ROOM = 600.0
 #: How long after its last use an image of a pull's own batch that nobody holds, but that the batch has not said
-#: it is done with, is spared (seconds); then it may go like any other. On a cluster the items still to run of such an image may be
-#: waiting on another node for room its own images take: sparing them for ever would be a wait across nodes.
+#: it is done with, is spared (seconds); then it may go like any other. On a cluster the items still to run of
+#: such an image may be waiting on another node for room its own images take: sparing them for ever would be a
+#: wait across nodes.
 SPARE_WAIT = 30.0
 #: How often a waiting pull looks at the ledger again (seconds).
 POLL = 0.5
