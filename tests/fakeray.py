@@ -15,6 +15,7 @@ import itertools
 import tarfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -150,12 +151,15 @@ class FakeActor:
     def __init__(self, instance: Any) -> None:
         self._instance = instance
         self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        """How often each method was called."""
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._instance, name)
 
         def remote(*args: Any) -> ObjectRef:
             with self._lock:
+                self.calls[name] += 1
                 return resolved(method(*args))
 
         return SimpleNamespace(remote=remote)

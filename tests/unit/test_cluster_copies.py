@@ -5,6 +5,7 @@ record, naming every other start. The real cluster runs in ``tests/integration/t
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from pvisor_host.backend.cluster import copies
 from pvisor_host.backend.cluster.copies import MAX_NODE_LOSSES, AttemptRun
+from pvisor_host.backend.cluster.ledger import Ledger
 from pvisor_host.errors import InfrastructureError, Interrupted, UsageError
 from pvisor_host.models.record import ReplayRecord, save_record
 from pvisor_host.models.replay import Attempt, PreparedReplay
@@ -86,10 +88,12 @@ def test_a_copy_that_finishes_is_the_record_and_nothing_else_ran(run, tmp_path):
     assert (record.host["node"], record.host["cluster"]) == ("n1", "head:6379")
     assert record.superseded == [] and len(cluster.submitted) == 1 and ray.cancelled == []
     assert (tmp_path / "out" / "run-1" / "record.json").is_file()
+    assert cluster.ledger.calls["snapshot"] == 0  # no node died: where copies started decided nothing
 
 
 def test_a_node_that_dies_has_its_copy_run_again_by_ray_and_the_first_start_is_named(run):
     record, cluster, _ = run([("n1", "retried:n2")])
+    assert cluster.ledger.calls["snapshot"] > 0
     assert record.host["node"] == "n2" and len(cluster.submitted) == 1  # Ray's retry, not ours
     assert reasons(record) == [("n1", "node n1 was lost; Ray ran the copy again")]
 
@@ -162,3 +166,23 @@ def test_a_copy_given_up_that_still_runs_is_told_it_was_superseded_when_another_
     assert node == "n1" and reason.startswith("node n1 stopped answering")
     assert len(ray.cancelled) == 1  # cancelled once by the watchdog, not again by the winner (it had started)
     assert len(cluster.ends) == 2
+
+
+def test_the_ledger_answers_a_waiting_copy_when_it_is_told_to_stop_and_not_before():
+    async def scenario() -> list[str | None]:
+        ledger = Ledger()
+        for copy_id in ("a", "b", "c", "d"):
+            ledger.started(copy_id, "node-1", "n1", "2026-12-04T00:00:00+00:00", copy_id)
+        waits = [asyncio.create_task(ledger.wait_stop(copy_id, 30)) for copy_id in ("a", "b", "c")]
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waits)
+        ledger.stop("a")  # another copy of a's attempt finished first
+        ledger.forget("b")  # the driver is done with b: its watcher stops waiting, with no reason
+        answered = [await waits[0], await waits[1]]
+        assert not waits[2].done()
+        ledger.stop_all()  # Ctrl-C on the driver
+        answered += [await waits[2], await ledger.wait_stop("d", 30)]  # d asks after: at once
+        assert await Ledger().wait_stop("e", 0.01) is None  # nothing happened within the wait
+        return answered
+
+    assert asyncio.run(scenario()) == ["superseded", None, "cancelled", "cancelled"]

@@ -39,7 +39,7 @@ from ...models.image import ImageHold, ImageUsage
 from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
-from .limits import limits_actor
+from .limits import MAX_CALLS, limits_actor
 from .node import tasks as on_node
 from .ship import Shipper
 from .task_images import Placement, TaskImages
@@ -112,7 +112,11 @@ class ClusterBackend:
             self._remotes()
             self._check_nodes()
             here = self.ray.get_runtime_context().get_node_id()  # the ledger lives as long as this driver
-            self.ledger = self.ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=pinned_to(here)).remote()
+            self.ledger = (  # every running copy waits on it (``wait_stop``): as many calls at once as copies
+                self.ray.remote(Ledger)
+                .options(num_cpus=0, max_concurrency=MAX_CALLS, scheduling_strategy=pinned_to(here))
+                .remote()
+            )
             self.watch = Watch(self.ray, self.ledger)
             self.shipper = Shipper(local.images, self.ray, registry)
             self.task_images = TaskImages(local.puller)

@@ -105,14 +105,18 @@ class Cluster(Protocol):
 
 
 class Watch:
-    """The driver's view of the cluster, refreshed every :data:`WATCH_PERIOD` by one thread: where every copy
-    started (the ledger) and since when each node has been dead."""
+    """The driver's view of the cluster, refreshed every :data:`WATCH_PERIOD` by one thread: since when each
+    node has been dead, and where every copy started (the ledger). The ledger is read only once a node died
+    during the batch (the watchdog needs it then) and when :meth:`settle` asks: while no node died a view of the
+    starts decides nothing, and reading it twice a second cost every item Ray calls."""
 
     def __init__(self, ray: Any, ledger: Any) -> None:
         self._ray, self._ledger = ray, ledger
         self._lock = threading.Lock()
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._dead_since: dict[str, float] = {}
+        self.seen_death = False
+        """A node died during the batch (from then on every refresh reads the ledger too)."""
         self._closed = threading.Event()
         nodes = ray.nodes()
         for entry in nodes:  # dead before this batch: no copy of it can be waiting there
@@ -128,19 +132,28 @@ class Watch:
                 self.refresh()
 
     def refresh(self) -> None:
-        """Read the ledger and the nodes now."""
-        starts = self._ray.get(self._ledger.snapshot.remote(), timeout=30)
+        """Read the nodes now, and the ledger too once a node died during the batch."""
         nodes = self._ray.nodes()
         now = time.monotonic()
+        with self._lock:  # a node newly dead: its copies' starts are read before the watchdog sees it dead
+            dying = self.seen_death or any(not n.get("Alive") and n["NodeID"] not in self._dead_since for n in nodes)
+        if dying:
+            self.settle()
         with self._lock:
-            self._starts = starts
             self._engines = _engines(nodes)
             for entry in nodes:
                 node_id = entry["NodeID"]
                 if entry.get("Alive"):
                     self._dead_since.pop(node_id, None)
-                else:
-                    self._dead_since.setdefault(node_id, now)
+                elif self._dead_since.setdefault(node_id, now) == now:
+                    self.seen_death = True
+
+    def settle(self) -> None:
+        """Read where every copy started now (before a decision that needs it: a node died, the batch was
+        cancelled, or a copy won while others run)."""
+        starts = self._ray.get(self._ledger.snapshot.remote(), timeout=30)
+        with self._lock:
+            self._starts = starts
 
     def engines(self) -> list[str]:
         """The alive nodes with a Docker engine, as of the latest refresh (sorted ids): no Ray call per item."""
@@ -241,6 +254,8 @@ class AttemptRun:
                 if stopped_at is None and backend.cancelled(cancel):
                     stopped_at = time.monotonic()
                     backend.cancel()
+                    if self.live():
+                        self._settle()
                     for copy in self.live():
                         if not self.backend.watch.starts(copy.id):
                             ray.cancel(copy.ref)  # not started: it never will
@@ -318,6 +333,8 @@ class AttemptRun:
 
     def _won(self, winner: Copy, record: ReplayRecord) -> ReplayRecord:
         """``winner`` finished first: stop the others, list every other start, and write the record."""
+        if len(self.copies) > 1 or self.backend.watch.seen_death:  # else it started once, and nothing else did
+            self._settle()
         for copy in self.live():
             self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
             self.backend.ledger.stop.remote(copy.id)
@@ -330,8 +347,6 @@ class AttemptRun:
         return record
 
     def _superseded(self, winner: Copy) -> list[SupersededAttempt]:
-        with contextlib.suppress(Exception):
-            self.backend.watch.refresh()
         found = []
         for copy in self.copies:
             if copy.id in self.unshipped:
@@ -348,6 +363,11 @@ class AttemptRun:
                     SupersededAttempt(node=start["node"], reason=reason, started_at=datetime.fromisoformat(start["at"]))
                 )
         return sorted(found, key=lambda s: s.started_at)
+
+    def _settle(self) -> None:
+        """Read where every copy started, now (a slow head: the last view)."""
+        with contextlib.suppress(Exception):
+            self.backend.watch.settle()
 
     def _lose(self, copy: Copy, reason: str) -> None:
         self.reasons[copy.id] = reason

@@ -1,14 +1,18 @@
 """The ledger of a cluster batch: where each copy of an attempt started, and which copies should stop.
 
-One :class:`Ledger` per batch runs as a Ray actor on the driver's own node, so it lives exactly as long as
-the batch. Copies write to it (:meth:`Ledger.started`, before their sandbox starts) and ask it
-(:meth:`Ledger.should_stop`, while it runs); the driver reads it (:meth:`Ledger.snapshot`) to see on which
-node every copy runs, including the copy Ray ran again after its first node died, and writes to it
+One :class:`Ledger` per batch runs as an async Ray actor on the driver's own node, so it lives exactly as
+long as the batch. Copies write to it (:meth:`Ledger.started`, before their sandbox starts) and wait on it
+(:meth:`Ledger.wait_stop`, while it runs: one call that answers when there is a reason to stop, not a poll a
+second, which cost every item Ray calls for nothing). The driver reads it (:meth:`Ledger.snapshot`) to see
+on which node every copy runs, including the copy Ray ran again after its first node died, and writes to it
 (:meth:`Ledger.stop`, :meth:`Ledger.stop_all`, :meth:`Ledger.forget`). It also tells the nodes which task
 images the batch is done with (:meth:`Ledger.image_done`), so that a node's budget may let them go.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 from pydantic import BaseModel
 
@@ -25,13 +29,15 @@ class Start(BaseModel):
 
 
 class Ledger:
-    """The batch's ledger (made a Ray actor by the driver; plain data in and out)."""
+    """The batch's ledger (made an async Ray actor by the driver; plain data in and out; every method runs on
+    the actor's one event loop, so none needs a lock)."""
 
     def __init__(self) -> None:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._stop: set[str] = set()
         self._stop_all = False
         self._done_images: set[str] = set()
+        self._waiting: dict[str, asyncio.Event] = {}
 
     def started(self, copy_id: str, node_id: str, node: str, at: str, token: str) -> None:
         """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it; a copy already told to stop is not
@@ -46,17 +52,37 @@ class Ledger:
             return "cancelled"
         return "superseded" if copy_id in self._stop else None
 
+    async def wait_stop(self, copy_id: str, seconds: float) -> str | None:
+        """:meth:`should_stop`, waiting up to ``seconds`` for a reason; None also when the driver forgot the copy
+        meanwhile (its watcher then sees that the copy ended, or asks again)."""
+        reason = self.should_stop(copy_id)
+        if reason is None:
+            event = self._waiting.setdefault(copy_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), seconds)
+            reason = self.should_stop(copy_id)
+        return reason
+
     def stop(self, copy_id: str) -> None:
         """Ask one copy to stop (another copy of its attempt finished first)."""
         self._stop.add(copy_id)
+        self._wake(copy_id)
 
     def stop_all(self) -> None:
         """Ask every copy to stop (Ctrl-C on the driver)."""
         self._stop_all = True
+        for copy_id in list(self._waiting):
+            self._wake(copy_id)
 
     def forget(self, copy_id: str) -> None:
         """The driver is done with this copy (if it was told to stop, it still is: Ray may run it again)."""
         self._starts.pop(copy_id, None)
+        self._wake(copy_id)
+
+    def _wake(self, copy_id: str) -> None:
+        event = self._waiting.pop(copy_id, None)
+        if event is not None:
+            event.set()
 
     def image_done(self, image_id: str) -> None:
         """Every item of the task image ``image_id`` has ended: nodes may remove their copies of it."""

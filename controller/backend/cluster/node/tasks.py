@@ -51,7 +51,10 @@ CHUNK = 8 * 1024 * 1024
 #: Where a node keeps the run directories of its copies until the driver fetched them: one folder per
 #: batch session. ``node join`` empties it (nothing runs on a node before it joins).
 SCRATCH_ENV = "PVISOR_HOST_NODE_SCRATCH"
-#: How often a running copy asks the ledger whether it should stop (seconds).
+#: How long one call of a running copy's watcher waits on the ledger for a reason to stop (seconds); it asks
+#: again after, and right away when the driver forgot the copy.
+STOP_WAIT = 60.0
+#: How long the watcher waits before it asks again after the ledger did not answer (seconds).
 STOP_POLL = 1.0
 #: The ledger's answer when another copy of the attempt finished first (else ``"cancelled"``, or None).
 SUPERSEDED = "superseded"
@@ -294,17 +297,18 @@ class _Stop:
 
 
 def _watch(ledger: Any, copy_id: str, stop: _Stop, session: str, run_id: str) -> None:
-    """Until the copy ends: ask the ledger whether it should stop; if so, stop its sandbox (the pipeline then
-    records it as interrupted, as a local Ctrl-C would). Each copy stops its own sandbox, after it has said so
-    to its pipeline: a sandbox killed by another copy's watcher would look like a crash."""
+    """Until the copy ends: wait on the ledger for a reason to stop; if one comes, stop its sandbox (the pipeline
+    then records it as interrupted, as a local Ctrl-C would). Each copy stops its own sandbox, after it has said
+    so to its pipeline: a sandbox killed by another copy's watcher would look like a crash."""
     import ray
 
-    while not stop.event.wait(STOP_POLL):
+    while not stop.event.is_set():
         try:
-            reason = ray.get(ledger.should_stop.remote(copy_id), timeout=30)
+            reason = ray.get(ledger.wait_stop.remote(copy_id, STOP_WAIT), timeout=STOP_WAIT + 30)
         except Exception:  # noqa: BLE001 - the driver's node is gone: Ray ends this job's workers soon
+            stop.event.wait(STOP_POLL)
             continue
-        if reason is not None:
+        if reason is not None and not stop.event.is_set():
             stop.reason = reason
             stop.event.set()
             backend_for(session).cancel(run_id=run_id)
