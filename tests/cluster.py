@@ -202,7 +202,8 @@ class Cluster:
                        "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}  # fmt: skip
         subprocess.run(
             [str(ray), "start", "--head", "--node-ip-address", self.host, "--port", str(self.port), "--num-cpus", "1",
-             "--include-dashboard", "false", "--temp-dir", str(self.temp_dir), "--disable-usage-stats"],
+             "--include-dashboard", "false", "--include-log-monitor", "false", "--temp-dir", str(self.temp_dir),
+             "--disable-usage-stats"],
             check=True, env=environment, capture_output=True, timeout=120,
         )  # fmt: skip
 

@@ -61,7 +61,7 @@ def test_a_node_becomes_ray_start_with_its_slots_and_no_secret(monkeypatch):
     command = join_command("10.0.0.5:6379", 3, ray_binary="/opt/pvh/bin/ray")
     assert command == [
         "/opt/pvh/bin/ray", "start", "--address", "10.0.0.5:6379", "--resources", json.dumps({"docker_engine": 3}),
-        "--num-cpus", "3", "--block", "--disable-usage-stats",
+        "--num-cpus", "3", "--block", "--disable-usage-stats", "--include-log-monitor", "false",
     ]  # fmt: skip
     assert not any("s3cret" in part for part in command)
 
