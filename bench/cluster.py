@@ -86,12 +86,18 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             # the difference is what an item costs beyond the batch's fixed start (imports, ray.init, pre-flight).
             one = work / "tasks-one.jsonl"
             one.write_text(manifest.read_text().splitlines(keepends=True)[0])
-            warm_cpu = {}
+            warm_cpu, warm_wall = {}, {}
             for name, path in (("all", manifest), ("one", one)):
                 ray_before, driver_before = _ray_cpu(), _children_cpu()
-                timed(batch_command(path, work / f"tasks-warm-{name}", "replay-only", "--quiet", "--cluster",
-                                    running.address, "--registry", registry.name, *options), env=env)  # fmt: skip
+                warm_wall[name] = timed(
+                    batch_command(path, work / f"tasks-warm-{name}", "replay-only", "--quiet", "--cluster",
+                                  running.address, "--registry", registry.name, *options), env=env,
+                )  # fmt: skip
                 warm_cpu[name] = (_children_cpu() - driver_before, _ray_cpu() - ray_before)
+            # Ray's CPU with no batch at all: the cluster's own heartbeat, which every second of a batch pays too.
+            ray_before = _ray_cpu()
+            time.sleep(IDLE_SAMPLE)
+            idle_rate = (_ray_cpu() - ray_before) / IDLE_SAMPLE
         forget(client, refs)
         local_before = _children_cpu()
         local = timed(batch_command(manifest, work / "tasks-local", "replay-only", "--quiet", "--workers",
@@ -114,9 +120,17 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             side: round((warm_cpu["all"][n] - warm_cpu["one"][n]) / (items - 1) * 1000, 1)
             for n, side in enumerate(("driver", "ray"))
         },
+        "ray_idle_cpu_ms_per_s": round(idle_rate * 1000, 1),
+        "warm_ray_idle_share_ms_per_item": round(
+            idle_rate * (warm_wall["all"] - warm_wall["one"]) / (items - 1) * 1000, 1
+        ),
         "warm_cpu_s_of_one_item_batch": {"driver": round(warm_cpu["one"][0], 2), "ray": round(warm_cpu["one"][1], 2)},
         "target": "pulls per image <= 1.5; the driver's and Ray's CPU <= 50 ms per item",
     }
+
+
+IDLE_SAMPLE = 20.0
+"""Seconds of an idle cluster sampled for Ray's own CPU."""
 
 
 def _ray_cpu() -> float:
