@@ -176,6 +176,7 @@ class FakeCluster:
 
     * ``"ok"``: it starts on the node and finishes with a record (``status`` from ``make_run``);
     * ``"retried:NODE2"``: it starts, its node dies, Ray runs it again on NODE2, where it finishes;
+    * ``"worker-retried:NODE2"``: as ``"retried"``, but only its worker died: no node is seen dead;
     * ``"lost"``: it starts, its node dies and Ray's retries run out (the ref raises ``NodeDiedError``);
     * ``"hang"``: it starts, then its node stops answering (Ray marks it dead; the ref never resolves);
     * ``"cut-off"``: as ``"hang"``, but the copy still runs there and still hears the ledger (its node was cut
@@ -278,14 +279,14 @@ class FakeCluster:
         self.ledger.started.remote(copy_id, self.ray.node_id(node), node, at, token)
         return token
 
-    def _reply(self, node: str, token: str, status: str) -> dict[str, Any]:
+    def _reply(self, node: str, token: str, status: str, starts: int = 1) -> dict[str, Any]:
         run = self._scratch / token / "run"
         self.make_run(run, status)
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             archive.add(run, arcname="run")
         return {"node": node, "node_id": self.ray.node_id(node), "token": token, "interrupted": False,
-                "tar": buffer.getvalue()}  # fmt: skip
+                "starts": starts, "tar": buffer.getvalue()}  # fmt: skip
 
     def _play(self, ref: ObjectRef, copy_id: str, node: str, behaviour: str) -> None:
         time.sleep(self.delay)
@@ -299,10 +300,11 @@ class FakeCluster:
         token = self._start(copy_id, node)
         if kind == "ok":
             ref.resolve(self._reply(node, token, "ok"))
-        elif kind == "retried":
-            self.ray.kill(node)
+        elif kind in ("retried", "worker-retried"):
+            if kind == "retried":
+                self.ray.kill(node)
             time.sleep(self.delay)
-            ref.resolve(self._reply(rest, self._start(copy_id, rest), "ok"))
+            ref.resolve(self._reply(rest, self._start(copy_id, rest), "ok", starts=2))
         elif kind == "lost":
             self.ray.kill(node)
             ref.resolve(error=NodeDiedError(f"{node} died"))

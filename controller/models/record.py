@@ -266,7 +266,7 @@ class SupersededAttempt(BaseModel):
     node: str
     """The node it started on."""
     reason: str
-    """Why it was left, in words (``node n1 was lost; Ray ran the copy again``, ...)."""
+    """Why it was left, in words (``its copy on node n1 was lost; Ray ran it again``, ...)."""
     started_at: datetime
 
 

@@ -223,7 +223,7 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
     assert sorted(ran) == [f"s{n}" for n in range(8)]  # every item, each once
     lost = [r for r in ran.values() if r["superseded"]]
     assert lost, "no attempt was run again"
-    reason = "was lost; Ray ran the copy again" if failure == "kill" else "stopped answering (Ray marked it dead"
+    reason = "was lost; Ray ran it again" if failure == "kill" else "stopped answering (Ray marked it dead"
     for record in lost:
         assert record["host"]["node"] == survivor
         assert [s["node"] for s in record["superseded"]] == [victim]

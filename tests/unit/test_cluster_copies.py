@@ -94,8 +94,17 @@ def test_a_copy_that_finishes_is_the_record_and_nothing_else_ran(run, tmp_path):
 def test_a_node_that_dies_has_its_copy_run_again_by_ray_and_the_first_start_is_named(run):
     record, cluster, _ = run([("n1", "retried:n2")])
     assert cluster.ledger.calls["snapshot"] > 0
+
+
+def test_a_copy_ray_ran_again_with_no_node_dead_still_names_its_first_start(run):
+    """Only its worker died (or the driver has not seen its node die yet): the copy's reply says it started
+    twice, so the driver reads where."""
+    record, cluster, ray = run([("n1", "worker-retried:n2")])
+    assert record.host["node"] == "n2" and len(cluster.submitted) == 1 and ray.cancelled == []
+    assert reasons(record) == [("n1", "its copy on node n1 was lost; Ray ran it again")]
+    assert cluster.ledger.calls["snapshot"] == 1
     assert record.host["node"] == "n2" and len(cluster.submitted) == 1  # Ray's retry, not ours
-    assert reasons(record) == [("n1", "node n1 was lost; Ray ran the copy again")]
+    assert reasons(record) == [("n1", "its copy on node n1 was lost; Ray ran it again")]
 
 
 def test_when_rays_retries_run_out_the_driver_runs_another_copy(run):

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 #: Node losses one attempt survives (Ray's retries and the watchdog's together) before it fails.
 MAX_NODE_LOSSES = 3
-#: How often the watchdog reads the ledger and the nodes' liveness (seconds).
+#: How often the watchdog reads the nodes' liveness (and, once a node died, the ledger) (seconds).
 WATCH_PERIOD = 0.5
 _ERRORS: dict[str, type[PvisorHostError]] = {
     "UsageError": UsageError,
@@ -116,6 +116,7 @@ class Watch:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._dead_since: dict[str, float] = {}
         self.seen_death = False
+        self._reads = self._read = 0  # ledger reads asked, and the latest one applied (a later one wins)
         """A node died during the batch (from then on every refresh reads the ledger too)."""
         self._closed = threading.Event()
         nodes = ray.nodes()
@@ -150,10 +151,14 @@ class Watch:
 
     def settle(self) -> None:
         """Read where every copy started now (before a decision that needs it: a node died, the batch was
-        cancelled, or a copy won while others run)."""
+        cancelled, or a copy won while others run or after Ray started it again). Raises what Ray raised."""
+        with self._lock:
+            self._reads += 1
+            mine = self._reads
         starts = self._ray.get(self._ledger.snapshot.remote(), timeout=30)
         with self._lock:
-            self._starts = starts
+            if mine > self._read:  # reads overlap (several attempts settle at once): an older one does not win
+                self._starts, self._read = starts, mine
 
     def engines(self) -> list[str]:
         """The alive nodes with a Docker engine, as of the latest refresh (sorted ids): no Ray call per item."""
@@ -189,6 +194,8 @@ class Copy:
         """The node the driver asked Ray to prefer for it (its task image's)."""
         self.submitted = time.monotonic()
         self.given_up = False
+        self.starts = 1
+        """How many times Ray started it, as its reply said."""
         """The driver runs another copy instead (this one may still finish first)."""
         self.ended = False
         """The backend heard that it ended (its node's count of placed copies went down)."""
@@ -254,11 +261,10 @@ class AttemptRun:
                 if stopped_at is None and backend.cancelled(cancel):
                     stopped_at = time.monotonic()
                     backend.cancel()
-                    if self.live():
-                        self._settle()
-                    for copy in self.live():
-                        if not self.backend.watch.starts(copy.id):
-                            ray.cancel(copy.ref)  # not started: it never will
+                    if self.live() and self._settle():  # else each hears the ledger's "cancelled" when it starts
+                        for copy in self.live():
+                            if not self.backend.watch.starts(copy.id):
+                                ray.cancel(copy.ref)  # not started: it never will
                 if not any(copy.hopeful for copy in self.copies):
                     if stopped_at is not None:
                         raise Interrupted("cancelled; no copy of it is running on a node that answers")
@@ -301,6 +307,7 @@ class AttemptRun:
             raise InfrastructureError(f"a node failed running {self.attempt.run_id}: {_last_line(exc)}") from None
         finally:
             self._ended(copy, reply.get("pulled"))
+        copy.starts = reply.get("starts", 1)
         if reply.get("superseded"):
             return None
         if reply.get("need_image"):
@@ -333,13 +340,13 @@ class AttemptRun:
 
     def _won(self, winner: Copy, record: ReplayRecord) -> ReplayRecord:
         """``winner`` finished first: stop the others, list every other start, and write the record."""
-        if len(self.copies) > 1 or self.backend.watch.seen_death:  # else it started once, and nothing else did
-            self._settle()
+        # Where copies started decides something only if others ran, or Ray started this one more than once.
+        settled = (len(self.copies) > 1 or winner.starts > 1 or self.backend.watch.seen_death) and self._settle()
         for copy in self.live():
             self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
             self.backend.ledger.stop.remote(copy.id)
-            if not self.backend.watch.starts(copy.id):
-                self.ray.cancel(copy.ref)
+            if settled and not self.backend.watch.starts(copy.id):
+                self.ray.cancel(copy.ref)  # not started: it never will (one that starts hears "superseded")
         record = record.model_copy(update={"superseded": self._superseded(winner)})
         save_record(record, self.attempt.run_dir)
         if record.status == "interrupted":
@@ -356,7 +363,7 @@ class AttemptRun:
                 starts = starts[:-1]
             for n, start in enumerate(starts):
                 if copy is winner or n < len(starts) - 1:
-                    reason = f"node {start['node']} was lost; Ray ran the copy again"
+                    reason = f"its copy on node {start['node']} was lost; Ray ran it again"
                 else:
                     reason = self.reasons.get(copy.id, "stopped by the driver")
                 found.append(
@@ -364,10 +371,13 @@ class AttemptRun:
                 )
         return sorted(found, key=lambda s: s.started_at)
 
-    def _settle(self) -> None:
-        """Read where every copy started, now (a slow head: the last view)."""
-        with contextlib.suppress(Exception):
+    def _settle(self) -> bool:
+        """Read where every copy started, now; False when the ledger did not answer (the last view stays)."""
+        try:
             self.backend.watch.settle()
+        except Exception:  # noqa: BLE001 - a slow head: decide nothing that needs the starts
+            return False
+        return True
 
     def _lose(self, copy: Copy, reason: str) -> None:
         self.reasons[copy.id] = reason

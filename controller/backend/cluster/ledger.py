@@ -39,11 +39,14 @@ class Ledger:
         self._done_images: set[str] = set()
         self._waiting: dict[str, asyncio.Event] = {}
 
-    def started(self, copy_id: str, node_id: str, node: str, at: str, token: str) -> None:
+    def started(self, copy_id: str, node_id: str, node: str, at: str, token: str) -> int:
         """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it; a copy already told to stop is not
-        followed any more, and stops at once)."""
+        followed any more, and stops at once). Returns how many starts of it the ledger knows: more than one
+        tells the driver, in the copy's reply, to read where the others were (Ray may run a copy again before
+        the driver sees a node die, or with no node dead at all when only its worker died)."""
         if copy_id not in self._stop:
             self._starts.setdefault(copy_id, []).append({"node_id": node_id, "node": node, "at": at, "token": token})
+        return len(self._starts.get(copy_id, []))
 
     def should_stop(self, copy_id: str) -> str | None:
         """Whether the copy should stop its sandbox, and why: ``"cancelled"`` (Ctrl-C on the driver) or
@@ -93,5 +96,5 @@ class Ledger:
         return sorted(self._done_images)
 
     def snapshot(self) -> dict[str, list[dict[str, str]]]:
-        """Every start of every copy not yet forgotten."""
-        return self._starts
+        """Every start of every copy not yet forgotten (a copy: the reply is packed off the event loop)."""
+        return {copy_id: list(starts) for copy_id, starts in self._starts.items()}

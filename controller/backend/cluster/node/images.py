@@ -12,8 +12,9 @@ hold exactly the id the driver resolved. The runtime volume is filled under a lo
 What the node's copies pull is the cache's, not a batch's: it stays for the next batch within the budget
 (``--image-budget``, else half of what the engine's disk has free plus what the cache holds). Room is made
 least recently used first, sparing an image this batch's driver has not said it is done with
-(:meth:`.ledger.Ledger.image_done`) for :data:`~pvisor_host.backend.docker.cache.cache.SPARE_WAIT` only (its
-items still to run may be waiting on another node); the driver is asked outside any lock.
+(:meth:`.ledger.Ledger.image_done`) until :data:`~pvisor_host.backend.docker.cache.cache.SPARE_WAIT` after its
+last use (its items still to run may be waiting on another node); the driver is asked outside any lock, and
+only while its answer could spare an image.
 """
 
 from __future__ import annotations

@@ -193,7 +193,8 @@ def run_copy(
     the copy started and asked whether it should stop (Ctrl-C on the driver, or the driver gave it up).
 
     Returns:
-        ``{"node", "node_id", "token", "interrupted"}``, and ``"tar"``, the run directory, when it fits in one
+        ``{"node", "node_id", "token", "interrupted", "pulled", "starts"}`` (``starts``: how many times Ray
+        started this copy, this one included), and ``"tar"``, the run directory, when it fits in one
         chunk; a larger one waits here for :func:`fetch_run`;
         ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
         ``{"superseded": True}``: another copy finished first, and this one removed what it made; or
@@ -206,7 +207,7 @@ def run_copy(
     base = scratch_root() / session / token
     node = node_name()
     started = ledger.started.remote(copy_id, _node_id(), node, datetime.now(UTC).isoformat(), token)
-    ray.get(started, timeout=60)  # before anything runs: the driver must know where this copy is
+    starts = ray.get(started, timeout=60)  # before anything runs: the driver must know where this copy is
     stop = _Stop()
     watcher = threading.Thread(target=_watch, args=(ledger, copy_id, stop, session, request["run_id"]), daemon=True)
     watcher.start()
@@ -250,6 +251,7 @@ def run_copy(
         return {"superseded": True}
     reply: dict[str, Any] = {
         "node": node, "node_id": _node_id(), "token": token, "interrupted": interrupted, "pulled": pulled,
+        "starts": starts,
     }  # fmt: skip
     archive = _pack(base)
     if archive is None or archive.stat().st_size <= CHUNK:  # one chunk: it comes back with the reply
