@@ -339,16 +339,23 @@ def test_the_batchs_own_image_is_spared_from_its_last_use_not_from_when_the_pull
             cache.release(held)
             released.append(clock.now)
 
+    def never() -> set[str]:  # the driver never says task0 is done
+        asked.append(clock.now)
+        return set()
+
+    asked: list[float] = []
     clock.on_wait = let_go
-    second = take(cache, refs[1], budget, done=lambda: set())  # the driver never says task0 is done
+    second = take(cache, refs[1], budget, done=never)
     assert engine.removals == ["task0"] and not second.over_budget
     assert SPARE_WAIT <= clock.now - released[0] < SPARE_WAIT + 1
+    # asked only while its answer could spare something: not while task0 was held, nor once it could go anyway
+    assert asked and all(released[0] <= t < released[0] + SPARE_WAIT for t in asked)
     cache.release(second)
     clock.on_wait = None
     clock.now += SPARE_WAIT + 1  # task1 unused since
-    waits = clock.waits
-    take(cache, refs[2], budget, done=lambda: set())
-    assert engine.removals == ["task0", "task1"] and clock.waits == waits  # no wait at all
+    waits, asked = clock.waits, []
+    take(cache, refs[2], budget, done=never)
+    assert engine.removals == ["task0", "task1"] and clock.waits == waits and asked == []  # no wait, no question
 
 
 def test_a_cancel_ends_the_wait(cache, engine, clock):

@@ -448,8 +448,8 @@ class ImageCache:
             added = state.used() - used
             room = budget is None or used + added <= budget
             state.budget = budget
-            if not room and ask:
-                del state.images[entry.key]
+            if not room and ask and any(self._spared(i, set()) and not i.holds for i in state.images.values()):
+                del state.images[entry.key]  # the answer decides something only while one of its images is spared
                 return "ask"
             victims = [] if room else self._victims(state, entry, here, budget or 0, finished)
             busy = any(  # someone will let go: a holder, a pull or removal, or the batch's items still to run
