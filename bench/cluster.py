@@ -2,7 +2,8 @@
 replay-only items against a local batch with as many workers as the cluster has slots, throughput at 3, 2 and 1
 nodes, and a node's memory (idle, and its peak while replaying). Not in the default run (it builds the node image
 once, about 80 s): ``--only cluster``. Then the same for a dataset of task images (``--inject``): pulls per image,
-wall against one engine, the driver's and Ray's CPU per item; that part alone: ``--only cluster-tasks``.
+wall against one engine, the driver's and Ray's CPU per item (cold; on warm nodes, at the margin and over a batch
+four times as long; Ray's CPU while idle); that part alone: ``--only cluster-tasks``.
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
                                   running.address, "--registry", registry.name, *options), env=env,
                 )  # fmt: skip
                 warm_cpu[name] = (_children_cpu() - driver_before, _ray_cpu() - ray_before)
+            # A batch four times as long on the same warm nodes: what an item costs on average once the batch's
+            # fixed start is spread over a dataset's worth of items.
+            longer = work / "tasks-long.jsonl"
+            longer.write_text("".join(
+                json.dumps({**line, "id": f"{line['id']}-{n}"}) + "\n" for n in range(LONGER) for line in lines
+            ))  # fmt: skip
+            ray_before, driver_before = _ray_cpu(), _children_cpu()
+            timed(batch_command(longer, work / "tasks-long", "replay-only", "--quiet", "--cluster", running.address,
+                                "--registry", registry.name, *options), env=env)  # fmt: skip
+            long_cpu = (_children_cpu() - driver_before, _ray_cpu() - ray_before)
             # Ray's CPU with no batch at all: the cluster's own heartbeat, which every second of a batch pays too.
             ray_before = _ray_cpu()
             time.sleep(IDLE_SAMPLE)
@@ -120,6 +131,11 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
             side: round((warm_cpu["all"][n] - warm_cpu["one"][n]) / (items - 1) * 1000, 1)
             for n, side in enumerate(("driver", "ray"))
         },
+        f"warm_cpu_ms_per_item_of_{LONGER * items}_items": {
+            "driver": round(long_cpu[0] / (LONGER * items) * 1000, 1),
+            "ray": round(long_cpu[1] / (LONGER * items) * 1000, 1),
+            "both": round(sum(long_cpu) / (LONGER * items) * 1000, 1),
+        },
         "ray_idle_cpu_ms_per_s": round(idle_rate * 1000, 1),
         "warm_ray_idle_share_ms_per_item": round(
             idle_rate * (warm_wall["all"] - warm_wall["one"]) / (items - 1) * 1000, 1
@@ -129,6 +145,8 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
     }
 
 
+#: The longer warm batch repeats the dataset's items this many times.
+LONGER = 4
 IDLE_SAMPLE = 20.0
 """Seconds of an idle cluster sampled for Ray's own CPU."""
 
