@@ -116,8 +116,8 @@ class Watch:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._dead_since: dict[str, float] = {}
         self.seen_death = False
-        self._reads = self._read = 0  # ledger reads asked, and the latest one applied (a later one wins)
         """A node died during the batch (from then on every refresh reads the ledger too)."""
+        self._reads = self._read = 0  # ledger reads asked, and the latest one applied (a later one wins)
         self._closed = threading.Event()
         nodes = ray.nodes()
         for entry in nodes:  # dead before this batch: no copy of it can be waiting there
