@@ -453,3 +453,18 @@ def summary(out: Path) -> dict:
 
 def records(out: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/record.json")}
+
+
+def explain(out: Path, stderr: str) -> str:
+    """What a failed batch left to say why: its stderr, the summary's counts, and every item not ok (its status,
+    failure, node and other starts), for an assertion's message."""
+    lines = [stderr.rstrip()]
+    if (out / "summary.json").exists():
+        lines.append(f"counts: {summary(out)['counts']}")
+    for name, record in sorted(records(out).items()):
+        if record.get("status") != "ok":
+            where = record.get("host", {}).get("node")
+            lines.append(
+                f"{name}: {record.get('status')} on {where}: {record.get('failure')} {record.get('superseded')}"
+            )
+    return "\n".join(lines)

@@ -182,6 +182,9 @@ class FakeCluster:
     * ``"cut-off"``: as ``"hang"``, but the copy still runs there and still hears the ledger (its node was cut
       off from the head, not from everything), so it ends as ``"wait"`` does;
     * ``"queued-hang"``: it never starts, and its node is marked dead (a lease stuck at a dead node);
+    * ``"queued-late:NODE2"``: as ``"queued-hang"``, and a cancel does not reach it; once the driver gave it up,
+      Ray starts it on NODE2 after all (the lease came back), and it does what its node would;
+    * ``"ok-while:NODE2"``: it starts, NODE2 (another node) dies, and it finishes with a record after a while;
     * ``"need_image"``: the node has not got the image (the copy ran nothing);
     * ``"error:TYPE:MESSAGE"``: the copy failed there;
     * ``"wait"``: it starts and runs until the ledger tells it to stop, then ends as its node would
@@ -211,6 +214,8 @@ class FakeCluster:
         """What the driver heard of each copy that ended: the node it was placed on, the image it pulled."""
         self.stopped: dict[str, str] = {}
         """Why each copy that was told to stop stopped (``cancelled``, ``superseded``), by copy id."""
+        self.heard: dict[str, list[int]] = {}
+        """What the ledger answered each start of each copy (how many starts it knows; 0: stopped before)."""
         self._cancelled = threading.Event()
         self._scratch = Path()
         self._threads: list[threading.Thread] = []
@@ -276,7 +281,8 @@ class FakeCluster:
     def _start(self, copy_id: str, node: str) -> str:
         token = f"tok-{node}-{copy_id.rsplit('/', 1)[-1]}"
         at = datetime.now(UTC).isoformat()
-        self.ledger.started.remote(copy_id, self.ray.node_id(node), node, at, token)
+        starts = self.ray.get(self.ledger.started.remote(copy_id, self.ray.node_id(node), node, at, token))
+        self.heard.setdefault(copy_id, []).append(starts)
         return token
 
     def _reply(self, node: str, token: str, status: str, starts: int = 1) -> dict[str, Any]:
@@ -294,11 +300,22 @@ class FakeCluster:
         if kind == "queued-hang":
             self.ray.kill(node)
             return
+        if kind == "queued-late":
+            self.ray.kill(node)
+            while self.ledger._instance.should_stop(copy_id) is None:
+                time.sleep(0.01)
+            self._start(copy_id, rest)
+            ref.resolve({"superseded": True})  # run_copy's answer to a start the ledger says stopped
+            return
         if kind == "need_image":
             ref.resolve({"need_image": True})
             return
         token = self._start(copy_id, node)
         if kind == "ok":
+            ref.resolve(self._reply(node, token, "ok"))
+        elif kind == "ok-while":
+            self.ray.kill(rest)
+            time.sleep(self.grace * 3)
             ref.resolve(self._reply(node, token, "ok"))
         elif kind in ("retried", "worker-retried"):
             if kind == "retried":

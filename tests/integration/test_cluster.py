@@ -18,7 +18,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from cluster import KEY, Cluster, batch, one, records, remove_engines, slow_manifest, summary
+from cluster import KEY, Cluster, batch, explain, one, records, remove_engines, slow_manifest, summary
 from conftest import default_signals, run_cli
 from modelserver import StubServer
 from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
@@ -217,7 +217,7 @@ def test_losing_a_node_mid_batch_every_item_ends_once(cluster, tmp_path, docker_
             node.reload()
             if node.status == "paused":
                 node.unpause()
-    assert process.returncode == 0, stderr
+    assert process.returncode == 0, explain(out, stderr)
     assert summary(out)["counts"] == {"ok": 8}
     ran = records(out)
     assert sorted(ran) == [f"s{n}" for n in range(8)]  # every item, each once

@@ -74,3 +74,15 @@ def test_without_nodes_there_is_no_placement_and_the_image_is_placed_once_there_
     assert placement.place("task2", ["b"], {ENV: 900}) == "b"
     assert placement.place("task1", ["a", "b"], {ENV: 900}) == "b"  # shares the environment with task2
     assert placement.place("task1", [], {ENV: 900}) is None  # its node is gone, and no other is there
+
+
+def test_copies_without_a_task_image_spread_over_the_least_loaded_alive_nodes():
+    """After a node died, each copy is placed (see ClusterBackend.place): least loaded first, task image items
+    counted too, ties to the first by name; none without a node."""
+    placement = Placement()
+    assert placement.place("task1", ["a", "b"]) == "a"
+    assert [placement.spread(["a", "b"]) for _ in range(3)] == ["b", "a", "b"]
+    placement.ended("b")
+    assert placement.spread(["a", "b", "c"]) == "c"  # a 2, b 1, c 0
+    assert placement.spread(["b"]) == "b"  # a and c are gone
+    assert placement.spread([]) is None

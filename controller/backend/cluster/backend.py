@@ -337,11 +337,20 @@ class ClusterBackend:
         return {"id": image.id, "ref": image.ref, "pull": image.digest, "size": size, "budget": self.node_budget}
 
     def place(self, prepared: PreparedReplay) -> str | None:
-        """The node the items of the attempt's task image go to (None: no task image, or no engine node)."""
-        if prepared.image.runtime_volume is None:
-            return None
+        """The node Ray is asked to prefer for the attempt's next copy (None: wherever Ray spreads it).
+
+        A task image's items go to the image's node (:class:`~.task_images.Placement`). Other copies are
+        spread by Ray, until a node dies during the batch: from then on each goes to the least loaded alive
+        engine. The driver's Ray keeps one queue of the batch's spread copies, with no more lease requests open
+        than copies queued, and a request sent to a node that then hung stays open until gRPC's keepalive
+        gives up (7 minutes: 300 s and 120 s); so a copy submitted after the death waited behind it while other
+        nodes were idle. A copy that prefers a node is in a queue of that node's own (Ray's scheduling key
+        holds the strategy and its node).
+        """
         nodes = self.watch.engines()
-        return self.placement.place(prepared.image.id, nodes, self.task_images.layers(prepared.image.ref))
+        if prepared.image.runtime_volume is not None:
+            return self.placement.place(prepared.image.id, nodes, self.task_images.layers(prepared.image.ref))
+        return self.placement.spread(nodes) if self.watch.seen_death else None
 
     def ended(self, node: str | None, pulled: str | None) -> None:
         """A copy placed on ``node`` ended; the node pulled the task image ``pulled`` for it (None: it had it)."""

@@ -89,7 +89,7 @@ class Cluster(Protocol):
         """What a node needs to pull the attempt's task image itself (None: it has none)."""
 
     def place(self, prepared: PreparedReplay) -> str | None:
-        """The node the attempt's task image's items go to (None: anywhere)."""
+        """The node Ray is asked to prefer for the attempt's next copy (None: anywhere)."""
 
     def ended(self, node: str | None, pulled: str | None) -> None:
         """A copy placed on ``node`` ended, having pulled the task image ``pulled`` (or none)."""
@@ -176,6 +176,12 @@ class Watch:
             since = self._dead_since.get(node_id)
         return 0.0 if since is None else time.monotonic() - since
 
+    def lost(self, grace: float) -> list[str]:
+        """The nodes dead for ``grace`` seconds or more (ids)."""
+        now = time.monotonic()
+        with self._lock:
+            return sorted(node_id for node_id, since in self._dead_since.items() if now - since >= grace)
+
     def deaths_since(self, moment: float) -> list[float]:
         """When the nodes that died after ``moment`` (monotonic) were first seen dead."""
         with self._lock:
@@ -191,12 +197,14 @@ class Copy:
     def __init__(self, ref: Any, copy_id: str, node: str | None = None) -> None:
         self.ref, self.id = ref, copy_id
         self.placed = node
-        """The node the driver asked Ray to prefer for it (its task image's)."""
+        """The node the driver asked Ray to prefer for it (its task image's, or after a node died, the least
+        loaded)."""
         self.submitted = time.monotonic()
         self.given_up = False
+        """The driver runs another copy instead, and told this one to stop (it may still finish first, if it
+        did before it heard)."""
         self.starts = 1
         """How many times Ray started it, as its reply said."""
-        """The driver runs another copy instead (this one may still finish first)."""
         self.ended = False
         """The backend heard that it ended (its node's count of placed copies went down)."""
 
@@ -399,18 +407,32 @@ class AttemptRun:
                 continue
             starts = watch.starts(copy.id)
             if starts:
-                dead = watch.dead_for(starts[-1]["node_id"])
-                if dead >= grace:
-                    copy.given_up = True
+                node_id = starts[-1]["node_id"]
+                dead = watch.dead_for(node_id)
+                if dead >= grace and self._give_up(copy, [node_id]):
                     node = starts[-1]["node"]
                     self._lose(copy, f"node {node} stopped answering (Ray marked it dead {dead:.0f}s ago)")
-                    # A crashed node's copy may still wait for a slot to be run again by Ray: ours replaces it.
-                    # (A hung node's copy cannot be cancelled; Ray drops its result when the node returns.)
-                    self.ray.cancel(copy.ref)
-            elif any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted)):
-                copy.given_up = True  # its lease may wait at the dead node: let Ray place another copy
+            elif any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted)) and (
+                self._give_up(copy, watch.lost(grace))  # its lease may wait at the dead node: submit another
+            ):
                 self.reasons[copy.id] = "queued while a node died; replaced"
-                self.ray.cancel(copy.ref)
+
+    def _give_up(self, copy: Copy, lost: list[str]) -> bool:
+        """Give ``copy`` up, unless the ledger says it runs on a node not ``lost`` (the watch's view of the
+        starts lags the ledger by up to :data:`WATCH_PERIOD`: a copy queued until a moment ago runs now, and a
+        cancel would interrupt it). A copy given up is told to stop, so if Ray starts it later it runs nothing;
+        the cancel drops it from Ray's queue (a crashed node's copy may wait there to be run again by Ray: ours
+        replaces it; a hung node's copy cannot be cancelled, and Ray drops its result when the node returns)."""
+        try:
+            given_up = bool(self.ray.get(self.backend.ledger.give_up.remote(copy.id, lost), timeout=30))
+        except Exception:  # noqa: BLE001 - a slow head: decide at the next look
+            return False
+        if not given_up:
+            self._settle()  # it started on a node that answers: see where before the next look
+            return False
+        copy.given_up = True
+        self.ray.cancel(copy.ref)
+        return True
 
     def _fetch(self, node_id: str, token: str) -> None:
         """Stream the copy's run directory from its node into ``attempt.run_dir`` (under the run's cap)."""

@@ -5,8 +5,9 @@ long as the batch. Copies write to it (:meth:`Ledger.started`, before their sand
 (:meth:`Ledger.wait_stop`, while it runs: one call that answers when there is a reason to stop, not a poll a
 second, which cost every item Ray calls for nothing). The driver reads it (:meth:`Ledger.snapshot`) to see
 on which node every copy runs, including the copy Ray ran again after its first node died, and writes to it
-(:meth:`Ledger.stop`, :meth:`Ledger.stop_all`, :meth:`Ledger.forget`). It also tells the nodes which task
-images the batch is done with (:meth:`Ledger.image_done`), so that a node's budget may let them go.
+(:meth:`Ledger.stop`, :meth:`Ledger.give_up`, :meth:`Ledger.stop_all`, :meth:`Ledger.forget`). It also tells
+the nodes which task images the batch is done with (:meth:`Ledger.image_done`), so that a node's budget may let
+them go.
 """
 
 from __future__ import annotations
@@ -40,13 +41,28 @@ class Ledger:
         self._waiting: dict[str, asyncio.Event] = {}
 
     def started(self, copy_id: str, node_id: str, node: str, at: str, token: str) -> int:
-        """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it; a copy already told to stop is not
-        followed any more, and stops at once). Returns how many starts of it the ledger knows: more than one
-        tells the driver, in the copy's reply, to read where the others were (Ray may run a copy again before
-        the driver sees a node die, or with no node dead at all when only its worker died)."""
-        if copy_id not in self._stop:
-            self._starts.setdefault(copy_id, []).append({"node_id": node_id, "node": node, "at": at, "token": token})
-        return len(self._starts.get(copy_id, []))
+        """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it). Returns how many starts of it the
+        ledger knows: more than one tells the driver, in the copy's reply, to read where the others were (Ray
+        may run a copy again before the driver sees a node die, or with no node dead at all when only its
+        worker died); 0 when the copy was told to stop before this start (it is not followed, and runs
+        nothing)."""
+        if copy_id in self._stop:
+            return 0
+        self._starts.setdefault(copy_id, []).append({"node_id": node_id, "node": node, "at": at, "token": token})
+        return len(self._starts[copy_id])
+
+    def give_up(self, copy_id: str, lost: list[str]) -> bool:
+        """The driver gives the copy up unless it runs on a node the driver has not lost: True when it has not
+        started, or last started on one of the ``lost`` node ids; it is told to stop then (when Ray starts it
+        later, it runs nothing). False when it last started elsewhere (the driver's view of the starts was
+        behind, and a cancel would interrupt a copy that runs well): nothing changes.
+
+        One call, so that nothing can start between the driver's look and its decision."""
+        starts = self._starts.get(copy_id)
+        if starts and starts[-1]["node_id"] not in lost:
+            return False
+        self.stop(copy_id)
+        return True
 
     def should_stop(self, copy_id: str) -> str | None:
         """Whether the copy should stop its sandbox, and why: ``"cancelled"`` (Ctrl-C on the driver) or

@@ -135,6 +135,17 @@ class Placement:
             self._load[node] += 1
             return node
 
+    def spread(self, nodes: list[str]) -> str | None:
+        """The node for one copy that has no task image: the least loaded of the alive engine ``nodes``, ties
+        going to the first by name (None: no node). Used only once a node died during the batch (see
+        :meth:`.backend.ClusterBackend.place`)."""
+        with self._lock:
+            if not nodes:
+                return None
+            node = min(nodes, key=lambda n: (self._load[n], n))
+            self._load[node] += 1
+            return node
+
     def ended(self, node: str) -> None:
         """An item placed on ``node`` ended (wherever Ray ran it in the end)."""
         with self._lock:

@@ -208,6 +208,8 @@ def run_copy(
     node = node_name()
     started = ledger.started.remote(copy_id, _node_id(), node, datetime.now(UTC).isoformat(), token)
     starts = ray.get(started, timeout=60)  # before anything runs: the driver must know where this copy is
+    if not starts:  # the driver gave it up before Ray started it (another copy runs instead)
+        return {"superseded": True}
     stop = _Stop()
     watcher = threading.Thread(target=_watch, args=(ledger, copy_id, stop, session, request["run_id"]), daemon=True)
     watcher.start()
