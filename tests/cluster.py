@@ -463,7 +463,7 @@ def explain(out: Path, stderr: str) -> str:
         lines.append(f"counts: {summary(out)['counts']}")
     for name, record in sorted(records(out).items()):
         if record.get("status") != "ok":
-            where = record.get("host", {}).get("node")
+            where = (record.get("host") or {}).get("node")
             lines.append(
                 f"{name}: {record.get('status')} on {where}: {record.get('failure')} {record.get('superseded')}"
             )

@@ -22,8 +22,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from pvisor_host.backend.cluster.connect import ENGINE_RESOURCE
 from pvisor_host.backend.cluster.copies import Watch
 from pvisor_host.backend.cluster.ledger import Ledger
+from pvisor_host.backend.cluster.task_images import Placement
 
 
 class RayError(Exception):
@@ -102,7 +104,10 @@ class FakeRay:
 
     def __init__(self, nodes: list[str]) -> None:
         self._lock = threading.Lock()
-        self._nodes = {name: {"NodeID": f"id-{name}", "NodeManagerAddress": name, "Alive": True} for name in nodes}
+        self._nodes = {
+            name: {"NodeID": f"id-{name}", "NodeManagerAddress": name, "Alive": True, "Resources": {ENGINE_RESOURCE: 2}}
+            for name in nodes
+        }
         self.cancelled: list[ObjectRef] = []
         """Every ref the driver cancelled, in order."""
         self.cancellable: set[str] = set()
@@ -183,7 +188,8 @@ class FakeCluster:
       off from the head, not from everything), so it ends as ``"wait"`` does;
     * ``"queued-hang"``: it never starts, and its node is marked dead (a lease stuck at a dead node);
     * ``"queued-late:NODE2"``: as ``"queued-hang"``, and a cancel does not reach it; once the driver gave it up,
-      Ray starts it on NODE2 after all (the lease came back), and it does what its node would;
+      Ray starts it on NODE2 after all (the lease came back), and it does what ``run_copy`` does with the
+      ledger's answer (nothing when it was given up, else it runs and finishes);
     * ``"ok-while:NODE2"``: it starts, NODE2 (another node) dies, and it finishes with a record after a while;
     * ``"need_image"``: the node has not got the image (the copy ran nothing);
     * ``"error:TYPE:MESSAGE"``: the copy failed there;
@@ -208,6 +214,7 @@ class FakeCluster:
         self.address = "head:6379"
         self.ledger = FakeActor(Ledger())
         self.watch = Watch(ray, self.ledger)
+        self.placement = Placement()
         self.submitted: list[dict[str, Any]] = []
         self.manifests: list[bool] = []
         self.ends: list[tuple[str | None, str | None]] = []
@@ -238,10 +245,13 @@ class FakeCluster:
         return None
 
     def place(self, prepared: Any) -> str | None:
-        return None
+        """As the cluster backend places a copy with no task image: nowhere until a node died, then spread."""
+        return self.placement.spread(self.watch.engines()) if self.watch.seen_death else None
 
     def ended(self, node: str | None, pulled: str | None) -> None:
         self.ends.append((node, pulled))
+        if node is not None:
+            self.placement.ended(node)
 
     def workspace_ref(self, path: Path) -> Any:
         return resolved(b"")
@@ -302,10 +312,10 @@ class FakeCluster:
             return
         if kind == "queued-late":
             self.ray.kill(node)
-            while self.ledger._instance.should_stop(copy_id) is None:
+            while copy_id not in self.ledger._instance._given_up:
                 time.sleep(0.01)
-            self._start(copy_id, rest)
-            ref.resolve({"superseded": True})  # run_copy's answer to a start the ledger says stopped
+            token = self._start(copy_id, rest)
+            ref.resolve(self._reply(rest, token, "ok") if self.heard[copy_id][-1] else {"superseded": True})
             return
         if kind == "need_image":
             ref.resolve({"need_image": True})

@@ -76,6 +76,8 @@ def run(prepared: PreparedReplay, template: ReplayRecord, tmp_path: Path) -> Ite
     yield follow
     for cluster in clusters:
         cluster.close()
+        # every copy placed (once a node died) ended once for the placement: no node's load is left counted
+        assert set(cluster.placement._load.values()) <= {0}, cluster.placement._load
 
 
 def reasons(record: ReplayRecord) -> list[tuple[str, str]]:
@@ -137,6 +139,7 @@ def test_a_copy_given_up_while_queued_runs_nothing_when_ray_starts_it_after_all(
     first, second = (s["copy_id"] for s in cluster.submitted)
     assert (cluster.heard[first], cluster.heard[second]) == ([0], [1])
     assert [ref.name for ref in ray.cancelled] == ["copy0"]
+    assert [node for node, _ in cluster.ends] == [None, "id-n2"]  # the replacement was placed: n1 had died
 
 
 def test_a_copy_that_started_as_the_watchdog_looked_is_neither_given_up_nor_cancelled(run, monkeypatch):
@@ -194,6 +197,21 @@ def test_a_copy_given_up_that_still_runs_is_told_it_was_superseded(run):
     assert node == "n1" and reason.startswith("node n1 stopped answering")
     assert len(ray.cancelled) == 1  # cancelled once by the watchdog, not again by the winner (it had started)
     assert len(cluster.ends) == 2
+
+
+def test_the_ledger_gives_a_copy_up_only_where_it_has_not_started_or_its_node_was_lost():
+    ledger = Ledger()
+    at = "2026-12-04T00:00:00+00:00"
+    assert ledger.give_up("queued", ["node-1"]) is True
+    assert ledger.started("queued", "node-2", "n2", at, "t") == 0  # Ray started it after all: it runs nothing
+    assert ledger.started("lost", "node-1", "n1", at, "t") == 1
+    assert ledger.give_up("lost", ["node-1"]) is True
+    assert ledger.started("lost", "node-2", "n2", at, "t") == 0  # Ray's retry of a copy given up: nothing
+    assert ledger.started("moved", "node-1", "n1", at, "t") == 1
+    assert ledger.started("moved", "node-2", "n2", at, "t") == 2  # Ray ran it again on a node that answers
+    assert ledger.give_up("moved", ["node-1"]) is False
+    assert ledger.should_stop("lost") is None  # a copy given up is not told to stop: it may finish first
+    assert sorted(ledger.snapshot()) == ["lost", "moved"] and len(ledger.snapshot()["moved"]) == 2
 
 
 def test_the_ledger_answers_a_waiting_copy_when_it_is_told_to_stop_and_not_before():

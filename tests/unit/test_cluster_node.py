@@ -298,3 +298,26 @@ def test_a_pull_that_brings_another_image_than_the_driver_resolved_is_an_infrast
     with pytest.raises(InfrastructureError, match=r"r/t1@sha256:r/t1 arrived as sha256:r/t1, not sha256:000000000000$"):
         task_images.prepare_task(backend, tmp_path, PREPARED, task, "agent", Ledger())
     assert backend.released == [task["pull"]]
+
+
+def test_a_copy_the_driver_gave_up_before_ray_started_it_runs_nothing(monkeypatch, tmp_path):
+    """The ledger answers its start with 0: the copy returns at once, with no image, sandbox or scratch folder."""
+    import ray
+
+    def nothing_else(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a copy given up ran something")
+
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(node, "_node_id", lambda: "node-2")
+    monkeypatch.setattr(node, "ensure_image", nothing_else)
+    monkeypatch.setattr(node, "backend_for", nothing_else)
+    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path))
+    starts: list[tuple[object, ...]] = []
+    ledger = SimpleNamespace(
+        started=SimpleNamespace(remote=lambda *args: starts.append(args) or 0),
+        wait_stop=SimpleNamespace(remote=nothing_else),
+    )
+    request = {"session": "s1", "run_id": "run-1", "image": {"id": IMAGE_ID, "ref": REF}}
+    assert node.run_copy("run-1/abc", request, ledger, b"{}", None, None) == {"superseded": True}
+    assert [args[:3] for args in starts] == [("run-1/abc", "node-2", socket.gethostname())]
+    assert list(tmp_path.iterdir()) == []

@@ -36,7 +36,7 @@ from ..._log import logger
 from ..._version import __version__
 from ...errors import InfrastructureError, PrerequisiteError, UsageError
 from ...models.image import ImageHold, ImageUsage
-from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring
+from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring, spilling
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
 from .limits import MAX_CALLS, limits_actor
@@ -311,8 +311,10 @@ class ClusterBackend:
     ) -> Any:
         """Start one copy of an attempt as a Ray task (see :class:`~.copies.Cluster`), preferably on ``node``."""
         run_copy = self._run_copy
-        if node is not None:  # where its task image is (or will be); Ray runs it elsewhere if that node is gone
-            run_copy = run_copy.options(scheduling_strategy=preferring(node))
+        if node is not None and request.get("task") is not None:  # where its task image is (or will be): it waits
+            run_copy = run_copy.options(scheduling_strategy=preferring(node))  # there (elsewhere if node is gone)
+        elif node is not None:  # spread after a node died (see place): elsewhere too, when node has no slot free
+            run_copy = run_copy.options(scheduling_strategy=spilling(node))
         return run_copy.remote(copy_id, request, self.ledger, trajectory, workspace, key)
 
     def fetch_from(self, node_id: str, token: str) -> Any:

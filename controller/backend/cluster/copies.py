@@ -201,8 +201,8 @@ class Copy:
         loaded)."""
         self.submitted = time.monotonic()
         self.given_up = False
-        """The driver runs another copy instead, and told this one to stop (it may still finish first, if it
-        did before it heard)."""
+        """The driver runs another copy instead (this one may still finish first; if Ray starts it only now, it
+        runs nothing)."""
         self.starts = 1
         """How many times Ray started it, as its reply said."""
         self.ended = False
@@ -251,7 +251,11 @@ class AttemptRun:
         }
         copy_id = f"{self.attempt.run_id}/{uuid.uuid4().hex[:8]}"
         node = self.backend.place(self.prepared)
-        ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key, node)
+        try:
+            ref = self.backend.submit_copy(copy_id, request, self.trajectory, self.workspace, self.key, node)
+        except BaseException:
+            self.backend.ended(node, None)  # placed, never submitted: the node's load goes back down
+            raise
         copy = Copy(ref, copy_id, node)
         self.copies.append(copy)
         return copy
@@ -321,7 +325,8 @@ class AttemptRun:
         if reply.get("need_image"):
             self.unshipped.add(copy.id)
             self.chunks = True
-            self.submit()  # not a loss: the node learns how to get the image
+            if not copy.given_up:  # (one given up was replaced already; a replacement without it asks too)
+                self.submit()  # not a loss: the node learns how to get the image
             return None
         error = reply.get("error")
         if error is not None:
@@ -406,26 +411,26 @@ class AttemptRun:
             if not copy.hopeful:
                 continue
             starts = watch.starts(copy.id)
-            if starts:
-                node_id = starts[-1]["node_id"]
-                dead = watch.dead_for(node_id)
-                if dead >= grace and self._give_up(copy, [node_id]):
-                    node = starts[-1]["node"]
-                    self._lose(copy, f"node {node} stopped answering (Ray marked it dead {dead:.0f}s ago)")
-            elif any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted)) and (
-                self._give_up(copy, watch.lost(grace))  # its lease may wait at the dead node: submit another
-            ):
-                self.reasons[copy.id] = "queued while a node died; replaced"
+            if starts:  # it started: is its node dead for the grace?
+                last = starts[-1]
+                dead = watch.dead_for(last["node_id"])
+                if dead >= grace and self._give_up(copy, [last["node_id"]]):
+                    self._lose(copy, f"node {last['node']} stopped answering (Ray marked it dead {dead:.0f}s ago)")
+            else:  # its lease may wait at a node that died meanwhile
+                waited = any(time.monotonic() - since >= grace for since in watch.deaths_since(copy.submitted))
+                if waited and self._give_up(copy, watch.lost(grace)):
+                    self.reasons[copy.id] = "queued while a node died; replaced"
 
     def _give_up(self, copy: Copy, lost: list[str]) -> bool:
         """Give ``copy`` up, unless the ledger says it runs on a node not ``lost`` (the watch's view of the
         starts lags the ledger by up to :data:`WATCH_PERIOD`: a copy queued until a moment ago runs now, and a
-        cancel would interrupt it). A copy given up is told to stop, so if Ray starts it later it runs nothing;
-        the cancel drops it from Ray's queue (a crashed node's copy may wait there to be run again by Ray: ours
-        replaces it; a hung node's copy cannot be cancelled, and Ray drops its result when the node returns)."""
+        cancel would interrupt it). If Ray starts a copy given up later, it runs nothing; the cancel drops it
+        from Ray's queue (a crashed node's copy may wait there to be run again by Ray: ours replaces it; a hung
+        node's copy cannot be cancelled, and Ray drops its result when the node returns)."""
         try:
             given_up = bool(self.ray.get(self.backend.ledger.give_up.remote(copy.id, lost), timeout=30))
-        except Exception:  # noqa: BLE001 - a slow head: decide at the next look
+        except Exception as exc:  # noqa: BLE001 - a slow head: decide at the next look
+            logger.debug("{}: the ledger did not answer giving a copy up ({!r})", self.attempt.run_id, exc)
             return False
         if not given_up:
             self._settle()  # it started on a node that answers: see where before the next look

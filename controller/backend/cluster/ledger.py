@@ -36,6 +36,7 @@ class Ledger:
     def __init__(self) -> None:
         self._starts: dict[str, list[dict[str, str]]] = {}
         self._stop: set[str] = set()
+        self._given_up: set[str] = set()
         self._stop_all = False
         self._done_images: set[str] = set()
         self._waiting: dict[str, asyncio.Event] = {}
@@ -44,24 +45,25 @@ class Ledger:
         """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it). Returns how many starts of it the
         ledger knows: more than one tells the driver, in the copy's reply, to read where the others were (Ray
         may run a copy again before the driver sees a node die, or with no node dead at all when only its
-        worker died); 0 when the copy was told to stop before this start (it is not followed, and runs
-        nothing)."""
-        if copy_id in self._stop:
+        worker died); 0 when the driver gave the copy up or told it to stop before this start (it is not
+        followed, and runs nothing: another copy runs instead)."""
+        if copy_id in self._stop or copy_id in self._given_up:
             return 0
         self._starts.setdefault(copy_id, []).append({"node_id": node_id, "node": node, "at": at, "token": token})
         return len(self._starts[copy_id])
 
     def give_up(self, copy_id: str, lost: list[str]) -> bool:
-        """The driver gives the copy up unless it runs on a node the driver has not lost: True when it has not
-        started, or last started on one of the ``lost`` node ids; it is told to stop then (when Ray starts it
-        later, it runs nothing). False when it last started elsewhere (the driver's view of the starts was
-        behind, and a cancel would interrupt a copy that runs well): nothing changes.
+        """The driver gives the copy up, unless it runs on a node the driver has not lost. True when it has not
+        started, or last started on one of the ``lost`` node ids: if Ray starts it later, it runs nothing (a
+        start already under way on a node cut off from the head runs on, and may still finish first). False
+        when it last started elsewhere (the driver's view of the starts was behind it, and a cancel would
+        interrupt a copy that runs well): nothing changes.
 
         One call, so that nothing can start between the driver's look and its decision."""
         starts = self._starts.get(copy_id)
         if starts and starts[-1]["node_id"] not in lost:
             return False
-        self.stop(copy_id)
+        self._given_up.add(copy_id)
         return True
 
     def should_stop(self, copy_id: str) -> str | None:
@@ -83,7 +85,7 @@ class Ledger:
         return reason
 
     def stop(self, copy_id: str) -> None:
-        """Ask one copy to stop (another copy of its attempt finished first)."""
+        """Ask one copy to stop (another copy of its attempt finished first; see also :meth:`give_up`)."""
         self._stop.add(copy_id)
         self._wake(copy_id)
 
@@ -94,7 +96,8 @@ class Ledger:
             self._wake(copy_id)
 
     def forget(self, copy_id: str) -> None:
-        """The driver is done with this copy (if it was told to stop, it still is: Ray may run it again)."""
+        """The driver is done with this copy (if it was told to stop or given up, it still is: Ray may run it
+        again)."""
         self._starts.pop(copy_id, None)
         self._wake(copy_id)
 

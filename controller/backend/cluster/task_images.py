@@ -13,7 +13,9 @@ is submitted among the engine nodes with the fewest items placed on them and not
 as the one that has the most of its layers already (images on one environment share a node), and Ray is asked
 to run them there (a *soft* node affinity: when that node is gone, Ray runs them elsewhere). So an image is pulled
 about once, not once per node, while the images spread over the nodes. This is a preference handed to Ray's
-scheduler, not a scheduler of its own: Ray still decides when and, if the node is lost, where.
+scheduler, not a scheduler of its own: Ray still decides when and, if the node is lost, where. Once a node died
+during the batch, :meth:`Placement.spread` also places the copies that have no task image, on the least loaded
+node (see :meth:`.backend.ClusterBackend.place`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class TaskImages:
 
 
 class Placement:
-    """Which node the items of each task image go to (see the module docstring; thread-safe)."""
+    """Which node the items of each task image go to, and after a node died, any other copy (see the module
+    docstring; thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -197,7 +197,8 @@ def run_copy(
         started this copy, this one included), and ``"tar"``, the run directory, when it fits in one
         chunk; a larger one waits here for :func:`fetch_run`;
         ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
-        ``{"superseded": True}``: another copy finished first, and this one removed what it made; or
+        ``{"superseded": True}``: another copy finished first, and this one removed what it made, or the
+        driver had given this copy up before it started (it ran nothing); or
         ``{"error": {"type", "message", "exit_code", "category"}}``.
     """
     import ray
@@ -208,7 +209,7 @@ def run_copy(
     node = node_name()
     started = ledger.started.remote(copy_id, _node_id(), node, datetime.now(UTC).isoformat(), token)
     starts = ray.get(started, timeout=60)  # before anything runs: the driver must know where this copy is
-    if not starts:  # the driver gave it up before Ray started it (another copy runs instead)
+    if not starts:  # the driver gave it up (or stopped it) before Ray started it: another copy runs instead
         return {"superseded": True}
     stop = _Stop()
     watcher = threading.Thread(target=_watch, args=(ledger, copy_id, stop, session, request["run_id"]), daemon=True)
