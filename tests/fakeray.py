@@ -26,6 +26,7 @@ from pvisor_host.backend.cluster.connect import ENGINE_RESOURCE
 from pvisor_host.backend.cluster.copies import Watch
 from pvisor_host.backend.cluster.ledger import Ledger
 from pvisor_host.backend.cluster.task_images import Placement
+from pvisor_host.errors import InfrastructureError
 
 
 class RayError(Exception):
@@ -191,6 +192,8 @@ class FakeCluster:
       Ray starts it on NODE2 after all (the lease came back), and it does what ``run_copy`` does with the
       ledger's answer (nothing when it was given up, else it runs and finishes);
     * ``"ok-while:NODE2"``: it starts, NODE2 (another node) dies, and it finishes with a record after a while;
+    * ``"hang-cancelled"``: as ``"hang"``, but the driver's cancel reaches it: it ends ``interrupted``;
+    * ``"submit-fails"``: submitting it raises (the driver cannot reach Ray);
     * ``"need_image"``: the node has not got the image (the copy ran nothing);
     * ``"error:TYPE:MESSAGE"``: the copy failed there;
     * ``"wait"``: it starts and runs until the ledger tells it to stop, then ends as its node would
@@ -274,6 +277,8 @@ class FakeCluster:
     ) -> ObjectRef:
         n = len(self.submitted)
         node, behaviour = self.script[min(n, len(self.script) - 1)]
+        if behaviour == "submit-fails":
+            raise InfrastructureError("the driver lost its connection to the cluster")
         self.submitted.append({"copy_id": copy_id, "node": node, "behaviour": behaviour, "request": request})
         ref = ObjectRef(f"copy{n}")
         if behaviour == "queued-hang":
@@ -295,13 +300,15 @@ class FakeCluster:
         self.heard.setdefault(copy_id, []).append(starts)
         return token
 
-    def _reply(self, node: str, token: str, status: str, starts: int = 1) -> dict[str, Any]:
+    def _reply(
+        self, node: str, token: str, status: str, starts: int = 1, *, interrupted: bool = False
+    ) -> dict[str, Any]:
         run = self._scratch / token / "run"
         self.make_run(run, status)
         buffer = io.BytesIO()
         with tarfile.open(fileobj=buffer, mode="w") as archive:
             archive.add(run, arcname="run")
-        return {"node": node, "node_id": self.ray.node_id(node), "token": token, "interrupted": False,
+        return {"node": node, "node_id": self.ray.node_id(node), "token": token, "interrupted": interrupted,
                 "starts": starts, "tar": buffer.getvalue()}  # fmt: skip
 
     def _play(self, ref: ObjectRef, copy_id: str, node: str, behaviour: str) -> None:
@@ -312,7 +319,8 @@ class FakeCluster:
             return
         if kind == "queued-late":
             self.ray.kill(node)
-            while copy_id not in self.ledger._instance._given_up:
+            deadline = time.monotonic() + 10  # a driver that never gives it up fails the test, not hangs it
+            while copy_id not in self.ledger._instance._given_up and time.monotonic() < deadline:
                 time.sleep(0.01)
             token = self._start(copy_id, rest)
             ref.resolve(self._reply(rest, token, "ok") if self.heard[copy_id][-1] else {"superseded": True})
@@ -337,6 +345,11 @@ class FakeCluster:
             ref.resolve(error=NodeDiedError(f"{node} died"))
         elif kind == "hang":
             self.ray.kill(node)
+        elif kind == "hang-cancelled":
+            self.ray.kill(node)
+            while ref not in self.ray.cancelled:
+                time.sleep(0.01)
+            ref.resolve(self._reply(node, token, "interrupted", interrupted=True))
         elif kind == "cut-off":
             self.ray.kill(node)
             self._until_stopped(ref, copy_id, node, token)

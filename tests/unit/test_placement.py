@@ -86,3 +86,37 @@ def test_copies_without_a_task_image_spread_over_the_least_loaded_alive_nodes():
     assert placement.spread(["a", "b", "c"]) == "c"  # a 2, b 1, c 0
     assert placement.spread(["b"]) == "b"  # a and c are gone
     assert placement.spread([]) is None
+
+
+def test_the_backend_places_copies_without_a_task_image_only_after_a_death_and_lets_them_spill():
+    """``ClusterBackend.place`` and ``submit_copy`` without Ray: which node a copy prefers, and Ray's strategy
+    for it (a task image's items wait at their node; copies spread after a death take a free slot elsewhere)."""
+    from types import SimpleNamespace
+
+    from pvisor_host.backend.cluster.backend import ClusterBackend
+
+    A, B = "0a" * 28, "0b" * 28  # Ray's node ids  # noqa: N806
+    backend = object.__new__(ClusterBackend)
+    backend.watch = SimpleNamespace(engines=lambda: [A, B], seen_death=False)
+    backend.placement = Placement()
+    backend.task_images = SimpleNamespace(layers=lambda ref: {})
+    plain = SimpleNamespace(image=SimpleNamespace(runtime_volume=None, id="i1", ref="r1"))
+    task = SimpleNamespace(image=SimpleNamespace(runtime_volume="volume", id="i2", ref="r2"))
+    assert (backend.place(plain), backend.place(task)) == (None, A)
+    backend.watch.seen_death = True
+    assert backend.place(plain) == B  # A holds the task image's item
+    strategies = []
+
+    class RunCopy:
+        def options(self, scheduling_strategy):
+            strategies.append(scheduling_strategy)
+            return self
+
+        def remote(self, *args):
+            return "ref"
+
+    backend._run_copy, backend.ledger = RunCopy(), "ledger"
+    backend.submit_copy("c1", {"task": None}, b"", None, None, None)
+    backend.submit_copy("c2", {"task": {"id": "i2"}}, b"", None, None, A)
+    backend.submit_copy("c3", {"task": None}, b"", None, None, B)
+    assert [(s.node_id, s.soft, s._spill_on_unavailable) for s in strategies] == [(A, True, False), (B, True, True)]

@@ -342,12 +342,13 @@ class ClusterBackend:
         """The node Ray is asked to prefer for the attempt's next copy (None: wherever Ray spreads it).
 
         A task image's items go to the image's node (:class:`~.task_images.Placement`). Other copies are
-        spread by Ray, until a node dies during the batch: from then on each goes to the least loaded alive
-        engine. The driver's Ray keeps one queue of the batch's spread copies, with no more lease requests open
-        than copies queued, and a request sent to a node that then hung stays open until gRPC's keepalive
-        gives up (7 minutes: 300 s and 120 s); so a copy submitted after the death waited behind it while other
-        nodes were idle. A copy that prefers a node is in a queue of that node's own (Ray's scheduling key
-        holds the strategy and its node).
+        spread by Ray, until a node dies during the batch: from then on each prefers the alive engine with the
+        fewest copies placed on it (those placed since the death, and task images' items), and spills to a free
+        slot elsewhere when that one has none. The driver's Ray keeps one queue of the batch's spread copies,
+        with no more lease requests open than copies queued, and a request sent to a node that then hung stays
+        open until gRPC's keepalive gives up (7 minutes: 300 s and 120 s); so a copy submitted after the death
+        waited behind it while other nodes were idle. A copy that prefers a node is in a queue of that node's
+        own (Ray's scheduling key holds the strategy and its node).
         """
         nodes = self.watch.engines()
         if prepared.image.runtime_volume is not None:

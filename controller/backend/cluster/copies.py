@@ -296,6 +296,8 @@ class AttemptRun:
             for copy in self.copies:
                 self._ended(copy, None)  # one that lost, was given up or cancelled ends here for the driver
                 with contextlib.suppress(Exception):
+                    if copy.ref is not None:  # the attempt ended without it: it stops, or runs nothing if it starts
+                        backend.ledger.stop.remote(copy.id)
                     backend.ledger.forget.remote(copy.id)
 
     def _ended(self, copy: Copy, pulled: str | None) -> None:
@@ -322,6 +324,8 @@ class AttemptRun:
         copy.starts = reply.get("starts", 1)
         if reply.get("superseded"):
             return None
+        if copy.given_up and reply.get("interrupted") and not interrupted_wanted:
+            return None  # Ray's cancel reached it as it started: the copy that replaced it runs
         if reply.get("need_image"):
             self.unshipped.add(copy.id)
             self.chunks = True
@@ -354,12 +358,16 @@ class AttemptRun:
     def _won(self, winner: Copy, record: ReplayRecord) -> ReplayRecord:
         """``winner`` finished first: stop the others, list every other start, and write the record."""
         # Where copies started decides something only if others ran, or Ray started this one more than once.
-        settled = (len(self.copies) > 1 or winner.starts > 1 or self.backend.watch.seen_death) and self._settle()
+        if len(self.copies) > 1 or winner.starts > 1 or self.backend.watch.seen_death:
+            self._settle()
         for copy in self.live():
             self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
-            self.backend.ledger.stop.remote(copy.id)
-            if settled and not self.backend.watch.starts(copy.id):
-                self.ray.cancel(copy.ref)  # not started: it never will (one that starts hears "superseded")
+            try:
+                started = self.ray.get(self.backend.ledger.stop.remote(copy.id), timeout=30)
+            except Exception:  # noqa: BLE001 - a slow head: it hears "superseded" when it asks
+                continue
+            if not started:
+                self.ray.cancel(copy.ref)  # out of Ray's queue (if Ray starts it first, it runs nothing)
         record = record.model_copy(update={"superseded": self._superseded(winner)})
         save_record(record, self.attempt.run_dir)
         if record.status == "interrupted":

@@ -45,9 +45,9 @@ class Ledger:
         """Copy ``copy_id`` starts on ``node`` (again, if Ray retries it). Returns how many starts of it the
         ledger knows: more than one tells the driver, in the copy's reply, to read where the others were (Ray
         may run a copy again before the driver sees a node die, or with no node dead at all when only its
-        worker died); 0 when the driver gave the copy up or told it to stop before this start (it is not
-        followed, and runs nothing: another copy runs instead)."""
-        if copy_id in self._stop or copy_id in self._given_up:
+        worker died); 0 when the driver gave the copy up or told it (or every copy) to stop before this start:
+        it is not followed, and runs nothing."""
+        if self._stop_all or copy_id in self._stop or copy_id in self._given_up:
             return 0
         self._starts.setdefault(copy_id, []).append({"node_id": node_id, "node": node, "at": at, "token": token})
         return len(self._starts[copy_id])
@@ -84,10 +84,12 @@ class Ledger:
             reason = self.should_stop(copy_id)
         return reason
 
-    def stop(self, copy_id: str) -> None:
-        """Ask one copy to stop (another copy of its attempt finished first; see also :meth:`give_up`)."""
+    def stop(self, copy_id: str) -> bool:
+        """Ask one copy to stop (another copy of its attempt finished first, or the attempt ended without it;
+        see also :meth:`give_up`). Returns whether it had started (if not, it never runs anything)."""
         self._stop.add(copy_id)
         self._wake(copy_id)
+        return bool(self._starts.get(copy_id))
 
     def stop_all(self) -> None:
         """Ask every copy to stop (Ctrl-C on the driver)."""

@@ -190,7 +190,7 @@ def run_copy(
 
     ``request`` holds the session, the prepared replay (JSON), the attempt's number and run id, and the image
     (id, ref, and chunks or a digest to pull). ``ledger`` is the batch's :class:`~.ledger.Ledger`, told where
-    the copy started and asked whether it should stop (Ctrl-C on the driver, or the driver gave it up).
+    the copy started and asked whether it should stop (Ctrl-C on the driver, or another copy finished first).
 
     Returns:
         ``{"node", "node_id", "token", "interrupted", "pulled", "starts"}`` (``starts``: how many times Ray
