@@ -347,7 +347,8 @@ class FakeCluster:
             self.ray.kill(node)
         elif kind == "hang-cancelled":
             self.ray.kill(node)
-            while ref not in self.ray.cancelled:
+            deadline = time.monotonic() + 10  # a driver that never cancels it fails the test, not hangs it
+            while ref not in self.ray.cancelled and time.monotonic() < deadline:
                 time.sleep(0.01)
             ref.resolve(self._reply(node, token, "interrupted", interrupted=True))
         elif kind == "cut-off":

@@ -36,7 +36,7 @@ from ..._log import logger
 from ..._version import __version__
 from ...errors import InfrastructureError, PrerequisiteError, UsageError
 from ...models.image import ImageHold, ImageUsage
-from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring, spilling
+from .connect import ENGINE_RESOURCE, connect, engine_nodes, pinned_to, preferring
 from .copies import MAX_NODE_LOSSES, AttemptRun, Watch
 from .ledger import Ledger
 from .limits import MAX_CALLS, limits_actor
@@ -314,7 +314,7 @@ class ClusterBackend:
         if node is not None and request.get("task") is not None:  # where its task image is (or will be): it waits
             run_copy = run_copy.options(scheduling_strategy=preferring(node))  # there (elsewhere if node is gone)
         elif node is not None:  # spread after a node died (see place): elsewhere too, when node has no slot free
-            run_copy = run_copy.options(scheduling_strategy=spilling(node))
+            run_copy = run_copy.options(scheduling_strategy=preferring(node, spill=True))
         return run_copy.remote(copy_id, request, self.ledger, trajectory, workspace, key)
 
     def fetch_from(self, node_id: str, token: str) -> Any:
@@ -350,10 +350,10 @@ class ClusterBackend:
         waited behind it while other nodes were idle. A copy that prefers a node is in a queue of that node's
         own (Ray's scheduling key holds the strategy and its node).
         """
-        nodes = self.watch.engines()
         if prepared.image.runtime_volume is not None:
-            return self.placement.place(prepared.image.id, nodes, self.task_images.layers(prepared.image.ref))
-        return self.placement.spread(nodes) if self.watch.seen_death else None
+            layers = self.task_images.layers(prepared.image.ref)
+            return self.placement.place(prepared.image.id, self.watch.engines(), layers)
+        return self.placement.spread(self.watch.engines()) if self.watch.seen_death else None
 
     def ended(self, node: str | None, pulled: str | None) -> None:
         """A copy placed on ``node`` ended; the node pulled the task image ``pulled`` for it (None: it had it)."""

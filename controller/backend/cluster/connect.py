@@ -196,19 +196,13 @@ def pinned_to(node_id: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
-def preferring(node_id: str) -> Any:
-    """Ray's scheduling strategy for "on this node (waiting for a slot there), or anywhere when it is gone"."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id, soft=True)
-
-
-def spilling(node_id: str) -> Any:
-    """Ray's scheduling strategy for "on this node, or wherever a slot is free when it has none, or is gone".
+def preferring(node_id: str, *, spill: bool = False) -> Any:
+    """Ray's scheduling strategy for "on this node (waiting for a slot there), or anywhere when it is gone";
+    with ``spill``, also wherever a slot is free when this node has none.
 
     ``_spill_on_unavailable`` is marked private in Ray 2.60, the version pvisor-host pins and every node must
     run; Ray Serve's deployment scheduler uses it for the same.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(node_id, soft=True, _spill_on_unavailable=True)
+    return NodeAffinitySchedulingStrategy(node_id, soft=True, _spill_on_unavailable=spill)

@@ -273,7 +273,7 @@ class AttemptRun:
                 if stopped_at is None and backend.cancelled(cancel):
                     stopped_at = time.monotonic()
                     backend.cancel()
-                    if self.live() and self._settle():  # else each hears the ledger's "cancelled" when it starts
+                    if self.live() and self._settle():  # else each one that starts now runs nothing
                         for copy in self.live():
                             if not self.backend.watch.starts(copy.id):
                                 ray.cancel(copy.ref)  # not started: it never will
@@ -360,13 +360,16 @@ class AttemptRun:
         # Where copies started decides something only if others ran, or Ray started this one more than once.
         if len(self.copies) > 1 or winner.starts > 1 or self.backend.watch.seen_death:
             self._settle()
-        for copy in self.live():
+        losers = self.live()
+        for copy in losers:
             self.reasons.setdefault(copy.id, f"a copy on {record.host.get('node')} finished first")
-            try:
-                started = self.ray.get(self.backend.ledger.stop.remote(copy.id), timeout=30)
-            except Exception:  # noqa: BLE001 - a slow head: it hears "superseded" when it asks
-                continue
-            if not started:
+        stops = [self.backend.ledger.stop.remote(copy.id) for copy in losers]  # asked at once, answered together
+        try:
+            started = self.ray.get(stops, timeout=30) if stops else []
+        except Exception:  # noqa: BLE001 - a slow head: each hears "superseded" when it asks
+            started = [True] * len(losers)
+        for copy, began in zip(losers, started, strict=True):
+            if not began:
                 self.ray.cancel(copy.ref)  # out of Ray's queue (if Ray starts it first, it runs nothing)
         record = record.model_copy(update={"superseded": self._superseded(winner)})
         save_record(record, self.attempt.run_dir)

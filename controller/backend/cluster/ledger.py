@@ -68,7 +68,8 @@ class Ledger:
 
     def should_stop(self, copy_id: str) -> str | None:
         """Whether the copy should stop its sandbox, and why: ``"cancelled"`` (Ctrl-C on the driver) or
-        ``"superseded"`` (another copy of its attempt finished first); None: go on."""
+        ``"superseded"`` (another copy of its attempt finished first, or the attempt ended without it); None: go
+        on."""
         if self._stop_all:
             return "cancelled"
         return "superseded" if copy_id in self._stop else None

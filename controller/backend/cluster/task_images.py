@@ -111,7 +111,7 @@ class Placement:
         self._lock = threading.Lock()
         self._node: dict[str, str] = {}
         self._load: Counter[str] = Counter()
-        """Items placed on each node and not yet ended."""
+        """Copies placed on each node (task images' items, and spread copies) and not yet ended."""
         self._layers: dict[str, dict[str, int]] = {}
         """Node → the layers of the images placed on it (chain id → bytes)."""
 
@@ -150,6 +150,6 @@ class Placement:
             return node
 
     def ended(self, node: str) -> None:
-        """An item placed on ``node`` ended (wherever Ray ran it in the end)."""
+        """A copy placed on ``node`` ended (wherever Ray ran it in the end)."""
         with self._lock:
             self._load[node] -= 1

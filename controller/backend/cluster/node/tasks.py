@@ -190,15 +190,17 @@ def run_copy(
 
     ``request`` holds the session, the prepared replay (JSON), the attempt's number and run id, and the image
     (id, ref, and chunks or a digest to pull). ``ledger`` is the batch's :class:`~.ledger.Ledger`, told where
-    the copy started and asked whether it should stop (Ctrl-C on the driver, or another copy finished first).
+    the copy started and asked whether it should stop (Ctrl-C on the driver, another copy finished first, or the
+    attempt ended without it).
 
     Returns:
         ``{"node", "node_id", "token", "interrupted", "pulled", "starts"}`` (``starts``: how many times Ray
         started this copy, this one included), and ``"tar"``, the run directory, when it fits in one
         chunk; a larger one waits here for :func:`fetch_run`;
         ``{"need_image": True}``: the node has not got the image and was sent no way to get it;
-        ``{"superseded": True}``: another copy finished first, and this one removed what it made, or the
-        driver had given this copy up before it started (it ran nothing); or
+        ``{"superseded": True}``: it was told to stop (another copy finished first, or the attempt ended
+        without it) and removed what it made, or the driver had given it up or stopped it before it started
+        (it ran nothing); or
         ``{"error": {"type", "message", "exit_code", "category"}}``.
     """
     import ray
