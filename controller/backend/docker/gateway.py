@@ -22,7 +22,7 @@ import ipaddress
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import docker
 from docker.errors import NotFound
@@ -32,12 +32,14 @@ from ..._log import logger
 from ...errors import InfrastructureError
 from ...gateway.cassette import Tape
 from ...gateway.limits import Limits
-from ...gateway.proxy import ModelProxy
 from ...models.ownership import Ownership
 from ...models.spec import ModelUpstream
 from . import labels as L
 from .engine import engine_errors
 from .sockets import own_socket, socket_dir
+
+if TYPE_CHECKING:  # aiohttp (about 0.1 s to import) loads when a gateway starts, not with every replay
+    from ...gateway.proxy import ModelProxy
 
 #: Where the relay listens inside the sandbox, and where the gateway's socket directory is mounted.
 RELAY_PORT = 18080
@@ -93,6 +95,8 @@ class Gateway:
         """Listen where ``--model-network`` says (nothing to start for ``pass-through``); return ``self``."""
         if not self.config.gateway:
             return self
+        from ...gateway.proxy import ModelProxy
+
         try:
             self._proxy = ModelProxy(self.config, self._api_key, limits=self._limits).start()
             if self.config.network == "unix":
