@@ -54,6 +54,8 @@ def _lists_what_pvisor_host_built(claude_image: str, codex_image: str, state: di
         everything = run_cli("images", "--all", env=state)
         if _build_layers(state) == before:
             break
+    else:
+        pytest.fail("the build layers changed during each of 20 listings: no window to compare the counts in")
     layers = len(before)
     assert table.code == 0 and claude_image in table.stdout and "sandbox-image" in table.stdout
     assert "<none>" not in table.stdout
