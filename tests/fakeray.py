@@ -192,8 +192,7 @@ class FakeCluster:
       Ray starts it on NODE2 after all (the lease came back), and it does what ``run_copy`` does with the
       ledger's answer (nothing when it was given up, else it runs and finishes);
     * ``"ok-while:NODE2"``: it starts, NODE2 (another node) dies, and it finishes with a record after a while;
-    * ``"hang-cancelled"``: as ``"hang"``, but the driver's cancel reaches it: it ends ``interrupted``
-      (``"hang-cancelled:big"``: its run directory is too big for the reply, and waits on the node);
+    * ``"hang-cancelled"``: as ``"hang"``, but the driver's cancel reaches it: it ends ``interrupted``;
     * ``"submit-fails"``: submitting it raises (the driver cannot reach Ray);
     * ``"need_image"``: the node has not got the image (the copy ran nothing);
     * ``"error:TYPE:MESSAGE"``: the copy failed there;
@@ -224,8 +223,6 @@ class FakeCluster:
         self.ends: list[tuple[str | None, str | None]] = []
         """What the driver heard of each copy that ended: the node it was placed on, the image it pulled."""
         self.stopped: dict[str, str] = {}
-        self.dropped: list[tuple[str, str]] = []
-        """The run directories the driver had removed from their nodes unfetched: (node id, token)."""
         """Why each copy that was told to stop stopped (``cancelled``, ``superseded``), by copy id."""
         self.heard: dict[str, list[int]] = {}
         """What the ledger answered each start of each copy (how many starts it knows; 0: stopped before)."""
@@ -294,9 +291,6 @@ class FakeCluster:
     def fetch_from(self, node_id: str, token: str) -> Any:
         raise AssertionError("every fake run directory comes back in the copy's reply")
 
-    def drop_from(self, node_id: str, token: str) -> None:
-        self.dropped.append((node_id, token))
-
     # -- what the nodes do ----------------------------------------------------------------------------------
 
     def _start(self, copy_id: str, node: str) -> str:
@@ -356,10 +350,7 @@ class FakeCluster:
             deadline = time.monotonic() + 10  # a driver that never cancels it fails the test, not hangs it
             while ref not in self.ray.cancelled and time.monotonic() < deadline:
                 time.sleep(0.01)
-            reply = self._reply(node, token, "interrupted", interrupted=True)
-            if rest == "big":  # its run directory did not fit in one chunk: it waits on the node to be fetched
-                del reply["tar"]
-            ref.resolve(reply)
+            ref.resolve(self._reply(node, token, "interrupted", interrupted=True))
         elif kind == "cut-off":
             self.ray.kill(node)
             self._until_stopped(ref, copy_id, node, token)

@@ -157,15 +157,11 @@ def test_a_copy_that_started_as_the_watchdog_looked_is_neither_given_up_nor_canc
     assert cluster.ledger.calls["give_up"] > 0  # the watchdog did look
 
 
-@pytest.mark.parametrize("size", ["", ":big"])
-def test_a_copy_given_up_that_the_cancel_interrupts_does_not_end_the_attempt(run, size):
-    """Nor does its run directory stay on its node: one too big for the reply is removed there, unfetched."""
-    record, cluster, ray = run([("n1", f"hang-cancelled{size}"), ("n2", "ok")])
+def test_a_copy_given_up_that_the_cancel_interrupts_does_not_end_the_attempt(run):
+    record, cluster, ray = run([("n1", "hang-cancelled"), ("n2", "ok")])
     assert isinstance(record, ReplayRecord) and record.status == "ok" and record.host["node"] == "n2"
     [(node, reason)] = reasons(record)
     assert node == "n1" and reason.startswith("node n1 stopped answering")
-    copy = cluster.submitted[0]["copy_id"].rsplit("/", 1)[-1]
-    assert cluster.dropped == ([(ray.node_id("n1"), f"tok-n1-{copy}")] if size else [])
 
 
 def test_a_copy_placed_whose_submission_fails_leaves_no_load_on_its_node(run):

@@ -141,16 +141,6 @@ def test_a_run_directory_goes_back_in_chunks_and_is_removed(monkeypatch, tmp_pat
     assert (tmp_path / "back" / "workspace" / "big.bin").read_bytes() == bytes(range(256)) * 100
 
 
-def test_a_run_directory_nobody_fetches_is_dropped_and_the_others_stay(monkeypatch, tmp_path):
-    monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
-    for token in ("given-up", "other"):
-        (node.scratch_root() / "session" / token / "run").mkdir(parents=True)
-    node.drop_run("session", "given-up")
-    assert [p.name for p in (node.scratch_root() / "session").iterdir()] == ["other"]
-    node.drop_run("session", "other")
-    assert not (node.scratch_root() / "session").exists()
-
-
 def test_a_copy_with_no_run_directory_sends_nothing(monkeypatch, tmp_path):
     monkeypatch.setenv(node.SCRATCH_ENV, str(tmp_path / "scratch"))
     (node.scratch_root() / "session" / "token" / "input").mkdir(parents=True)

@@ -150,11 +150,10 @@ class ClusterBackend:
             "info": ray.remote(num_cpus=0, max_retries=0)(on_node.node_info),
             # the run directory comes back as a stream, at most two chunks ahead of the driver
             "fetch": ray.remote(num_cpus=0, max_retries=0, _generator_backpressure_num_objects=2)(on_node.fetch_run),
-            "drop": ray.remote(num_cpus=0, max_retries=0)(on_node.drop_run),
         }
 
     def _on_node(self, name: str, node_id: str) -> Any:
-        """The node call ``name`` (``info``, ``fetch``, ``drop``), pinned to one node."""
+        """The node call ``name`` (``info``, ``fetch``), pinned to one node."""
         return self._calls[name].options(scheduling_strategy=pinned_to(node_id))
 
     def capacity(self) -> int:
@@ -321,11 +320,6 @@ class ClusterBackend:
     def fetch_from(self, node_id: str, token: str) -> Any:
         """Stream a copy's run directory back from its node (see :class:`~.copies.Cluster`)."""
         return self._on_node("fetch", node_id).remote(self.session, token)
-
-    def drop_from(self, node_id: str, token: str) -> None:
-        """Have a copy's run directory removed from its node, unfetched (not waited for: a node that is gone
-        sweeps it when it joins again)."""
-        self._on_node("drop", node_id).remote(self.session, token)
 
     def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
         """What a node gets to make the image present (see :class:`~.copies.Cluster`): the sandbox image, or for

@@ -82,9 +82,6 @@ class Cluster(Protocol):
     def fetch_from(self, node_id: str, token: str) -> Any:
         """Start :func:`.node.tasks.fetch_run` pinned to ``node_id``; its streaming generator."""
 
-    def drop_from(self, node_id: str, token: str) -> None:
-        """Start :func:`.node.tasks.drop_run` pinned to ``node_id`` (not waited for)."""
-
     def image_manifest(self, prepared: PreparedReplay, *, chunks: bool) -> dict[str, Any]:
         """What a node gets to make the attempt's image present (see :class:`~.ship.Shipper`)."""
 
@@ -328,9 +325,6 @@ class AttemptRun:
         if reply.get("superseded"):
             return None
         if copy.given_up and reply.get("interrupted") and not interrupted_wanted:
-            if "tar" not in reply:  # its run directory waits on the node for a fetch that will not come
-                with contextlib.suppress(Exception):
-                    self.backend.drop_from(reply["node_id"], reply["token"])
             return None  # Ray's cancel reached it as it started: the copy that replaced it runs
         if reply.get("need_image"):
             self.unshipped.add(copy.id)

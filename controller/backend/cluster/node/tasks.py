@@ -344,11 +344,6 @@ def fetch_run(session: str, token: str) -> Iterator[bytes]:
         _remove(base)
 
 
-def drop_run(session: str, token: str) -> None:
-    """Remove the run directory of copy ``token``, which nobody will fetch (its copy was given up)."""
-    _remove(scratch_root() / session / token)
-
-
 def _pack(base: Path) -> Path | None:
     """The copy's run directory as ``run.tar`` beside it (None when the copy made none)."""
     if not (base / "run").is_dir():
