@@ -181,17 +181,20 @@ def test_every_option_of_every_command_is_in_the_docs():
 
 def test_the_model_gateway_loads_aiohttp_only_when_it_starts():
     """aiohttp (about 0.1 s to import) is the model gateway's: a replay or batch without one, a cluster node's
-    worker running a copy, and a ``pass-through`` model (no gateway) start without it; a gateway loads it."""
+    worker running a copy, and a ``pass-through`` model (no gateway) start without it; a gateway loads it. Nor do
+    their modules load ``report.html``'s (the CLI's batch loads it when the batch ends)."""
     import subprocess
     import sys
 
-    probe = ("import sys\nimport pvisor_host.backend.docker.sandbox.run, pvisor_host.backend.cluster.node.tasks\n"
-             "import pvisor_host.cli.commands.run\nfrom pvisor_host.backend.docker.gateway import Gateway\n"
+    probe = ("import sys\nimport pvisor_host.cli.main, pvisor_host.cli.commands.run, pvisor_host.fanout.scheduler\n"
+             "import pvisor_host.backend.docker, pvisor_host.backend.docker.sandbox.run\n"
+             "import pvisor_host.backend.cluster.node.tasks\nfrom pvisor_host.backend.docker.gateway import Gateway\n"
              "from pvisor_host.models.spec import ModelUpstream\nseen = ['aiohttp' in sys.modules]\n"
+             "print('pvisor_host.report' in sys.modules)\n"
              "for network in ('pass-through', 'unix'):\n"
              "    up = ModelUpstream(base_url='http://127.0.0.1:9', model='m', api_key_env='K', network=network)\n"
              "    Gateway(up, 'k').start().close()\n"
              "    seen.append('aiohttp' in sys.modules)\n"
              "print(*seen)\n")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ["False", "False", "True"], done.stderr
+    assert done.stdout.split() == ["False", "False", "False", "True"], done.stderr
