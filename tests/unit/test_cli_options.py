@@ -182,12 +182,14 @@ def test_every_option_of_every_command_is_in_the_docs():
 def test_the_model_gateway_loads_aiohttp_only_when_it_starts():
     """aiohttp (about 0.1 s to import) is the model gateway's: a replay or batch without one, a cluster node's
     worker running a copy, and a ``pass-through`` model (no gateway) start without it; a gateway loads it. Nor do
-    their modules load ``report.html``'s (the CLI's batch loads it when the batch ends)."""
+    their modules load ``report.html``'s (a batch loads it when it ends)."""
     import subprocess
     import sys
 
     probe = ("import sys\nimport pvisor_host.cli.main, pvisor_host.cli.commands.run, pvisor_host.fanout.scheduler\n"
-             "import pvisor_host.backend.docker, pvisor_host.backend.docker.sandbox.run\n"
+             "import pvisor_host.backend.docker, pvisor_host.backend.docker.sandbox.run, pvisor_host.attempts\n"
+             "import pvisor_host.preflight.prepare, pvisor_host.preflight.checks, pvisor_host.fanout.plan\n"
+             "import pvisor_host.fanout.manifest\n"
              "import pvisor_host.backend.cluster.node.tasks\nfrom pvisor_host.backend.docker.gateway import Gateway\n"
              "from pvisor_host.models.spec import ModelUpstream\nseen = ['aiohttp' in sys.modules]\n"
              "print('pvisor_host.report' in sys.modules)\n"

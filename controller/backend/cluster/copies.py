@@ -369,7 +369,7 @@ class AttemptRun:
         except Exception:  # noqa: BLE001 - a slow head: each hears "superseded" when it asks
             started = [True] * len(losers)
         for copy, began in zip(losers, started, strict=True):
-            if not began:
+            if not began and not copy.given_up:  # (one given up was cancelled then)
                 self.ray.cancel(copy.ref)  # out of Ray's queue (if Ray starts it first, it runs nothing)
         record = record.model_copy(update={"superseded": self._superseded(winner)})
         save_record(record, self.attempt.run_dir)

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from ...fanout.plan import ItemPlan
     from ...fanout.scheduler import BatchOptions, BatchOutcome
     from ...fanout.summary import FailOn
-    from ...models.batch import ItemResult
 
 
 @with_options(replay_options, first=True)
@@ -319,13 +318,6 @@ def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, jso
     return ExitCode.USAGE if rejected else ExitCode.OK
 
 
-def _write_report(out: Path, results: list[ItemResult]) -> Path:
-    """``report.html``; its module loads when the batch ends, not before the first pull."""
-    from ...report import write_report
-
-    return write_report(out, results)
-
-
 def _run(
     source: BatchInput,
     checked: ManifestCheck,
@@ -336,6 +328,7 @@ def _run(
     json_output: bool,
 ) -> BatchOutcome:
     from ...fanout.scheduler import run_batch
+    from ...report import write_report
     from ...signals import ignore_interrupts
     from .. import render
 
@@ -348,7 +341,7 @@ def _run(
             total=total,
             images=checked.image_specs,
             task_images=checked.image_counts,
-            reports=(_write_report,),
+            reports=(write_report,),
             progress=progress,
             on_pull=progress.pull,
         )
