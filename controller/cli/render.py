@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from ..backend.cluster.node.status import NodeStatus
     from ..fanout.compare import Comparison
+    from ..fanout.manifest import ManifestCheck
     from ..fanout.plan import ImagesPlanned, ItemPlan
     from ..preflight.inspect import TrajectoryReport
 
@@ -342,9 +343,16 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
 
 
 def batch_plan(
-    console: Console, plans: Iterable[ItemPlan], *, json_output: bool, images: ImagesPlanned | None = None
+    console: Console,
+    plans: Iterable[ItemPlan],
+    *,
+    json_output: bool,
+    verbose: bool = False,
+    images: ImagesPlanned | None = None,
+    slice: ManifestCheck | None = None,
 ) -> None:
-    """``batch --plan``: per item what would run, then the counts (and the task images, when there are any).
+    """``batch --plan``: a line per item (id, agent, boundary, image, verdict and why), with ``verbose`` its mounts,
+    limits and command too; then the counts (and the task images, when there are any).
 
     Each item is written as soon as it is planned and then dropped, so memory stays flat however long the
     manifest; ``--json`` writes one JSON array, an item per line, without rich's highlighting.
@@ -364,38 +372,25 @@ def batch_plan(
             writes += plan.write_bytes or 0
             unknown += plan.write_bytes is None
         style = {"run": "green", "skip": "dim", "reject": "red"}[plan.action]
-        console.print(f"[bold]{plan.id}[/bold] (line {plan.line}): [{style}]{plan.action}[/{style}]", highlight=False)
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="dim")
-        grid.add_column(overflow="fold")
+        step = f"after {plan.after_step}" if plan.after_step is not None else "-"
+        line = Text.assemble(
+            (plan.id, "bold"), f"  {plan.agent or '-'}  {step}  {plan.image or '-'}  ", (plan.action, style)
+        )
         if plan.reason:
-            grid.add_row("why", plan.reason)
-        if plan.action != "reject":
-            grid.add_row("image", f"{plan.image or '-'} {plan.image_id or ''}".strip())
-            if plan.image_note:
-                grid.add_row("", plan.image_note)
-            grid.add_row("mounts", "\n".join(plan.mounts))
-            if plan.limits is not None:
-                lim = plan.limits
-                grid.add_row(
-                    "limits",
-                    f"memory {format_size(lim.memory)}, cpus {lim.cpus:g}, pids {lim.pids}, "
-                    f"timeout {format_duration(lim.timeout)}, network {lim.network}, user {lim.user}, "
-                    f"{'read-only' if lim.read_only_rootfs else 'writable'} rootfs",
-                )
-            if plan.model_gateway:
-                grid.add_row("model", f"host-side gateway over {plan.model_gateway}")
-            grid.add_row("command", shlex.join(plan.command))
-            if plan.collect is not None:
-                size = format_size(plan.write_bytes) if plan.write_bytes is not None else "its workspace from the image"
-                grid.add_row("writes", f"about {size} (--collect {plan.collect})")
-            grid.add_row("key", plan.content_key or "known once the image is built")
-        console.print(grid)
+            line.append(f": {plan.reason}")
+        console.print(line, highlight=False, soft_wrap=True)
+        if verbose and plan.action != "reject":
+            _plan_details(console, plan)
     if writes or unknown:
         more = f", plus the workspaces of {unknown} items from their images" if unknown else ""
         console.print(f"about {format_size(writes)} to write{more}", highlight=False)
+    of = ""
+    if slice is not None and slice.slice is not None:
+        of = f" ({slice.slice} of {slice.total})"
     console.print(
-        f"{actions.total()} items: {actions['run']} to run, {actions['skip']} to skip, {actions['reject']} rejected"
+        f"{actions.total()} items{of}: {actions['run']} to run, {actions['skip']} to skip, "
+        f"{actions['reject']} rejected",
+        highlight=False,
     )
     if images is not None and images.costs:
         table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
@@ -411,6 +406,34 @@ def batch_plan(
             f"({format_size(images.pull_bytes)} to download, each layer once)",
             highlight=False,
         )
+
+
+def _plan_details(console: Console, plan: ItemPlan) -> None:
+    """``batch --plan -v``: the item's image, mounts, limits, command, what it writes and its content key."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column(overflow="fold")
+    grid.add_row("  image", f"{plan.image or '-'} {plan.image_id or ''}".strip())
+    if plan.image_note:
+        grid.add_row("", plan.image_note)
+    grid.add_row("  mounts", "\n".join(plan.mounts))
+    if plan.limits is not None:
+        lim = plan.limits
+        grid.add_row(
+            "  limits",
+            f"memory {format_size(lim.memory)}, cpus {lim.cpus:g}, pids {lim.pids}, "
+            f"timeout {format_duration(lim.timeout)}, network {lim.network}, user {lim.user}, "
+            f"{'read-only' if lim.read_only_rootfs else 'writable'} rootfs",
+        )
+    if plan.model_gateway:
+        grid.add_row("  model", f"host-side gateway over {plan.model_gateway}")
+    if plan.command:
+        grid.add_row("  command", shlex.join(plan.command))
+    if plan.collect is not None:
+        size = format_size(plan.write_bytes) if plan.write_bytes is not None else "its workspace from the image"
+        grid.add_row("  writes", f"about {size} (--collect {plan.collect})")
+    grid.add_row("  key", plan.content_key or "known once the image is here")
+    console.print(grid)
 
 
 def comparison(console: Console, result: Comparison) -> None:

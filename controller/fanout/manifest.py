@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as futures
+import fnmatch
 import functools
 import glob
 import hashlib
+import heapq
 import os
 import re
 import typing
@@ -27,13 +29,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from ..errors import UsageError
-from ..models.profiles import all_profiles, get_profile
+from ..models.profiles import get_profile
 from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
+from ..preflight.checks import check_options
+from ..preflight.prepare import image_request
 from ..preflight.survey import boundaries
-from ..preflight.trajectory import check_stat, detect_agent
+from ..preflight.trajectory import check_stat, detect_agent, read_trajectory
 from .steps import StepSelection, parse_steps
 from .tables import ColumnMap, Row, read_rows, strict_columns, text_cells
 from .templates import Template, is_template, parse_template, path_fields
@@ -116,11 +120,28 @@ class ManifestCheck(BaseModel):
     """What reading a batch's whole input once found."""
 
     items: int
+    """Items to run (those of the slice, with their repeats)."""
     problems: list[ManifestProblem]
     image_specs: list[ReplaySpec]
-    """One item's spec per distinct (image, agent, inject): what the batch's images are made from."""
+    """One item's spec per distinct image: what the batch's images are made from."""
     image_counts: dict[str, int] = {}
     """Items per image named with ``image`` (task images, in the order the batch runs them)."""
+    refused: dict[str, int] = {}
+    """Items each reason of the options' own checks refuses (:func:`~pvisor_host.preflight.checks.check_options`)."""
+    total: int = 0
+    """Items in the whole input, before a slice (``--limit``, ``--sample``, ``--select``)."""
+    slice: str | None = None
+    """The slice, in words (``a sample of 12 (seed 0)``), when one was asked for."""
+
+    def refuse_if_none_can_run(self) -> None:
+        """One line, exit 2, when one reason of the options refuses every item (a mode with no model, a cassette
+        that is not there, an agent that cannot be built here): no item could run.
+
+        Raises:
+            UsageError: that reason.
+        """
+        if len(self.refused) == 1 and sum(self.refused.values()) == self.items:
+            raise UsageError(f"every item: {next(iter(self.refused))}")
 
 
 def default_item_id(spec: ReplaySpec) -> str:
@@ -227,10 +248,11 @@ def by_image(items: list[BatchItem]) -> tuple[list[BatchItem], dict[str, int]]:
 
 
 def image_specs(items: Iterable[BatchItem]) -> list[ReplaySpec]:
-    """One item's spec per distinct (image, agent, inject): what a batch's images are made from."""
-    distinct: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
+    """One item's spec per distinct image (:attr:`~pvisor_host.models.image.ImageRequest.key`): what a batch's
+    images are made from."""
+    distinct: dict[object, ReplaySpec] = {}
     for item in items:
-        distinct.setdefault((item.spec.image, item.spec.agent, item.spec.inject), item.spec)
+        distinct.setdefault(image_request(item.spec).key, item.spec)
     return list(distinct.values())
 
 
@@ -367,12 +389,12 @@ class Rows:
                 "boundaries",
                 hint="pass agent",
             )
-        return steps.expand(boundaries(agent, trajectory))
+        return steps.expand(boundaries(agent, read_trajectory(trajectory)))
 
     def _detect(self, trajectory: Path, *, needed: bool) -> str | None:
         """The agent that recorded ``trajectory``; None when it cannot be told and the image's label may say."""
         try:
-            return _detected(*_file_key(trajectory))
+            return detect_agent(read_trajectory(trajectory))
         except UsageError:
             if needed:
                 raise
@@ -397,18 +419,6 @@ def _done(value: list[Entry]) -> futures.Future[list[Entry]]:
     return done
 
 
-def _file_key(path: Path) -> tuple[Path, int, int]:
-    check_stat(path)
-    info = path.stat()
-    return path.absolute(), info.st_size, info.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=65536)
-def _detected(path: Path, size: int, mtime_ns: int) -> str:
-    """The agent of a file version (detection reads it: once per version)."""
-    return detect_agent(path, all_profiles())
-
-
 class BatchInput(BaseModel):
     """Where a batch's items come from: a manifest, or the ``--trajectories`` shorthand; plus the defaults."""
 
@@ -424,6 +434,15 @@ class BatchInput(BaseModel):
     """Replay options given on the command line; every item starts from them."""
     repeat: Annotated[int, Field(ge=1, le=MAX_REPEAT)] = 1
     """``--repeat K``: run every item K times, under ids of their own (``<id>.r1`` …), to see which are flaky."""
+    limit: Annotated[int | None, Field(ge=1)] = None
+    """``--limit N``: only the first N items (by line, then boundary), to try a dataset first."""
+    sample: Annotated[int | None, Field(ge=1)] = None
+    """``--sample N``: only N items drawn at random, the same N for the same ``seed``."""
+    seed: int = 0
+    """``--seed S``: what ``--sample`` draws with."""
+    select: list[str] = []
+    """``--select PATTERN``: only the items whose id matches one of these shell patterns (``django__*``)."""
+    _chosen: set[tuple[int, int]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _one_source(self) -> BatchInput:
@@ -433,6 +452,8 @@ class BatchInput(BaseModel):
             raise UsageError("--trajectories needs --after-step (a number, all, last, a list or a range)")
         if self.map and self.manifest is None:
             raise UsageError("--map reads a manifest's columns; --trajectories has none")
+        if self.limit is not None and self.sample is not None:
+            raise UsageError("--limit takes the first items and --sample draws some at random; pass one")
         if self.after_step is not None:
             parse_steps(self.after_step, name="--after-step")
             self.defaults = {**self.defaults, "after_step": self.after_step}
@@ -475,30 +496,70 @@ class BatchInput(BaseModel):
         )
 
     def check(self) -> ManifestCheck:
-        """Read every entry once: how many items there are, every bad line with its number, and one item per
-        distinct image (so a batch can make its images ready before the first sandbox)."""
+        """Read every entry once (twice with a slice: which items it keeps, then theirs): how many items there are,
+        every bad line with its number, what the options alone refuse, and one item per distinct image (so a batch
+        can make its images ready before the first sandbox). No item's spec is kept but one per image."""
         problems: list[ManifestProblem] = []
+        kept: list[tuple[int, int, str]] = []
+        tally = _Tally(self.repeat)
+        total = 0
+        for item in self._checked_items(problems):
+            total += 1
+            if self.select and not any(fnmatch.fnmatchcase(item.id, pattern) for pattern in self.select):
+                continue
+            if self.sliced:
+                kept.append((item.line, item.spec.after_step, item.id))
+            else:
+                tally.add(item.spec)
+        if total == 0 and not problems:
+            raise UsageError(f"{self.name} holds no items")
+        if self.sliced:
+            self._chosen = self._slice(kept)
+            for item in self._checked_items([]):
+                if (item.line, item.spec.after_step) in self._chosen:
+                    tally.add(item.spec)
+            if tally.items == 0 and not problems:
+                raise UsageError(f"--select {','.join(self.select)} matches none of the {total} items")
+        return ManifestCheck(
+            items=tally.items, problems=problems, image_specs=list(tally.images.values()), image_counts=tally.counts,
+            refused=tally.refused, total=total * self.repeat, slice=self._slice_words(),
+        )  # fmt: skip
+
+    def _checked_items(self, problems: list[ManifestProblem]) -> Iterator[BatchItem]:
+        """Every item of the input in line order, a bad line noted in ``problems`` instead."""
         seen: dict[str, int] = {}
-        images: dict[tuple[str | None, str | None, bool], ReplaySpec] = {}
-        counts: dict[str, int] = {}
-        count = 0
         defaults = self._rows_cached.item_defaults
         for number, entry in self._entries():
             if isinstance(entry, str):
                 problems.append(ManifestProblem(line=number, message=entry))
                 continue
             try:
-                spec = _item(number, entry, defaults, seen).spec
+                yield _item(number, entry, defaults, seen)
             except UsageError as exc:
                 problems.append(ManifestProblem(line=number, message=exc.one_line()))
-                continue
-            count += self.repeat
-            images.setdefault((spec.image, spec.agent, spec.inject), spec)
-            if spec.image is not None:
-                counts[spec.image] = counts.get(spec.image, 0) + self.repeat
-        if count == 0 and not problems:
-            raise UsageError(f"{self.name} holds no items")
-        return ManifestCheck(items=count, problems=problems, image_specs=list(images.values()), image_counts=counts)
+
+    def _slice(self, kept: list[tuple[int, int, str]]) -> set[tuple[int, int]]:
+        """The items of the slice, by (line, boundary): the first ``--limit``, or a ``--sample`` (each item's place
+        in it drawn from a hash of the seed and its id, so the same seed keeps the same items); else those
+        ``--select`` matched."""
+        if self.limit is not None:
+            return {(line, step) for line, step, _ in sorted(kept)[: self.limit]}
+        if self.sample is not None:
+            drawn = heapq.nsmallest(
+                self.sample, kept, key=lambda k: hashlib.sha256(f"{self.seed}:{k[2]}".encode()).digest()
+            )
+            return {(line, step) for line, step, _ in drawn}
+        return {(line, step) for line, step, _ in kept}
+
+    def _slice_words(self) -> str | None:
+        words = []
+        if self.select:
+            words.append(f"the items matching {', '.join(self.select)}")
+        if self.limit is not None:
+            words.append(f"the first {self.limit}")
+        if self.sample is not None:
+            words.append(f"a sample of {self.sample} (seed {self.seed})")
+        return "; ".join(words) or None
 
     def items(self) -> Iterator[BatchItem]:
         """The items, one at a time (after :meth:`check` found no problem), those of one image together.
@@ -509,15 +570,56 @@ class BatchInput(BaseModel):
         they are grouped, never every item's validated spec."""
         seen: dict[str, int] = {}
         defaults = self._rows_cached.item_defaults
+        chosen = self._chosen
+        if self.sliced and chosen is None:
+            self.check()
+            chosen = self._chosen
         for number, entry in _grouped(self._entries(), defaults.get("image")):
             if isinstance(entry, str):
                 raise UsageError(f"{self.name}:{number}: {entry}")
-            yield from _item(number, entry, defaults, seen).repeats(self.repeat)
+            item = _item(number, entry, defaults, seen)
+            if chosen is None or (item.line, item.spec.after_step) in chosen:
+                yield from item.repeats(self.repeat)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether a slice keeps some of the items only."""
+        return bool(self.select) or self.limit is not None or self.sample is not None
 
     def _entries(self) -> Iterator[Entry]:
         rows = self._rows_cached
         source = _manifest_rows(self.manifest) if self.manifest is not None else _glob_rows(self.trajectories or "")
         return rows.expand_all(source)
+
+
+class _Tally:
+    """What :meth:`BatchInput.check` counts of the items it keeps."""
+
+    def __init__(self, repeat: int) -> None:
+        self.repeat = repeat
+        self.items = 0
+        self.images: dict[object, ReplaySpec] = {}
+        self.counts: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+
+    def add(self, spec: ReplaySpec) -> None:
+        self.items += self.repeat
+        self.images.setdefault(image_request(spec).key, spec)
+        if spec.image is not None:
+            self.counts[spec.image] = self.counts.get(spec.image, 0) + self.repeat
+        refusal = option_refusal(spec)
+        if refusal is not None:
+            self.refused[refusal] = self.refused.get(refusal, 0) + self.repeat
+
+
+def option_refusal(spec: ReplaySpec) -> str | None:
+    """What the options alone refuse ``spec`` for (:func:`~pvisor_host.preflight.checks.check_options`), in one
+    line; None: nothing."""
+    try:
+        check_options(spec, get_profile(spec.agent) if spec.agent is not None else None)
+    except UsageError as exc:
+        return exc.one_line()
+    return None
 
 
 def _grouped(entries: Iterable[Entry], default_image: str | None) -> Iterator[Entry]:

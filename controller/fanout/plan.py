@@ -13,7 +13,10 @@ it is pulled, so such an item's sandbox is described without them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel
@@ -22,16 +25,19 @@ from ..backend.base import AnyBackend
 from ..errors import ExitCode, PvisorHostError
 from ..files.digest import tree_sha256
 from ..files.space import tree_bytes
-from ..models.image import ImageCost, ImagePlan, ImagePreview
+from ..models.batch import BatchSummary
+from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
+from ..models.profiles import get_profile
 from ..models.record import Limits
 from ..models.spec import ReplaySpec
-from ..preflight.checks import agent_checks, check_inputs, runtime_checks
-from ..preflight.prepare import assemble
+from ..preflight.prepare import assemble, check_before_image, image_request
+from ..preflight.trajectory import read_trajectory
 from ..units import format_size
+from .item import check_item, finished_earlier
 from .manifest import BatchItem
 from .memo import Memo
-from .resume import content_key, finished_result, item_run_id
-from .scheduler import BatchOptions, image_key, image_request
+from .resume import ImageIdentity
+from .scheduler import BatchOptions
 
 
 class ItemPlan(BaseModel):
@@ -39,6 +45,8 @@ class ItemPlan(BaseModel):
 
     id: str
     line: int
+    after_step: int | None = None
+    """The boundary it replays to."""
     action: Literal["run", "skip", "reject"]
     """``skip``: a complete record with the same content key exists; ``reject``: pre-flight refused it."""
     reason: str | None = None
@@ -57,6 +65,8 @@ class ItemPlan(BaseModel):
     model_gateway: str | None = None
     """How a live continuation reaches the host-side gateway (its socket or network is made per run)."""
     content_key: str | None = None
+    earlier: str | None = None
+    """For ``skip``: the status it finished with earlier."""
     exit_code: int | None = None
     """For ``reject``: the exit code the refusal maps to (2 for a bad item, 6 for an engine failure)."""
     image_present: bool | None = None
@@ -93,102 +103,147 @@ class ImagesPlanned:
         return sum(layers.values())
 
 
+class PlanTally:
+    """What a plan's verdicts come to, counted as the run counts its results (so the plan exits as the run would
+    for what the host can tell): a rejection as ``rejected`` (``infra_error`` for the host's), a skipped item with
+    the status it finished with, and an item to run as ``ok`` (no more can be told before it runs)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.first_infra: ItemPlan | None = None
+        self.started = datetime.now(UTC)
+
+    def counting(self, plans: Iterable[ItemPlan]) -> Iterator[ItemPlan]:
+        """``plans``, counted as they pass."""
+        for plan in plans:
+            if plan.action == "reject" and plan.exit_code == ExitCode.INFRASTRUCTURE:
+                self.counts["infra_error"] += 1
+                self.first_infra = self.first_infra or plan
+            elif plan.action == "reject":
+                self.counts["rejected"] += 1
+            else:
+                self.counts[plan.earlier or "ok"] += 1
+            yield plan
+
+    def summary(self) -> BatchSummary:
+        """The counts as a batch summary (:func:`~.summary.exit_code` reads it)."""
+        return BatchSummary(
+            started_at=self.started, finished_at=self.started, items=self.counts.total(), ran=0, skipped=0,
+            counts=dict(self.counts), categories={}, timings={}, replays_per_minute=0.0, failed=[],
+        )  # fmt: skip
+
+
 def plan_batch(
     items: Iterable[BatchItem], backend: AnyBackend, options: BatchOptions, images: ImagesPlanned | None = None
 ) -> Iterator[ItemPlan]:
     """Plan every item, one at a time (see the module docstring); ``images`` collects the task images."""
-    previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
-    workspaces: Memo[str] = Memo()
-    sizes: Memo[int] = Memo()
-    images = images if images is not None else ImagesPlanned()
+    planner = _Planner(backend, options, images if images is not None else ImagesPlanned())
     for item in items:
         try:
-            if item.spec.image is not None:
-                if item.spec.image not in images.costs:
-                    images.costs[item.spec.image] = backend.image_cost(item.spec.image)
-                cost = images.costs[item.spec.image]
-                if not cost.present:
-                    yield _plan_unpulled(item, cost, options)
-                    continue
-            yield _plan_item(item, backend, options, previews, workspaces, sizes)
+            yield planner.plan(item)
         except PvisorHostError as exc:
             yield ItemPlan(
-                id=item.id,
-                line=item.line,
-                action="reject",
-                reason=exc.one_line(),
-                agent=item.spec.agent,
-                exit_code=exc.exit_code,
-            )
+                id=item.id, line=item.line, after_step=item.spec.after_step, action="reject", reason=exc.one_line(),
+                agent=item.spec.agent, image=item.spec.image, exit_code=exc.exit_code,
+            )  # fmt: skip
 
 
-def _plan_unpulled(item: BatchItem, cost: ImageCost, options: BatchOptions) -> ItemPlan:
+class _Planner:
+    """The plan of one batch: an item's decisions are the run's (:mod:`.item`), in the run's order; what the run
+    makes ready (an image built or pulled) is previewed instead."""
+
+    def __init__(self, backend: AnyBackend, options: BatchOptions, images: ImagesPlanned) -> None:
+        self.backend = backend
+        self.options = options
+        self.images = images
+        self.previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
+        self.workspaces: Memo[str] = Memo()
+        self.sizes: Memo[int] = Memo()
+
+    def plan(self, item: BatchItem) -> ItemPlan:
+        spec = item.spec
+        trajectory = read_trajectory(spec.trajectory)
+        cost = self._cost(spec.image)
+        workspace = self._workspace(spec.workspace_dir)
+        key, earlier = finished_earlier(
+            item, trajectory, self._identity(spec, cost), workspace, out=self.options.out,
+            rerun_failed=self.options.rerun_failed,
+        )  # fmt: skip
+        if earlier is not None:
+            return ItemPlan(
+                id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier.agent,
+                image=earlier.image, reason=f"finished earlier: {earlier.status}", content_key=key,
+                earlier=earlier.status,
+            )  # fmt: skip
+        checked = check_item(item, self.options.out)
+        if cost is not None and not cost.present:
+            return _unpulled(item, checked.spec, cost)
+        plan, preview = self._preview(image_request(spec))
+        agent, runtime = check_before_image(checked, self.backend, plan.profile)
+        sandbox = self.backend.describe_sandbox(assemble(checked, agent, preview.image, runtime))
+        upstream = spec.continuation
+        result = ItemPlan(
+            id=item.id, line=item.line, after_step=spec.after_step, action="run", agent=plan.profile.agent,
+            image=preview.image.ref if preview.exists else None, image_id=preview.image.id if preview.exists else None,
+            image_note=preview.note, mounts=sandbox.mounts, limits=sandbox.limits, command=sandbox.command,
+            model_gateway=upstream.network if upstream is not None else None, content_key=key,
+            image_present=True if spec.image is not None else None, pull_bytes=0 if spec.image is not None else None,
+        )  # fmt: skip
+        result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, self.sizes)
+        return result
+
+    def _preview(self, request: ImageRequest) -> tuple[ImagePlan, ImagePreview]:
+        """What the image of ``request`` is, previewed once per distinct image."""
+
+        def look_up() -> tuple[ImagePlan, ImagePreview]:
+            plan = self.backend.plan_image(request)
+            return plan, self.backend.preview_image(plan)
+
+        return self.previews.get(request.key, look_up)
+
+    def _cost(self, ref: str | None) -> ImageCost | None:
+        """A task image's cost (what pulling it downloads), asked once per image."""
+        if ref is None:
+            return None
+        if ref not in self.images.costs:
+            self.images.costs[ref] = self.backend.image_cost(ref)
+        return self.images.costs[ref]
+
+    def _workspace(self, source: Path | None) -> str | None:
+        return self.workspaces.get(source, lambda: tree_sha256(source)) if source is not None else None
+
+    def _identity(self, spec: ReplaySpec, cost: ImageCost | None) -> ImageIdentity | None:
+        """The image as a content key sees it, told without making it (as the run tells it: :mod:`.item`)."""
+        if cost is not None and not cost.present:
+            if cost.id is None:
+                return None
+            agent_image = None
+            if spec.inject and spec.agent is not None:  # the agent image its runtime comes from, by its tag
+                agent_image = self._preview(ImageRequest(profile=get_profile(spec.agent)))[1].image.ref
+            return cost.id, agent_image
+        try:
+            _, preview = self._preview(image_request(spec))
+        except PvisorHostError:  # the item meets it again after its host checks, as the run's does
+            return None
+        return (preview.image.id, preview.image.agent_image) if preview.exists else None
+
+
+def _unpulled(item: BatchItem, spec: ReplaySpec, cost: ImageCost) -> ItemPlan:
     """An item whose task image is still in its registry: what pulling it costs, and what it is."""
-    check_inputs(item.spec, per_file=True, run_id=item_run_id(item.id), out_dir=options.out / item.id)
     if cost.error is not None:  # no such image, refused: the input; a registry that could not be asked: the host
         wrong = "not found" in cost.error or "refused" in cost.error
         return ItemPlan(
-            id=item.id, line=item.line, action="reject", reason=f"image {cost.ref}: {cost.error}",
-            agent=item.spec.agent, exit_code=ExitCode.USAGE if wrong else ExitCode.INFRASTRUCTURE, image=cost.ref,
-            image_present=False,
+            id=item.id, line=item.line, after_step=spec.after_step, action="reject",
+            reason=f"image {cost.ref}: {cost.error}", agent=spec.agent,
+            exit_code=ExitCode.USAGE if wrong else ExitCode.INFRASTRUCTURE, image=cost.ref, image_present=False,
         )  # fmt: skip
     note = f"to be pulled: {format_size(cost.pull_bytes)} from its registry"
     note += f" ({cost.digest})" if cost.digest else ""
     return ItemPlan(
-        id=item.id, line=item.line, action="run", agent=item.spec.agent, image=cost.ref, image_id=cost.id,
-        image_note=note + "; its labels and platform are checked once it is here", image_present=False,
-        pull_bytes=cost.pull_bytes,
+        id=item.id, line=item.line, after_step=spec.after_step, action="run", agent=spec.agent, image=cost.ref,
+        image_id=cost.id, image_note=note + "; its labels and platform are checked once it is here",
+        image_present=False, pull_bytes=cost.pull_bytes,
     )  # fmt: skip
-
-
-def _plan_item(
-    item: BatchItem,
-    backend: AnyBackend,
-    options: BatchOptions,
-    previews: Memo[tuple[ImagePlan, ImagePreview]],
-    workspaces: Memo[str],
-    sizes: Memo[int],
-) -> ItemPlan:
-    spec = item.spec
-    run_dir = options.out / item.id
-    checked = check_inputs(spec, per_file=True, run_id=item_run_id(item.id), out_dir=run_dir)
-
-    def look_up() -> tuple[ImagePlan, ImagePreview]:
-        plan = backend.plan_image(image_request(spec))
-        return plan, backend.preview_image(plan)
-
-    plan, preview = previews.get(image_key(spec), look_up)
-    agent = agent_checks(checked, plan.profile)
-    key = None
-    if preview.exists:
-        source = spec.workspace_dir
-        workspace = workspaces.get(source, lambda: tree_sha256(source)) if source is not None else None
-        key = content_key(spec, checked.trajectory.sha256, preview.image, workspace)
-    runtime = backend.runtime(spec.runtime)
-    runtime_checks(spec, runtime)
-    sandbox = backend.describe_sandbox(assemble(checked, agent, preview.image, runtime))
-    upstream = spec.continuation
-    result = ItemPlan(
-        id=item.id,
-        line=item.line,
-        action="run",
-        agent=plan.profile.agent,
-        image=preview.image.ref if preview.exists else None,
-        image_id=preview.image.id if preview.exists else None,
-        image_note=preview.note,
-        mounts=sandbox.mounts,
-        limits=sandbox.limits,
-        command=sandbox.command,
-        model_gateway=upstream.network if upstream is not None else None,
-        content_key=key,
-        image_present=True if spec.image is not None else None,
-        pull_bytes=0 if spec.image is not None else None,
-    )
-    result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, sizes)
-    earlier = finished_result(run_dir, key, options.rerun_failed) if key is not None else None
-    if earlier is not None:
-        result = result.model_copy(update={"action": "skip", "reason": f"finished earlier: {earlier.status}"})
-    return result
 
 
 #: What a replay writes beside its workspace, about: its record, logs, and pvisor's output and state trees.

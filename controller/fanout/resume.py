@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES, ItemResult, VerificationResult
-from ..models.image import ImageRef
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
 from ..models.spec import ReplaySpec
@@ -33,7 +32,11 @@ NOT_OUTCOME: dict[str, bool | set[str]] = {
 }
 
 
-def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageRef, workspace_sha256: str | None) -> str:
+#: An image as a content key sees it: its id, and the agent image an injected runtime came from.
+ImageIdentity = tuple[str, str | None]
+
+
+def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageIdentity, workspace_sha256: str | None) -> str:
     """The item's identity for resuming (see the module docstring)."""
     options = spec.model_dump(mode="json", exclude=NOT_OUTCOME)
     if spec.egress is None:  # no egress: its caps change nothing, and the keys stay those of before --egress existed
@@ -41,8 +44,8 @@ def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageRef, works
     material = {
         "options": options,
         "trajectory": trajectory_sha256,
-        "image": image.id,
-        "agent_image": image.agent_image,
+        "image": image[0],
+        "agent_image": image[1],
         "workspace": workspace_sha256,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
@@ -73,11 +76,13 @@ def item_result(
         diverged=diverged(record, run_dir) if run_dir is not None else None,
         continued=result.continued_steps if result is not None else None,
         verification=VerificationResult(
+            outcome=verified.outcome,
             passed=verified.passed,
             reward=verified.reward,
             exit_code=verified.exit_code,
             timed_out=verified.timed_out,
             seconds=verified.seconds,
+            note=verified.note,
         )
         if verified is not None
         else None,  # fmt: skip

@@ -23,9 +23,12 @@ JUNIT_FAILURES = frozenset({"replay_failed", "timeout", "oom", "rejected"})
 JUNIT_ERRORS = frozenset({"infra_error", "interrupted"})
 #: A further report written when a batch ends, from its directory and results (``report.html``, say).
 BatchReport = Callable[[Path, list[ItemResult]], object]
-#: ``batch --fail-on``: what makes a finished batch exit non-zero (see :func:`exit_code`).
-FailOn = Literal["regressions", "failures", "never"]
-FAIL_ON: tuple[FailOn, ...] = ("regressions", "failures", "never")
+#: ``batch --fail-on``: what makes a finished batch exit 1 (see :func:`exit_code`).
+FailOn = Literal["regressions", "failures", "verification", "never"]
+FAIL_ON: tuple[FailOn, ...] = ("regressions", "failures", "verification", "never")
+#: What fails a batch when ``--fail-on`` is not given: without a baseline, and with one.
+FAIL_ON_DEFAULT: frozenset[FailOn] = frozenset({"failures", "verification"})
+FAIL_ON_BASELINE: frozenset[FailOn] = frozenset({"regressions"})
 #: Items the step summary names in each of its lists; the rest are counted.
 STEP_SUMMARY_ITEMS = 20
 
@@ -74,12 +77,16 @@ def _verification(results: list[ItemResult]) -> VerificationStats | None:
     verified = [r.verification for r in results if r.verification is not None]
     if not verified:
         return None
-    passed = sum(v.passed for v in verified)
+    outcomes = Counter(v.outcome for v in verified)
+    judged = len(verified) - outcomes["could_not_run"]
     rewards = [v.reward for v in verified if v.reward is not None]
     return VerificationStats(
-        verified=len(verified),
-        passed=passed,
-        pass_rate=round(passed / len(verified), 4),
+        items=len(verified),
+        passed=outcomes["passed"],
+        failed=outcomes["failed"],
+        timed_out=outcomes["timed_out"],
+        could_not_run=outcomes["could_not_run"],
+        pass_rate=round(outcomes["passed"] / judged, 4) if judged else 0.0,
         mean_reward=round(sum(rewards) / len(rewards), 4) if rewards else None,
     )
 
@@ -105,10 +112,10 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
             time=f"{r.timings.get('total', 0):.3f}",
         )
         message = f"{r.category}: {r.message}" if r.message else (r.category or r.status)
-        if r.status == "ok" and r.verification is not None and not r.verification.passed:
-            verdict = "timed out" if r.verification.timed_out else f"exit {r.verification.exit_code}"
-            text = f"the task's verifier did not pass ({verdict})"
-            ET.SubElement(case, "failure", type="verification_failed", message=text).text = text
+        if _unverified(r):
+            assert r.verification is not None
+            text = f"the task's verification: {r.verification.describe()}"
+            ET.SubElement(case, "failure", type=f"verification_{r.verification.outcome}", message=text).text = text
         elif r.status in JUNIT_FAILURES:
             ET.SubElement(case, "failure", type=r.category or r.status, message=message).text = message
         elif r.status in JUNIT_ERRORS:
@@ -125,7 +132,7 @@ def junit(results: list[ItemResult], summary: BatchSummary) -> bytes:
 
 def _unverified(result: ItemResult) -> bool:
     """An ok replay whose task verifier did not pass (a JUnit failure of its own)."""
-    return result.status == "ok" and result.verification is not None and not result.verification.passed
+    return result.status == "ok" and result.verification is not None and result.verification.passed is not True
 
 
 def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = ()) -> str:
@@ -149,8 +156,7 @@ def markdown(summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (
     if summary.model is not None:
         lines += ["", f"Model: {summary.model.describe()}."]
     if summary.verification is not None:
-        v = summary.verification
-        lines += ["", f"Verification: {v.passed} of {v.verified} passed ({v.pass_rate:.1%})."]
+        lines += ["", f"Verification: {summary.verification.describe()}."]
     if summary.egress is not None:
         lines += ["", f"Egress: {cell(summary.egress.describe())}."]
     drifted = [(r.id, r.model.drift) for r in results if r.model is not None and r.model.drift is not None]
@@ -240,26 +246,51 @@ def allowed_failures(text: str | None) -> Callable[[int], int]:
         raise UsageError(f"--allow-failures {text!r}: pass a number of items (3) or a percentage (5%)") from None
 
 
-def exit_code(summary: BatchSummary, allowed: int, *, fail_on: FailOn = "failures", regressed: int = 0) -> ExitCode:
-    """The batch's exit code. 130 when interrupted, whatever ``fail_on``.
+def parse_fail_on(text: str | None, *, baseline: bool) -> frozenset[FailOn]:
+    """``--fail-on``: a comma list of :data:`FAIL_ON` (``never`` alone); the default when not given.
 
-    ``failures`` (the default without ``--baseline``): 0 when at most ``allowed`` items are not ok (and none
-    ``regressed`` against a baseline); else 6 when a full disk stopped the batch, 4 if the deadline cut it
-    short, 6 when every item that is not ok failed on the infrastructure (the engine, a build), not on its
-    replay; 1 otherwise. Items never started count as not ok.
+    Raises:
+        UsageError: an unknown name, ``never`` with another, or ``regressions`` without a baseline.
+    """
+    if text is None:
+        return FAIL_ON_BASELINE if baseline else FAIL_ON_DEFAULT
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FAIL_ON]
+    if unknown or not names:
+        raise UsageError(f"--fail-on {text!r}: pass a comma list of {', '.join(FAIL_ON)}")
+    if "never" in names and len(set(names)) > 1:
+        raise UsageError(f"--fail-on {text!r}: never fails on nothing; pass it alone")
+    if "regressions" in names and not baseline:
+        raise UsageError("--fail-on regressions needs --baseline DIR: the earlier batch to find regressions against")
+    return frozenset(names)  # type: ignore[arg-type]
 
-    ``regressions`` (the default with ``--baseline``): 1 when an item ``regressed``, else 0. ``never``: 0.
-    With either, a batch that did not answer still exits 6 or 4 as above: a full disk stopped it, the
-    deadline cut it short, or every item that is not ok (more than ``allowed``) failed on the infrastructure.
+
+def exit_code(
+    summary: BatchSummary, allowed: int, *, fail_on: frozenset[FailOn] = FAIL_ON_DEFAULT, regressed: int = 0
+) -> ExitCode:
+    """The batch's exit code: 130 when interrupted, whatever ``fail_on``; 6 when a full disk stopped it, 4 if its
+    deadline cut it short, 6 when every item that is not ok failed on the infrastructure (the engine, a build),
+    each only when more than ``allowed`` items are not ok (items never started count as not ok), whatever
+    ``fail_on``: the batch did not answer. Otherwise 1 when something ``fail_on`` names happened, else 0:
+
+    - ``failures``: more than ``allowed`` items are not ok;
+    - ``regressions``: an item ``regressed`` against the baseline;
+    - ``verification``: an item's verifier did not pass (it failed, timed out or could not run);
+    - ``never``: none of these.
     """
     if summary.interrupted:
         return ExitCode.INTERRUPTED
     failed = _failures(summary, allowed)
-    if fail_on == "failures":
-        return ExitCode.REPLAY_FAILED if regressed and failed == ExitCode.OK else failed
     if failed in (ExitCode.INFRASTRUCTURE, ExitCode.TIMEOUT):
         return failed
-    return ExitCode.REPLAY_FAILED if fail_on == "regressions" and regressed else ExitCode.OK
+    if "failures" in fail_on and failed == ExitCode.REPLAY_FAILED:
+        return failed
+    if "regressions" in fail_on and regressed:
+        return ExitCode.REPLAY_FAILED
+    verification = summary.verification
+    if "verification" in fail_on and verification is not None and verification.passed < verification.items:
+        return ExitCode.REPLAY_FAILED
+    return ExitCode.OK
 
 
 def _failures(summary: BatchSummary, allowed: int) -> ExitCode:

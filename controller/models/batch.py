@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from ..units import percentile
 from .egress import EgressStats, EgressTotals
-from .record import ModelTotals
+from .record import ModelTotals, VerificationOutcome, describe_verification
 
 __all__ = [
     "FINAL_STATUSES",
@@ -36,11 +36,19 @@ RESULTS_FILE = "results.jsonl"
 class VerificationResult(BaseModel):
     """An item's verification, as a results row carries it (``record.json`` has the command and its output)."""
 
-    passed: bool
+    outcome: VerificationOutcome
+    """``passed``, ``failed``, ``timed_out`` or ``could_not_run`` (no verdict on the task: counted apart)."""
+    passed: bool | None
     reward: float | None = None
     exit_code: int | None = None
     timed_out: bool = False
     seconds: float | None = None
+    note: str | None = None
+    """Why it did not run to its end, when it did not."""
+
+    def describe(self) -> str:
+        """One line: what it came to, its exit code and reward."""
+        return describe_verification(self.outcome, self.exit_code, self.reward, self.seconds, self.note)
 
 
 class ItemResult(BaseModel):
@@ -114,12 +122,29 @@ class ImageStats(BaseModel):
 class VerificationStats(BaseModel):
     """The batch's verifications (``--verify``), over the items that have one."""
 
-    verified: int
-    """Items whose verifier ran."""
+    items: int
+    """Items with a verification."""
     passed: int
+    failed: int = 0
+    """Its verifier exited non-zero."""
+    timed_out: int = 0
+    could_not_run: int = 0
+    """Its verifier could not run (not installed, no interpreter, the sandbox gone first): no verdict on the task,
+    so not in the pass rate."""
     pass_rate: float
-    """``passed / verified``."""
+    """``passed`` over the items whose verifier gave a verdict (passed, failed or timed out)."""
     mean_reward: float | None = None
+
+    def describe(self) -> str:
+        """``2 of 3 passed (66.7%), 1 failed, 1 could not run``."""
+        judged = self.items - self.could_not_run
+        parts = [f"{self.passed} of {judged} passed ({self.pass_rate:.1%})"]
+        parts += [f"{n} {what}" for n, what in ((self.failed, "failed"), (self.timed_out, "timed out")) if n]
+        if self.could_not_run:
+            parts.append(f"{self.could_not_run} could not run")
+        if self.mean_reward is not None:
+            parts.append(f"mean reward {self.mean_reward:g}")
+        return ", ".join(parts)
 
 
 class FlakyItem(BaseModel):

@@ -110,6 +110,12 @@ class ImageRequest(BaseModel):
     pvisor_only: bool = False
     """Without ``image``: pvisor is all the sandbox needs (``--mode prepare-only`` starts no agent)."""
 
+    @property
+    def key(self) -> tuple[str | None, str | None, bool, bool]:
+        """What tells two requests' images apart: requests with one key share one image."""
+        agent = self.profile.agent if self.profile is not None else None
+        return self.image, agent, self.inject, self.pvisor_only and self.image is None
+
 
 class _Plan(BaseModel):
     model_config = ConfigDict(frozen=True)

@@ -270,14 +270,22 @@ class SupersededAttempt(BaseModel):
     started_at: datetime
 
 
+#: How a verifier ended: it passed, it failed (exit code not 0), it ran past ``--verify-timeout``, or it could not
+#: run at all (not installed, no interpreter, the sandbox gone first): not the task's failure, counted apart.
+VerificationOutcome = Literal["passed", "failed", "timed_out", "could_not_run"]
+#: Exit codes of a shell that could not run the verifier's command (126: not executable, 127: not found).
+COULD_NOT_RUN_CODES = frozenset({126, 127})
+
+
 class Verification(BaseModel):
     """What ``--verify`` found: the task's verifier, run in the sandbox after pvisor ended."""
 
     command: str
     exit_code: int | None = None
     """None: the verifier did not run to its end (see ``note``)."""
-    passed: bool
-    """It exited 0 within ``--verify-timeout``."""
+    passed: bool | None
+    """It exited 0 within ``--verify-timeout``; None: it could not run (``note`` says why), which is no verdict on
+    the task."""
     timed_out: bool = False
     """Killed at ``--verify-timeout``."""
     oom_killed: bool = False
@@ -286,10 +294,37 @@ class Verification(BaseModel):
     output_tail: str = ""
     """The last 4 KiB of its output (the whole, cut at 16 MiB, is ``logs/verify.log``)."""
     reward: float | None = None
-    """The reward it wrote (``/logs/verifier/reward.txt`` or ``reward.json``), else 1 or 0 from ``passed``."""
+    """The reward it wrote (``/logs/verifier/reward.txt`` or ``reward.json``), else 1 or 0 from ``passed`` (None
+    when it could not run)."""
     reward_source: Literal["reward.txt", "reward.json", "exit_code"] | None = None
     note: str | None = None
     """Why it did not run to its end, when it did not."""
+
+    @property
+    def outcome(self) -> VerificationOutcome:
+        if self.passed is None:
+            return "could_not_run"
+        if self.timed_out:
+            return "timed_out"
+        return "passed" if self.passed else "failed"
+
+    def describe(self) -> str:
+        """One line for people: ``passed (exit 0, reward 1.0, 2.1s)``, ``timed out after 30.0s``, ``could not run:
+        ...``."""
+        return describe_verification(self.outcome, self.exit_code, self.reward, self.seconds, self.note)
+
+
+def describe_verification(
+    outcome: str | None, exit_code: int | None, reward: float | None, seconds: float | None, note: str | None = None
+) -> str:
+    """A verification in one line (a record's, or a results row's): what it came to, its exit code and reward."""
+    took = f", {seconds:.1f}s" if seconds is not None else ""
+    if outcome == "could_not_run":
+        return f"could not run ({note or f'exit {exit_code}'})"
+    if outcome == "timed_out":
+        return f"timed out after {seconds:.1f}s" if seconds is not None else "timed out"
+    score = f", reward {reward:g}" if reward is not None else ""
+    return f"{outcome or 'unknown'} (exit {exit_code}{score}{took})"
 
 
 class BatchInfo(BaseModel):

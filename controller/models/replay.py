@@ -24,7 +24,8 @@ SandboxProfile = Literal["task-image", "strict"]
 
 
 class TrajectoryInfo(BaseModel):
-    """A trajectory file that passed the host checks."""
+    """A trajectory file that passed the host checks, and what one read of it found (every check of a
+    trajectory is a function of this value: nothing reads the file again)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -32,6 +33,15 @@ class TrajectoryInfo(BaseModel):
     """Absolute path on the host."""
     size: int
     sha256: str
+    agents: frozenset[str] = frozenset()
+    """The agents whose format fingerprint one of its first objects matches (empty: none recognised)."""
+    cwd: dict[str, str] = {}
+    """Per agent: the working directory the recording ran in, where the agent's format records one."""
+    versions: dict[str, str] = {}
+    """Per agent: the version of the agent that recorded it, where the agent's format says."""
+    bounds: dict[str, int] = {}
+    """Per agent: a number of complete tool batches pvisor cannot exceed for this file (its tool calls; absent:
+    it cannot be told from the file)."""
 
 
 class PvisorPlan(BaseModel):

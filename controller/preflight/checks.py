@@ -1,11 +1,17 @@
 """Host checks: everything about a replay that can be decided without an engine, cheapest first.
 
-In order: the agent, the trajectory file, the environment variables, the workspace, the user, the output
-directory; then, once the agent is known (from ``--agent``, or later from the image's label), the
-agent-specific checks: the trajectory is not another agent's, pvisor's own ``--prepare-only`` on the host
-accepts the trajectory and boundary, the step budget fits the prefix, and the continuation has a model.
-Any failure is a one-line :class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing
-has been created.
+They come in two kinds, and both are functions of values read once:
+
+- :func:`check_options`: what the options alone decide (the environment variables, the workspace directory, the
+  user, a cassette's directory, a continuation's model, an agent that cannot be built or injected here). A batch
+  asks it of every item before anything else (a reason every item shares is one line, not N rejections);
+- the trajectory's: the file (:func:`~.trajectory.read_trajectory`, read once per version of it) is not another
+  agent's, pvisor's own pre-flight accepts the boundary (``--prepare-only`` on the host, or the trajectory's
+  survey for a batch), the step budget fits the prefix, and the workspace path.
+
+:func:`check_inputs` runs both in that order, once the agent is known (from ``--agent``, the trajectory's format,
+or later from the image's label: :func:`with_agent`). Any failure is a one-line
+:class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pydantic import BaseModel
 
 from ..errors import PreflightRejected, UsageError
 from ..models.image import ImageRef
-from ..models.profiles import AgentProfile, all_profiles, get_profile
+from ..models.profiles import AgentProfile, UnavailableInstall, get_profile
 from ..models.replay import (
     ESCAPE_CVES,
     RUNC_FIXED,
@@ -36,7 +42,7 @@ from ..models.replay import (
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, known_user, parse_user
 from .hostpvisor import prepare_only
 from .survey import prefix_model_turns, survey
-from .trajectory import check_agent, check_file, detect_agent, recorded_workspace
+from .trajectory import check_agent, detect_agent, read_trajectory
 
 DEFAULT_WORKSPACE = "/workspace"
 _GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
@@ -49,7 +55,7 @@ class AgentChecks(BaseModel):
     workspace_path: str
     """The workspace's path in the sandbox: ``--workspace-path``, the recording's cwd, or ``/workspace``."""
     plan: PvisorPlan | None
-    """pvisor's own pre-flight of the prefix; None when it was left to the sandbox (batch items)."""
+    """pvisor's own pre-flight of the prefix; None when it was left to the sandbox."""
 
 
 class CheckedInputs(BaseModel):
@@ -61,7 +67,7 @@ class CheckedInputs(BaseModel):
     out_dir: Path
     user: str
     agent: AgentChecks | None = None
-    """Present when ``--agent`` was given; with ``--image`` alone the agent comes from the image's label."""
+    """Present once the agent is known; with ``--image`` alone the agent comes from the image's label."""
     host_pvisor: bool = True
     """Whether the agent checks run pvisor's own pre-flight on the host."""
     per_file: bool = False
@@ -71,7 +77,7 @@ class CheckedInputs(BaseModel):
 
     @property
     def profile(self) -> AgentProfile | None:
-        """The agent's profile, when ``--agent`` named it."""
+        """The agent's profile, when it is known."""
         return self.agent.profile if self.agent is not None else None
 
 
@@ -87,80 +93,111 @@ def check_inputs(
     per_file: bool = False,
     run_id: str | None = None,
     out_dir: Path | None = None,
-    trajectory: TrajectoryInfo | None = None,
 ) -> CheckedInputs:
-    """Every check that needs no engine (see the module docstring), including the agent's when it is known:
-    from ``--agent``, else from the trajectory's format (with ``--image`` alone and a format no profile knows,
-    the image's label names it later).
+    """Every check that needs no engine (see the module docstring), the agent's included when it is known: from
+    ``--agent``, else from the trajectory's format (with ``--image`` alone and a format no profile knows, the
+    image's label names it later: :func:`with_agent`).
 
     ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox;
     ``per_file=True`` answers them from one survey of the trajectory for all its boundaries (a batch:
     :mod:`.survey`) instead of a pvisor run at this boundary; ``run_id`` and ``out_dir`` override the spec's (a
-    batch names them, and has made sure ``out_dir`` is free); ``trajectory`` is the result of an earlier
-    ``check_file`` of it.
+    batch names them, and has made sure ``out_dir`` is free).
 
     Raises:
         UsageError: the first problem found, in one line.
         PrerequisiteError: the host's pvisor is missing.
     """
     started = time.monotonic()
-    trajectory = trajectory or check_file(spec.trajectory)
-    spec = _with_agent(spec, trajectory.path)
+    trajectory = read_trajectory(spec.trajectory)
+    spec = _with_agent(spec, trajectory)
     profile = get_profile(spec.agent) if spec.agent is not None else None
-    _env_values(spec)
-    _workspace_dir(spec)
-    user = _user(spec)
+    check_options(spec, profile)
     run_id = run_id or spec.run_id or new_run_id()
     out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
-    _cassette(spec, out_dir.name)
+    _tape(spec, out_dir.name)
     checked = CheckedInputs(
         spec=spec,
         trajectory=trajectory,
         run_id=run_id,
         out_dir=out_dir,
-        user=user,
+        user=spec.user or default_user(),
         host_pvisor=host_pvisor,
         per_file=per_file,
         seconds=0.0,
     )
     if profile is not None:
-        checked.agent = agent_checks(checked, profile)
+        checked.agent = _trajectory_checks(checked, profile)
     checked.seconds = time.monotonic() - started
     return checked
 
 
-def agent_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
-    """The agent-specific checks, once the agent is known (done already when ``--agent`` named it)."""
+def check_options(spec: ReplaySpec, profile: AgentProfile | None) -> None:
+    """What the options alone decide, for every item alike (no file is read but the workspace directory's
+    listing): see the module docstring.
+
+    Raises:
+        UsageError: the first problem found, in one line.
+    """
+    _env_values(spec)
+    _workspace_dir(spec)
+    _user(spec)
+    _cassette_dir(spec)
+    if profile is not None:
+        _agent_options(spec, profile)
+
+
+def with_agent(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
+    """The agent's checks for inputs whose agent only the image's label named (the agent's own when it was known
+    already)."""
     if checked.agent is not None:
         return checked.agent
-    spec = checked.spec
-    path = checked.trajectory.path
-    check_agent(path, profile, all_profiles())
+    _agent_options(checked.spec, profile)
+    return _trajectory_checks(checked, profile)
+
+
+def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
+    """The options' checks that need the agent: its continuation, and an image it needs that cannot be made."""
+    _continuation(spec, profile)
+    if spec.inject and profile.inject is None:
+        reason = profile.inject_unsupported or "its profile has no [inject] section"
+        raise UsageError(f"--inject: {profile.agent} cannot be injected into a task image: {reason}")
+    needs_agent_image = spec.inject or (spec.image is None and spec.mode != "prepare-only")
+    if needs_agent_image and isinstance(profile.install, UnavailableInstall):
+        raise UsageError(
+            f"cannot build {profile.agent} {profile.version} here: {profile.install.reason}",
+            hint="pvisor-host agents lists what can be built",
+        )
+
+
+def _trajectory_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
+    """The checks of the trajectory as ``profile``'s: its format, pvisor's own pre-flight, the step budget and the
+    workspace path."""
+    spec, trajectory = checked.spec, checked.trajectory
+    check_agent(trajectory, profile)
     plan = None
     if checked.host_pvisor and checked.per_file:
-        plan = _surveyed(spec, profile.agent, checked.trajectory)
+        plan = _surveyed(spec, profile.agent, trajectory)
         _budget(spec, plan)
     elif checked.host_pvisor:
         _, plan = prepare_only(
             agent=profile.agent,
-            trajectory=path,
+            trajectory=trajectory.path,
             after_step=spec.after_step,
             run_id=checked.run_id,
             session_id=spec.session_id,
             boundary_user_prompt=spec.boundary_user_prompt,
         )
         _budget(spec, plan)
-    _continuation(spec, profile)
-    return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, path, profile), plan=plan)
+    return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, trajectory, profile), plan=plan)
 
 
-def _with_agent(spec: ReplaySpec, trajectory: Path) -> ReplaySpec:
+def _with_agent(spec: ReplaySpec, trajectory: TrajectoryInfo) -> ReplaySpec:
     """``spec`` with its agent detected from the trajectory when it names none (with ``--image`` and a format
     no profile knows, it stays unnamed: the image's label may name it)."""
     if spec.agent is not None:
         return spec
     try:
-        agent = detect_agent(trajectory, all_profiles())
+        agent = detect_agent(trajectory)
     except UsageError:
         if spec.image is not None and not spec.inject:
             return spec
@@ -174,13 +211,13 @@ def _surveyed(spec: ReplaySpec, agent: str, trajectory: TrajectoryInfo) -> Pviso
     Raises:
         PreflightRejected: pvisor refuses the boundary (its category and message).
     """
-    found = survey(agent, trajectory.path, trajectory.sha256)
+    found = survey(agent, trajectory)
     refusal = found.verdict(spec.after_step)
     if refusal is not None:
         raise PreflightRejected(refusal.category, refusal.message)
     turns = spec.after_step
     if spec.max_steps is not None and spec.mode != "prepare-only":
-        turns = prefix_model_turns(agent, trajectory.path, spec.after_step)
+        turns = prefix_model_turns(agent, trajectory, spec.after_step)
     calls = sum(len(batch) for batch in (found.batches or [])[: spec.after_step])
     return PvisorPlan(after_step=spec.after_step, prefix_model_turns=turns, tool_calls=calls)
 
@@ -240,20 +277,30 @@ def _env_values(spec: ReplaySpec) -> None:
         raise UsageError(f"--env {missing[0]}: {missing[0]} is not set in this environment")
 
 
-def _cassette(spec: ReplaySpec, name: str) -> None:
-    """A cassette served back must hold this run's tape; one to record into must be a directory we can make."""
+def _cassette_dir(spec: ReplaySpec) -> None:
+    """A cassette served back must be a directory; one to record into must be a directory we can make."""
     cassette = spec.continuation.cassette if spec.continuation is not None else None
     if cassette is None:
         return
     flag = f"--model-cassette {cassette.mode} {cassette.dir}"
     if cassette.replaying:
-        if not cassette.tape(name).is_file():
-            raise UsageError(f"{flag}: no tape {name}.jsonl there", hint="record one with --model-cassette record DIR")
+        if not cassette.dir.is_dir():
+            raise UsageError(f"{flag}: no such directory", hint="record one with --model-cassette record DIR")
         return
     try:
         cassette.dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"{flag}: cannot make the directory ({exc.strerror})") from None
+
+
+def _tape(spec: ReplaySpec, name: str) -> None:
+    """A cassette served back must hold this run's tape."""
+    cassette = spec.continuation.cassette if spec.continuation is not None else None
+    if cassette is not None and cassette.replaying and not cassette.tape(name).is_file():
+        raise UsageError(
+            f"--model-cassette {cassette.mode} {cassette.dir}: no tape {name}.jsonl there",
+            hint="record one with --model-cassette record DIR",
+        )
 
 
 def _continuation(spec: ReplaySpec, profile: AgentProfile) -> None:
@@ -300,14 +347,15 @@ def _workspace_dir(spec: ReplaySpec) -> None:
         raise UsageError(f"--workspace-dir {source} is not readable")
 
 
-def _user(spec: ReplaySpec) -> str:
+def _user(spec: ReplaySpec) -> None:
     user = spec.user or default_user()
-    uid, _ = parse_user(user)
+    _own_uid(parse_user(user)[0], f"--user {user}: as a non-root user")
+
+
+def _own_uid(uid: int, what: str, hint: str | None = None) -> None:
+    """A non-root pvisor-host can only run sandboxes as its own uid."""
     if os.geteuid() != 0 and uid != os.geteuid():
-        raise UsageError(
-            f"--user {user}: as a non-root user pvisor-host can only run sandboxes as your own uid {os.geteuid()}"
-        )
-    return user
+        raise UsageError(f"{what} pvisor-host can only run sandboxes as your own uid {os.geteuid()}", hint=hint)
 
 
 def sandbox_profile(spec: ReplaySpec, image: ImageRef) -> SandboxProfile:
@@ -335,19 +383,18 @@ def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfil
             hint="pass --user UID[:GID] (or --strict)",
         )
     uid, _ = parse_user(user)
-    if os.geteuid() != 0 and uid != os.geteuid():
-        raise UsageError(
-            f"task image {image.ref} runs as uid {uid}; as a non-root user pvisor-host can only run sandboxes as "
-            f"your own uid {os.geteuid()}",
-            hint=f"run pvisor-host as root, or pass --strict (or --user {os.geteuid()})",
-        )
+    _own_uid(
+        uid,
+        f"task image {image.ref} runs as uid {uid}; as a non-root user",
+        hint=f"run pvisor-host as root, or pass --strict (or --user {os.geteuid()})",
+    )
     return user
 
 
-def _workspace_path(spec: ReplaySpec, trajectory: Path, profile: AgentProfile) -> str:
+def _workspace_path(spec: ReplaySpec, trajectory: TrajectoryInfo, profile: AgentProfile) -> str:
     if spec.workspace_path:
         return spec.workspace_path
-    recorded = recorded_workspace(trajectory, profile)
+    recorded = trajectory.cwd.get(profile.agent)
     if recorded is None:
         return DEFAULT_WORKSPACE
     try:

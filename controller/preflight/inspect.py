@@ -14,11 +14,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ..errors import UsageError
-from ..models.profiles import all_profiles, get_profile
+from ..models.profiles import get_profile
 from ..models.result import ResultFailure
 from .hostpvisor import probe
 from .survey import Survey, survey
-from .trajectory import check_file, detect_agent, recorded_version, recorded_workspace
+from .trajectory import detect_agent, read_trajectory
 
 
 class TrajectoryReport(BaseModel):
@@ -62,17 +62,17 @@ def inspect_trajectory(path: Path, agent: str | None = None) -> TrajectoryReport
     """
     report = TrajectoryReport(path=path.expanduser().absolute())
     try:
-        checked = check_file(report.path)
+        checked = read_trajectory(report.path)
         report.sha256 = checked.sha256
-        report.agent = agent or detect_agent(checked.path, all_profiles())
+        report.agent = agent or detect_agent(checked)
         profile = get_profile(report.agent)
     except UsageError as exc:
         report.problem = exc.one_line()
         return report
     report.pinned_version = profile.version
-    report.recorded_version = recorded_version(checked.path, profile)
-    report.cwd = recorded_workspace(checked.path, profile)
-    found = survey(report.agent, checked.path, checked.sha256)
+    report.recorded_version = checked.versions.get(report.agent)
+    report.cwd = checked.cwd.get(report.agent)
+    found = survey(report.agent, checked)
     report.pvisor_runs = found.pvisor_runs
     report.boundaries = found.complete
     report.accepted = found.accepted

@@ -11,25 +11,25 @@ import time
 
 from ..backend.base import AnyBackend
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
+from ..models.profiles import AgentProfile, get_profile
 from ..models.replay import PreparedReplay, Runtime
+from ..models.spec import ReplaySpec
 from .checks import (
     AgentChecks,
     CheckedInputs,
-    agent_checks,
     create_out_dir,
     release_out_dir,
     runtime_checks,
     sandbox_profile,
     sandbox_user,
+    with_agent,
 )
 
 
-def image_request(checked: CheckedInputs) -> ImageRequest:
-    """The image part of a checked replay."""
-    spec = checked.spec
-    return ImageRequest(
-        image=spec.image, profile=checked.profile, inject=spec.inject, pvisor_only=spec.mode == "prepare-only"
-    )
+def image_request(spec: ReplaySpec) -> ImageRequest:
+    """The image a replay asks for (its agent's profile resolved, when it names one): the one place that says it."""
+    profile = get_profile(spec.agent) if spec.agent is not None else None
+    return ImageRequest(image=spec.image, profile=profile, inject=spec.inject, pvisor_only=spec.mode == "prepare-only")
 
 
 def prepare_image(backend: AnyBackend, request: ImageRequest, build: BuildOptions) -> ResolvedImage:
@@ -54,10 +54,8 @@ def prepare(
         ImageBuildError: the image had to be built and the build failed.
     """
     started = time.monotonic()
-    source: ImagePlan | ResolvedImage = image if image is not None else backend.plan_image(image_request(checked))
-    agent = agent_checks(checked, source.profile)
-    runtime = backend.runtime(checked.spec.runtime)
-    runtime_checks(checked.spec, runtime)
+    source: ImagePlan | ResolvedImage = image if image is not None else backend.plan_image(image_request(checked.spec))
+    agent, runtime = check_before_image(checked, backend, source.profile)
     create_out_dir(checked.out_dir)
     checked_at = time.monotonic()
     try:
@@ -73,6 +71,18 @@ def prepare(
     except BaseException:
         release_out_dir(checked.out_dir)
         raise
+
+
+def check_before_image(
+    checked: CheckedInputs, backend: AnyBackend, profile: AgentProfile
+) -> tuple[AgentChecks, Runtime]:
+    """The checks that need the image's agent (``profile``: from ``--agent``, the trajectory, or the image's label)
+    but not the image itself: the agent's own, and the runtime's; before anything is built or pulled, for the
+    run and ``batch --plan`` alike."""
+    agent = with_agent(checked, profile)
+    runtime = backend.runtime(checked.spec.runtime)
+    runtime_checks(checked.spec, runtime)
+    return agent, runtime
 
 
 def assemble(

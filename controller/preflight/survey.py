@@ -15,14 +15,13 @@ and confirmed against the binary; docs/batch.md#pre-flight-once-per-trajectory h
 - mini-swe-agent checks its prefix (a submission) while parsing, before the count;
 - OpenHands refuses a boundary with no user message at or before it: boundaries below some point.
 
-So the first call goes to an upper bound of the count read from the file (every batch needs at least one tool
-call, so the file's tool calls bound it; for Claude, tool-bearing fragments of one response count once). When
-pvisor accepts it, the bound was the count and that call checked every batch. When pvisor says the count is
-lower, Claude Code and SWE-agent get a second call at the count. A refusal of some batches is located by
-bisection over the boundaries (pvisor's per-batch checks are monotone: a refused prefix stays refused when it
-grows), and OpenHands gets one call at boundary 1 (a bisection only if that is refused). A valid file of
-Codex, OpenCode, Pi, mini-swe-agent, SWE-agent or Claude Code therefore costs one pvisor run; a valid OpenHands
-file two.
+So the first call goes to an upper bound of the count read from the file (its tool calls:
+:attr:`~pvisor_host.models.replay.TrajectoryInfo.bounds`, read with the file). When pvisor accepts it, the bound
+was the count and that call checked every batch. When pvisor says the count is lower, Claude Code and SWE-agent get
+a second call at the count. A refusal of some batches is located by bisection over the boundaries (pvisor's per-
+batch checks are monotone: a refused prefix stays refused when it grows), and OpenHands gets one call at boundary 1
+(a bisection only if that is refused). A valid file of Codex, OpenCode, Pi, mini-swe-agent, SWE-agent or Claude
+Code therefore costs one pvisor run; a valid OpenHands file two.
 
 Not vouched for by any prepare-only call: Claude's stale tools (``--allow-stale-observations``), which pvisor
 checks only when it runs tools, and the ``--max-steps`` budget, which pvisor counts in model turns: where
@@ -32,19 +31,19 @@ that boundary (:func:`prefix_model_turns`).
 
 from __future__ import annotations
 
-import functools
-import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from pydantic import BaseModel
 
 from .._version import PVISOR_VERSION
-from ..files.digest import hash_file
+from ..models.replay import TrajectoryInfo
 from ..models.result import ResultFailure
 from .hostpvisor import Probe, probe
+
+T = TypeVar("T")
 
 #: A boundary past any trajectory's end: pvisor answers with the count.
 PAST_THE_END = 999_999_999
@@ -117,10 +116,10 @@ class _Runs:
         return probe(self.agent, self.path, after_step)
 
 
-def _survey(agent: str, path: Path, sha256: str) -> Survey:
-    run = _Runs(agent, path)
-    survey = Survey(agent=agent, sha256=sha256)
-    bound = upper_bound(agent, path)
+def _survey(agent: str, trajectory: TrajectoryInfo) -> Survey:
+    run = _Runs(agent, trajectory.path)
+    survey = Survey(agent=agent, sha256=trajectory.sha256)
+    bound = trajectory.bounds.get(agent)
     first = run(bound if bound else PAST_THE_END)
     if first.failure is None:  # accepted at an upper bound of the count: it is the count, every batch checked
         survey.complete = first.after_step
@@ -196,121 +195,39 @@ def _refused_below(survey: Survey, run: Callable[[int], Probe], refused: Probe) 
     survey.refused_below, survey.below = high, failure
 
 
-# -- upper bounds of the count, read from the file ----------------------------------------------------------
-
-
-def upper_bound(agent: str, path: Path) -> int | None:
-    """A number of complete batches pvisor cannot exceed for this file (None: it cannot be told cheaply).
-
-    Every batch holds at least one tool call, so the file's tool calls bound it; Claude Code's fragments of one
-    response (consecutive on the chain, one message id) count once, SWE-agent's count is exact."""
-    try:
-        count = _BOUNDS[agent](path) if agent in _BOUNDS else None
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
-        return None
-    return count if count else None
-
-
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                value = json.loads(line)
-                if isinstance(value, dict):
-                    yield value
-
-
-def _document(path: Path) -> Any:
-    with path.open(encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def _claude(path: Path) -> int:
-    count, previous = 0, None
-    for event in _jsonl(path):
-        message = event.get("message") if event.get("type") == "assistant" else None
-        content = message.get("content") if isinstance(message, dict) else None
-        tools = isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_use" for b in content)
-        same_response = (
-            previous is not None
-            and isinstance(message, dict)
-            and message.get("id") == previous[0]
-            and event.get("parentUuid") == previous[1]
-        )
-        if tools and not same_response:
-            count += 1
-        previous = (message.get("id"), event.get("uuid")) if isinstance(message, dict) and tools else None
-    return count
-
-
-def _codex(path: Path) -> int:
-    return sum(
-        1
-        for event in _jsonl(path)
-        if isinstance(event.get("payload"), dict)
-        and event["payload"].get("type") in ("function_call", "custom_tool_call")
-    )
-
-
-def _opencode(path: Path) -> int:
-    return len(
-        {
-            event["part"].get("callID")
-            for event in _jsonl(path)
-            if event.get("type") == "tool_use" and isinstance(event.get("part"), dict)
-        }
-    )
-
-
-def _pi(path: Path) -> int:
-    return sum(1 for event in _jsonl(path) if event.get("type") == "turn_end")
-
-
-def _mini(path: Path) -> int:
-    return sum(1 for message in _document(path)["messages"] if isinstance(message, dict))
-
-
-def _openhands(path: Path) -> int:
-    return sum(1 for event in _document(path) if isinstance(event, dict) and "action" in event)
-
-
-def _swe(path: Path) -> int:
-    document = _document(path)
-    assistant = sum(1 for entry in document["history"] if isinstance(entry, dict) and entry.get("role") == "assistant")
-    return min(len(document["trajectory"]), assistant)
-
-
-_BOUNDS: dict[str, Callable[[Path], int]] = {
-    "claude-code": _claude,
-    "codex": _codex,
-    "opencode": _opencode,
-    "pi-agent": _pi,
-    "mini-swe-agent": _mini,
-    "openhands": _openhands,
-    "swe-agent": _swe,
-}
-
-
-# -- caches -----------------------------------------------------------------------------------------------
+# -- one survey per trajectory ------------------------------------------------------------------------------
 
 
 class _Cache:
     """Surveys by (agent, sha256), each computed once however many threads ask (pvisor is pinned, so its
-    version is no part of the key within one process)."""
+    version is no part of the key within one process); the model turns of boundaries asked later are kept in
+    their survey."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._found: dict[tuple[str, str], Survey] = {}
 
-    def get(self, agent: str, path: Path, sha256: str) -> Survey:
-        key = (agent, sha256)
+    def get(self, agent: str, trajectory: TrajectoryInfo) -> Survey:
+        return self._with(agent, trajectory, lambda found: found)
+
+    def turns(self, agent: str, trajectory: TrajectoryInfo, after_step: int) -> int:
+        def counted(found: Survey) -> int:
+            if after_step not in found.prefix_model_turns:
+                probed = probe(agent, trajectory.path, after_step)
+                found.prefix_model_turns[after_step] = probed.prefix_model_turns or after_step
+            return found.prefix_model_turns[after_step]
+
+        return self._with(agent, trajectory, counted)
+
+    def _with(self, agent: str, trajectory: TrajectoryInfo, then: Callable[[Survey], T]) -> T:
+        key = (agent, trajectory.sha256)
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())
         with lock:
             if key not in self._found:
-                self._found[key] = _survey(agent, path, sha256)
-            return self._found[key]
+                self._found[key] = _survey(agent, trajectory)
+            return then(self._found[key])
 
     def files(self) -> list[tuple[str, str]]:
         """The (agent, sha256) surveyed so far."""
@@ -326,45 +243,24 @@ def checked_files() -> list[tuple[str, str]]:
     return _CACHE.files()
 
 
-def survey(agent: str, path: Path, sha256: str | None = None) -> Survey:
-    """What pvisor accepts of ``path`` as ``agent``'s trajectory, for every boundary (see the module docstring).
+def survey(agent: str, trajectory: TrajectoryInfo) -> Survey:
+    """What pvisor accepts of the trajectory as ``agent``'s, for every boundary (see the module docstring).
 
     Raises:
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung or could not be run.
     """
-    path = path.absolute()
-    return _CACHE.get(agent, path, sha256 or file_sha256(path))
+    return _CACHE.get(agent, trajectory)
 
 
-def boundaries(agent: str, path: Path) -> int | None:
-    """The boundaries ``all`` means for ``path`` (:attr:`Survey.count`)."""
-    return survey(agent, path).count
+def boundaries(agent: str, trajectory: TrajectoryInfo) -> int | None:
+    """The boundaries ``all`` means for the trajectory (:attr:`Survey.count`)."""
+    return survey(agent, trajectory).count
 
 
-def prefix_model_turns(agent: str, path: Path, after_step: int) -> int:
+def prefix_model_turns(agent: str, trajectory: TrajectoryInfo, after_step: int) -> int:
     """The model turns pvisor counts in the prefix up to ``after_step`` (what ``--max-steps`` budgets): the
     boundary itself for Claude Code, OpenHands and SWE-agent, else pvisor's own count at that boundary."""
     if agent in TURNS_ARE_BATCHES:
         return after_step
-    known = survey(agent, path).prefix_model_turns.get(after_step)
-    if known is not None:
-        return known
-    return _turns(agent, path.absolute(), file_sha256(path), after_step)
-
-
-@functools.lru_cache(maxsize=65536)
-def _turns(agent: str, path: Path, sha256: str, after_step: int) -> int:
-    found = probe(agent, path, after_step)
-    return found.prefix_model_turns if found.prefix_model_turns is not None else after_step
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file, read once per version of it (path, size, modification time)."""
-    info = path.stat()
-    return _sha256(path.absolute(), info.st_size, info.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=65536)
-def _sha256(path: Path, size: int, mtime_ns: int) -> str:
-    return hash_file(path)[1]
+    return _CACHE.turns(agent, trajectory, after_step)

@@ -5,6 +5,7 @@ against an address where no engine answers, proving nothing reaches Docker."""
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,10 +15,9 @@ import pytest
 from pvisor_host.errors import ExitCode, UsageError
 from pvisor_host.fanout.manifest import BatchInput
 from pvisor_host.fanout.resume import content_key
-from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markdown, summarize
+from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markdown, parse_fail_on, summarize
 from pvisor_host.files.digest import tree_sha256
-from pvisor_host.models.batch import ItemResult, percentile
-from pvisor_host.models.image import ImageRef
+from pvisor_host.models.batch import ItemResult, VerificationStats, percentile
 from pvisor_host.models.record import ModelDrift, ModelTotals
 from pvisor_host.models.spec import ReplaySpec
 
@@ -87,7 +87,9 @@ def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, tr
         "pvisor-host: error: 1 of the batch's lines are wrong (listed above); nothing ran",
     ]
     dataset = manifest(tmp_path, {"trajectory": "t.jsonl", "after_step": 1})
-    result = run_cli("batch", dataset, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    result = run_cli(
+        "batch", dataset, "--agent", "claude-code", "--mode", "replay-only", "--out", tmp_path / "out", env=NO_ENGINE
+    )
     assert result.code == ExitCode.PREREQUISITE, result.stderr  # read as the manifest: only the engine is missing
     assert result.error_lines[0].startswith("pvisor-host: error: no Docker engine answers at")
     both = run_cli("batch", dataset, "--manifest", broken, "--out", tmp_path / "out", env=NO_ENGINE)
@@ -140,7 +142,7 @@ def test_lines_override_command_line_defaults_and_paths_are_relative_to_the_mani
     )
     source = BatchInput.parse(manifest=path, defaults={"agent": "claude-code", "mode": "replay-only", "memory": "1g"})
     checked = source.check()
-    assert (checked.items, checked.problems, len(checked.image_specs)) == (2, [], 1)
+    assert (checked.items, checked.problems, len(checked.image_specs)) == (2, [], 2)  # prepare-only needs no agent
     first, second = source.items()
     assert (first.id, first.spec.mode, first.spec.memory, first.spec.trajectory) == (
         "t-after1",
@@ -191,16 +193,9 @@ def spec(**fields) -> ReplaySpec:
     return ReplaySpec(**{"trajectory": Path("/t.jsonl"), "after_step": 1, "agent": "claude-code", **fields})
 
 
-IMAGE = ImageRef(
-    ref="i",
-    id="sha256:1",
-    agent="claude-code",
-    agent_version="2.1.220",
-    pvisor_version="0.3.1",
-    agent_entrypoint="/a",
-    pvisor_path="/p",
-    verified_by="labels",
-)
+IMAGE = ("sha256:1", None)
+#: Three verifications: one passed, one failed, one could not run.
+VERIFIED = VerificationStats(items=3, passed=1, failed=1, could_not_run=1, pass_rate=0.5)
 
 
 def test_the_content_key_changes_with_what_changes_the_outcome_only():
@@ -210,7 +205,8 @@ def test_the_content_key_changes_with_what_changes_the_outcome_only():
     assert content_key(spec(attempts=5, retry_backoff="1s"), "abc", IMAGE, None) == key
     changed = [
         content_key(spec(), "abd", IMAGE, None),
-        content_key(spec(), "abc", IMAGE.model_copy(update={"id": "sha256:2"}), None),
+        content_key(spec(), "abc", ("sha256:2", None), None),
+        content_key(spec(), "abc", ("sha256:1", "pvisor-host/claude-code:x"), None),
         content_key(spec(), "abc", IMAGE, "workspace-digest"),
         content_key(spec(after_step=2), "abc", IMAGE, None),
         content_key(spec(mode="replay-only"), "abc", IMAGE, None),
@@ -274,7 +270,8 @@ def test_summary_counts_categories_percentiles_and_rate():
     ("fail_on", "regressed", "update", "code"),
     [
         ("failures", 0, {}, ExitCode.REPLAY_FAILED),  # 4 items not ok, none allowed
-        ("failures", 1, {"counts": {"ok": 6}}, ExitCode.REPLAY_FAILED),  # all ok, but one regressed
+        ("failures", 1, {"counts": {"ok": 6}}, ExitCode.OK),  # all ok; a regression is not a failure
+        ("failures,regressions", 1, {"counts": {"ok": 6}}, ExitCode.REPLAY_FAILED),
         ("regressions", 0, {}, ExitCode.OK),  # failing, but as the baseline did
         ("regressions", 1, {}, ExitCode.REPLAY_FAILED),
         ("never", 1, {}, ExitCode.OK),
@@ -284,11 +281,37 @@ def test_summary_counts_categories_percentiles_and_rate():
         ("regressions", 4, {"counts": {"ok": 2, "infra_error": 4}}, ExitCode.INFRASTRUCTURE),  # the engine died
         ("never", 0, {"counts": {"ok": 2, "infra_error": 4}}, ExitCode.INFRASTRUCTURE),
         ("regressions", 1, {"counts": {"ok": 2, "infra_error": 3, "replay_failed": 1}}, ExitCode.REPLAY_FAILED),
+        ("verification", 0, {"counts": {"ok": 6}, "verification": VERIFIED}, ExitCode.REPLAY_FAILED),
+        ("failures", 0, {"counts": {"ok": 6}, "verification": VERIFIED}, ExitCode.OK),
+        ("verification", 0, {"counts": {"ok": 6}, "verification": VERIFIED.model_copy(update={"failed": 0,
+                                                                                               "passed": 3})},
+         ExitCode.OK),
     ],
-)
+)  # fmt: skip
 def test_fail_on_decides_what_exits_non_zero(fail_on, regressed, update, code):
     summary = summarize(results(), total=6, started=START, finished=START, interrupted=False, deadline=False)
-    assert exit_code(summary.model_copy(update=update), 0, fail_on=fail_on, regressed=regressed) == code
+    chosen = parse_fail_on(fail_on, baseline=True)
+    assert exit_code(summary.model_copy(update=update), 0, fail_on=chosen, regressed=regressed) == code
+
+
+@pytest.mark.parametrize(
+    ("text", "baseline", "expected"),
+    [
+        (None, False, {"failures", "verification"}),
+        (None, True, {"regressions"}),
+        ("failures, verification", False, {"failures", "verification"}),
+        ("never", True, {"never"}),
+        ("never,failures", False, "--fail-on 'never,failures': never fails on nothing; pass it alone"),
+        ("sometimes", False, "--fail-on 'sometimes': pass a comma list of regressions, failures, verification, never"),
+        ("regressions", False, "--fail-on regressions needs --baseline DIR"),
+    ],
+)
+def test_fail_on_is_a_comma_list(text, baseline, expected):
+    if isinstance(expected, str):
+        with pytest.raises(UsageError, match=re.escape(expected)):
+            parse_fail_on(text, baseline=baseline)
+    else:
+        assert parse_fail_on(text, baseline=baseline) == expected
 
 
 def test_the_step_summary_names_drifted_items_and_links_the_run(monkeypatch):

@@ -18,6 +18,10 @@ from trajgen import claude_files_session, codex_files_session, write_jsonl
 NO_ENGINE = {"DOCKER_HOST": "unix:///nonexistent/pvisor-host-test.sock"}
 
 
+#: The options' own checks come first; tests of the later ones pass a mode that needs no model.
+REPLAY_ONLY = ("--mode", "replay-only")
+
+
 @pytest.fixture
 def claude(tmp_path) -> Path:
     return write_jsonl(tmp_path / "claude.jsonl", claude_files_session())
@@ -61,7 +65,7 @@ def test_malformed_trajectory_is_reported_by_pvisor_with_its_line(tmp_path, clau
     lines = claude.read_text().splitlines()
     lines[2] = lines[2][:40]
     claude.write_text("\n".join(lines) + "\n")
-    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1")
+    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *REPLAY_ONLY)
     assert result.code == 2 and len(result.error_lines) == 1
     assert result.error_lines[0].startswith(
         "pvisor-host: error: pvisor rejected the replay (trajectory_error): invalid Claude native JSONL at line 3:"
@@ -71,7 +75,7 @@ def test_malformed_trajectory_is_reported_by_pvisor_with_its_line(tmp_path, clau
 
 def test_wrong_agent_for_the_trajectory(tmp_path):
     codex = write_jsonl(tmp_path / "codex.jsonl", codex_files_session())
-    result, _ = replay(tmp_path, "--agent", "claude-code", "--trajectory", codex, "--after-step", "1")
+    result, _ = replay(tmp_path, "--agent", "claude-code", "--trajectory", codex, "--after-step", "1", *REPLAY_ONLY)
     assert_one_line(
         result,
         2,
@@ -92,7 +96,9 @@ def test_wrong_agent_for_the_trajectory(tmp_path):
     ],
 )
 def test_after_step_out_of_range(tmp_path, claude, after, line):
-    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", after)
+    result, out = replay(
+        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", after, *REPLAY_ONLY
+    )
     assert_one_line(result, 2, line)
     assert not out.exists()
 
@@ -142,14 +148,14 @@ def test_unknown_agent(tmp_path, claude):
 def test_out_not_empty(tmp_path, claude):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1")
+    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *REPLAY_ONLY)
     assert_one_line(result, 2, f"--out {out} is not empty (pass a new directory; pvisor-host never overwrites a run)")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
 def test_out_is_a_file(tmp_path, claude):
     (tmp_path / "out").write_text("x")
-    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1")
+    result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *REPLAY_ONLY)
     assert_one_line(result, 2, f"--out {out} exists and is not a directory")
 
 

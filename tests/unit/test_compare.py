@@ -206,7 +206,8 @@ def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
         (["--baseline", "{old}", "--plan"], "--baseline compares finished runs; it does nothing with --plan"),
         (["--fail-on", "regressions"], "--fail-on regressions needs --baseline DIR: the earlier batch to find "
                                        "regressions against"),
-        (["--baseline", "{old}", "--fail-on", "sometimes"], "--fail-on 'sometimes': pass regressions, failures, never"),
+        (["--baseline", "{old}", "--fail-on", "sometimes"], "--fail-on 'sometimes': pass a comma list of regressions, "
+                                                            "failures, verification, never"),
     ],
 )  # fmt: skip
 def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, message):

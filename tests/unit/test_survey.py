@@ -12,7 +12,8 @@ import pytest
 from pvisor_host.backend.docker.sandbox.native import fill_config
 from pvisor_host.preflight.hostpvisor import probe
 from pvisor_host.preflight.inspect import inspect_trajectory
-from pvisor_host.preflight.survey import PAST_THE_END, Survey, _survey, prefix_model_turns, upper_bound
+from pvisor_host.preflight.survey import PAST_THE_END, Survey, _survey, prefix_model_turns
+from pvisor_host.preflight.trajectory import read_trajectory
 
 from trajgen import (
     Call,
@@ -39,7 +40,7 @@ def run(n: int) -> Turn:
 
 def fresh(agent: str, path: Path) -> Survey:
     """A survey made now (not the process's cached one), with its pvisor runs counted."""
-    return _survey(agent, path, "sha")
+    return _survey(agent, read_trajectory(path))
 
 
 def pvisor_count(agent: str, path: Path) -> int | None:
@@ -69,7 +70,7 @@ def test_a_valid_file_is_counted_as_pvisor_counts_it_in_one_run(tmp_path, agent,
     assert found.complete == pvisor_count(agent, path)
     assert found.accepted == (1, found.complete)
     assert found.pvisor_runs == runs
-    bound = upper_bound(agent, path)
+    bound = read_trajectory(path).bounds.get(agent)
     assert bound is not None and bound >= found.complete  # the first run's boundary can only be too high
 
 
@@ -119,7 +120,7 @@ def test_a_file_pvisor_refuses_outright_is_refused_at_every_boundary(tmp_path):
 def test_codex_budgets_count_text_only_turns_as_pvisor_does(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", codex_rollout("t", [bash(1), Turn(text="thinking"), bash(2), bash(3)]))
     for step in (1, 2, 3):
-        assert prefix_model_turns("codex", path, step) == probe("codex", path, step).prefix_model_turns
+        assert prefix_model_turns("codex", read_trajectory(path), step) == probe("codex", path, step).prefix_model_turns
 
 
 def test_inspect_lists_each_batchs_tools_and_the_recorded_cwd(tmp_path):
@@ -183,4 +184,4 @@ def test_a_pvisor_killed_or_failing_on_the_host_is_no_verdict_on_the_file(tmp_pa
     spaceless = subprocess.CompletedProcess(args=[], returncode=1, stdout=b"", stderr=b"No space left on device\n")
     monkeypatch.setattr(hostpvisor, "_prepare_only", lambda *args: spaceless)
     with pytest.raises(InfrastructureError, match="No space left on device"):
-        _survey("claude-code", path, "sha")
+        _survey("claude-code", read_trajectory(path))

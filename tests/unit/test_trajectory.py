@@ -4,7 +4,7 @@ import pytest
 
 from pvisor_host.errors import UsageError
 from pvisor_host.models import profiles
-from pvisor_host.preflight.trajectory import MAX_TRAJECTORY_BYTES, check_agent, check_file, recorded_workspace, sniff
+from pvisor_host.preflight.trajectory import MAX_TRAJECTORY_BYTES, check_agent, detect_agent, read_trajectory
 
 from trajgen import (
     claude_files_session,
@@ -18,7 +18,7 @@ from trajgen import (
 
 def test_a_good_file_is_hashed(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", claude_files_session())
-    info = check_file(path)
+    info = read_trajectory(path)
     import hashlib
 
     assert info.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -40,7 +40,7 @@ def test_bad_files_say_what_is_wrong(tmp_path, setup, message):
     path = tmp_path / "t.jsonl"
     setup(path)
     with pytest.raises(UsageError) as caught:
-        check_file(path)
+        read_trajectory(path)
     assert caught.value.one_line().startswith(f"trajectory {path}: {message}")
 
 
@@ -49,7 +49,7 @@ def test_oversize_file_is_refused_before_reading(tmp_path):
     with path.open("wb") as handle:  # sparse: costs no disk
         handle.truncate(MAX_TRAJECTORY_BYTES + 1)
     with pytest.raises(UsageError, match="is 256 MiB; pvisor accepts at most 256 MiB"):
-        check_file(path)
+        read_trajectory(path)
 
 
 def test_unreadable_file(tmp_path, monkeypatch):
@@ -66,7 +66,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pathlib.Path, "open", denied)
     with pytest.raises(UsageError) as caught:
-        check_file(path)
+        read_trajectory(path)
     assert caught.value.one_line() == f"trajectory {path}: is not readable (permission denied)"
 
 
@@ -81,32 +81,62 @@ def test_sniff_recognises_each_format(tmp_path):
     opencode = tmp_path / "o.jsonl"
     opencode.write_text(json.dumps({"type": "step_start", "sessionID": "s"}) + "\n")
     cases["opencode"] = opencode
+    assert set(cases) == set(shipped) - {"openhands", "swe-agent"}
     for agent, path in cases.items():
-        assert sniff(path, shipped) == {agent}, agent
+        assert read_trajectory(path).agents == {agent}, agent
+        assert detect_agent(read_trajectory(path)) == agent
     unrelated = tmp_path / "u.jsonl"
     unrelated.write_text('{"hello": "world"}\n')
-    assert sniff(unrelated, shipped) == set()
+    assert read_trajectory(unrelated).agents == set()
+    with pytest.raises(UsageError, match="is no trajectory format pvisor replays"):
+        detect_agent(read_trajectory(unrelated))
 
 
 def test_wrong_agent_for_the_trajectory(tmp_path):
     shipped = profiles.all_profiles()
-    codex = write_jsonl(tmp_path / "x.jsonl", codex_files_session())
+    codex = read_trajectory(write_jsonl(tmp_path / "x.jsonl", codex_files_session()))
     with pytest.raises(UsageError) as caught:
-        check_agent(codex, shipped["claude-code"], shipped)
+        check_agent(codex, shipped["claude-code"])
     assert "looks like a codex trajectory, not claude-code" in caught.value.one_line()
     assert caught.value.hint == "pass --agent codex"
-    check_agent(codex, shipped["codex"], shipped)  # the right agent passes
+    check_agent(codex, shipped["codex"])  # the right agent passes
 
 
 def test_recorded_workspace(tmp_path):
-    shipped = profiles.all_profiles()
-    assert (
-        recorded_workspace(write_jsonl(tmp_path / "c.jsonl", claude_files_session("/srv/task")), shipped["claude-code"])
-        == "/srv/task"
-    )
-    assert (
-        recorded_workspace(write_jsonl(tmp_path / "x.jsonl", codex_files_session("/app")), shipped["codex"]) == "/app"
-    )
+    claude = read_trajectory(write_jsonl(tmp_path / "c.jsonl", claude_files_session("/srv/task")))
+    assert claude.cwd["claude-code"] == "/srv/task"
+    assert read_trajectory(write_jsonl(tmp_path / "x.jsonl", codex_files_session("/app"))).cwd["codex"] == "/app"
     plain = tmp_path / "p.jsonl"
     plain.write_text('{"type":"user"}\n')
-    assert recorded_workspace(plain, shipped["claude-code"]) is None
+    assert "claude-code" not in read_trajectory(plain).cwd
+
+
+def test_a_file_is_read_once_per_version(tmp_path, monkeypatch):
+    """Every check asks the same value: the file is opened once however many items name it, and again only when
+    it changed."""
+    import pathlib
+
+    path = write_jsonl(tmp_path / "s.jsonl", claude_files_session())
+    opened = []
+    real_open = pathlib.Path.open
+
+    def counting(self, mode="r", *args, **kwargs):
+        if self == path and "r" in mode:
+            opened.append(self)
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "open", counting)
+    first = read_trajectory(path)
+    assert read_trajectory(path) is first
+    assert len(opened) == 1
+    write_jsonl(path, claude_files_session("/elsewhere"))
+    assert read_trajectory(path).cwd["claude-code"] == "/elsewhere"
+    assert len(opened) == 2
+
+
+def test_a_document_over_several_lines_is_read_as_one(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(mini_files_session(), indent=2))
+    found = read_trajectory(path)
+    assert found.agents == {"mini-swe-agent"}
+    assert found.bounds["mini-swe-agent"] >= 1

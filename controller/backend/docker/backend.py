@@ -301,6 +301,8 @@ class DockerBackend:
         from .sandbox import launch
         from .sandbox.stage import planned_staging, staging_root
 
+        if prepared.spec.image_workspace:  # what the run's staging refuses, told now
+            self._seeds.check(self.client, self._ownership, prepared.image.id, prepared.workspace_path)
         attempt = Attempt(run_id=prepared.run_id, run_dir=prepared.out_dir)
         staging = planned_staging(staging_root(prepared.out_dir), prepared.trajectory.path)
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)

@@ -6,7 +6,6 @@ takes the ones given as every item's defaults, which a manifest line's own field
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -19,7 +18,6 @@ from ..shared import console, open_engine, say
 if TYPE_CHECKING:
     from ...backend.base import AnyBackend
     from ...fanout.manifest import BatchInput, ManifestCheck
-    from ...fanout.plan import ItemPlan
     from ...fanout.scheduler import BatchOptions, BatchOutcome
     from ...fanout.summary import FailOn
 
@@ -113,14 +111,29 @@ def batch(
     fail_on: Annotated[
         str | None,
         typer.Option(
-            metavar="regressions|failures|never",
-            help="What makes the batch exit 1: regressions, an item that regressed against --baseline (the "
-            "default with it); failures, more items not ok than --allow-failures, or a regression (the default "
-            "without); never. A batch that did not answer (its deadline, a full disk, the engine) exits 4 or 6 "
-            "all the same.",
+            metavar="LIST",
+            help="What makes the batch exit 1, a comma list of: regressions, an item that regressed against "
+            "--baseline (the default with it); failures, more items not ok than --allow-failures; verification, an "
+            "item whose verifier did not pass (failures,verification is the default without --baseline); or never. "
+            "A batch that did not answer (its deadline, a full disk, the engine) exits 4 or 6 all the same.",
             show_default=False,
         ),
     ] = None,
+    limit: Annotated[
+        int | None, typer.Option(min=1, metavar="N", help="Only the first N items (by line, then boundary).")
+    ] = None,
+    sample: Annotated[
+        int | None,
+        typer.Option(min=1, metavar="N", help="Only N items drawn at random (the same N for the same --seed)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(metavar="S", help="What --sample draws with.")] = 0,
+    select: Annotated[
+        list[str] | None,
+        typer.Option(metavar="PATTERN", help="Only the items whose id matches this shell pattern (repeatable)."),
+    ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="With --plan: each item's mounts, limits and command too.")
+    ] = False,
     cluster: Annotated[
         str | None,
         typer.Option(
@@ -206,13 +219,15 @@ def batch(
     Mirrors.parse(registry_mirror, image_rewrite)  # what the host can tell, before anything is asked
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, id=item_id,
-        map=columns or [], defaults=spec_fields(options), repeat=repeat,
+        map=columns or [], defaults=spec_fields(options), repeat=repeat, limit=limit, sample=sample, seed=seed,
+        select=select or [],
     )  # fmt: skip
     checked = source.check()
     for problem in checked.problems:
         say(f"pvisor-host: {source.name}:{problem.line}: {problem.message}")
     if checked.problems:
         raise UsageError(f"{len(checked.problems)} of the batch's lines are wrong (listed above); nothing ran")
+    checked.refuse_if_none_can_run()
     batch_options = BatchOptions.checked(
         out=out_dir.absolute(),
         workers=workers or default_workers(source.spec_default("memory")),
@@ -235,7 +250,10 @@ def batch(
         if workers is None and capacity is not None:  # a cluster: as many at a time as it has engine slots
             batch_options = batch_options.model_copy(update={"workers": capacity})
         if plan:
-            return _plan(source, backend, batch_options, json_output=json_output)
+            return _plan(
+                source, checked, backend, batch_options, json_output=json_output, verbose=verbose,
+                allowed=allowance(checked.items), fail_on=failing,
+            )  # fmt: skip
         outcome = _run(source, checked, backend, batch_options, quiet=quiet, json_output=json_output)
     regressed = 0
     if baseline is not None and not outcome.summary.interrupted:
@@ -249,17 +267,11 @@ def batch(
     return code
 
 
-def _fail_on(text: str | None, baseline: Path | None) -> FailOn:
-    """``--fail-on``, checked before anything runs; its default: ``regressions`` with a baseline."""
-    from ...fanout.summary import FAIL_ON
+def _fail_on(text: str | None, baseline: Path | None) -> frozenset[FailOn]:
+    """``--fail-on``, checked before anything runs."""
+    from ...fanout.summary import parse_fail_on
 
-    if text is None:
-        return "regressions" if baseline is not None else "failures"
-    if text not in FAIL_ON:
-        raise UsageError(f"--fail-on {text!r}: pass {', '.join(FAIL_ON)}")
-    if text == "regressions" and baseline is None:
-        raise UsageError("--fail-on regressions needs --baseline DIR: the earlier batch to find regressions against")
-    return text
+    return parse_fail_on(text, baseline=baseline is not None)
 
 
 def _check_baseline(baseline: Path, batch_dir: Path, *, plan: bool, repeat: int) -> None:
@@ -294,28 +306,33 @@ def _compare_with(baseline: Path, batch_dir: Path, *, quiet: bool) -> int:
     return regressed
 
 
-def _plan(source: BatchInput, backend: AnyBackend, options: BatchOptions, *, json_output: bool) -> int:
-    from ...fanout.plan import ImagesPlanned, plan_batch
+def _plan(
+    source: BatchInput,
+    checked: ManifestCheck,
+    backend: AnyBackend,
+    options: BatchOptions,
+    *,
+    json_output: bool,
+    verbose: bool,
+    allowed: int,
+    fail_on: frozenset[FailOn],
+) -> int:
+    """``batch --plan``: every item's verdict, and the exit code the run would have for what the host can tell."""
+    from ...fanout.plan import ImagesPlanned, PlanTally, plan_batch
+    from ...fanout.summary import exit_code
     from ...preflight.hostpvisor import runs
     from ...preflight.survey import checked_files
     from .. import render
 
-    rejected: dict[int | None, ItemPlan] = {}  # the first refusal of each exit code; nothing else is kept
     images = ImagesPlanned()
-
-    def tallied() -> Iterator[ItemPlan]:
-        for item in plan_batch(source.items(), backend, options, images):
-            if item.action == "reject":
-                rejected.setdefault(item.exit_code, item)
-            yield item
-
-    render.batch_plan(console(), tallied(), json_output=json_output, images=images)
+    tally = PlanTally()
+    plans = tally.counting(plan_batch(source.items(), backend, options, images))
+    render.batch_plan(console(), plans, json_output=json_output, verbose=verbose, images=images, slice=checked)
     say(f"pvisor-host: pre-flight: {len(checked_files())} trajectory files checked in {runs()} host pvisor runs")
-    first = rejected.get(ExitCode.INFRASTRUCTURE)
-    if first is not None:
-        say(f"pvisor-host: error: {first.id}: {first.reason}")
-        return ExitCode.INFRASTRUCTURE
-    return ExitCode.USAGE if rejected else ExitCode.OK
+    code = exit_code(tally.summary(), allowed, fail_on=fail_on)
+    if code == ExitCode.INFRASTRUCTURE and tally.first_infra is not None:
+        say(f"pvisor-host: error: {tally.first_infra.id}: {tally.first_infra.reason}")
+    return code
 
 
 def _run(

@@ -13,11 +13,14 @@ backend closes.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
+import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import docker
 from docker.errors import NotFound
@@ -45,15 +48,39 @@ def seed_from_image(
         try:
             chunks, stat = container.get_archive(path)
         except NotFound:
-            raise UsageError(
-                f"--image-workspace: the image has nothing at {path}", hint="pass the right --workspace-path"
-            ) from None
-        if not stat.get("mode", 0) & 0x80000000:  # Go's os.ModeDir bit
-            raise UsageError(f"--image-workspace: {path} in the image is not a directory")
+            stat = None
+        _refuse_unless_directory(path, stat)
         report = extract_tar(tar_stream(chunks), dest, budget)
     if report.truncated:
         raise UsageError(f"--image-workspace: {path} in the image is larger than --collect-limit")
     return report.entries
+
+
+def check_seed(client: docker.DockerClient, ownership: Ownership, image: str, path: str) -> None:
+    """What :func:`seed_from_image` refuses, told without copying anything (``batch --plan``): the path's stat.
+
+    Raises:
+        UsageError: the image has no such directory.
+    """
+    with (
+        stopped_container(client, ownership, image, role="seed") as container,
+        engine_errors(f"look at {path} in the image"),
+    ):
+        answer = client.api.head(client.api._url("/containers/{0}/archive", container.id), params={"path": path})
+        stat = None
+        if answer.status_code != 404:
+            client.api._raise_for_status(answer)
+            encoded = answer.headers.get("X-Docker-Container-Path-Stat")
+            stat = json.loads(base64.b64decode(encoded)) if encoded else {}
+    _refuse_unless_directory(path, stat)
+
+
+def _refuse_unless_directory(path: str, stat: dict[str, Any] | None) -> None:
+    """The one judgement of a workspace path in an image: ``stat`` is the engine's (None: nothing there)."""
+    if stat is None:
+        raise UsageError(f"--image-workspace: the image has nothing at {path}", hint="pass the right --workspace-path")
+    if not stat.get("mode", 0) & 0x80000000:  # Go's os.ModeDir bit
+        raise UsageError(f"--image-workspace: {path} in the image is not a directory")
 
 
 #: The folder, beside a run directory, that holds the copies out of images.
@@ -70,6 +97,27 @@ class Seeds:
         self._lock = threading.Lock()
         self._keys: dict[tuple[str, str, Path], threading.Lock] = {}
         self._made: dict[tuple[str, str, Path], tuple[Path, list[Entry]]] = {}
+        self._checked: dict[tuple[str, str], UsageError | None] = {}
+
+    def check(self, client: docker.DockerClient, ownership: Ownership, image_id: str, path: str) -> None:
+        """Refuse, as :meth:`fill` would, an image with no directory at ``path`` (asked once per image and path).
+
+        Raises:
+            UsageError: see :func:`check_seed`.
+        """
+        key = (image_id, path)
+        with self._lock:
+            known = key in self._checked
+            refusal = self._checked.get(key)
+        if not known:
+            try:
+                check_seed(client, ownership, image_id, path)
+            except UsageError as exc:
+                refusal = exc
+            with self._lock:
+                self._checked[key] = refusal
+        if refusal is not None:
+            raise refusal
 
     def fill(
         self,

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from ....files.archive import Budget, harvest_tree
-from ....models.record import Verification
+from ....models.record import COULD_NOT_RUN_CODES, Verification
 from .collect import copy_log, open_log
 from .container import WaitOutcome
 from .stage import Staging
@@ -58,7 +58,7 @@ def read_verification(
     """What the verifier found: ``outcome`` is how the sandbox ended once it had the go-ahead, ``seconds`` after
     it (None: it never started, because pvisor's phase ended the sandbox first)."""
     if outcome is None:
-        return Verification(command=command, passed=False, note="never ran: the sandbox ended during the replay")
+        return Verification(command=command, passed=None, note="never ran: the sandbox ended during the replay")
     _, tail = copy_log(staging.logs_dir / "verify.log", out / "logs" / "verify.log", limit=LOG_LIMIT, tail=TAIL)
     ended = outcome.exit_code is not None and not outcome.timed_out and not outcome.oom_killed
     note = None
@@ -70,8 +70,12 @@ def read_verification(
     if ended and staging.verifier_dir is not None:
         harvest_tree(staging.verifier_dir, out / "verifier", budget)
         reward, source = _reward(out / "verifier")
-    passed = ended and outcome.exit_code == 0
-    if reward is None:
+    passed: bool | None = ended and outcome.exit_code == 0
+    if ended and outcome.exit_code in COULD_NOT_RUN_CODES:  # the shell could not run it: no verdict on the task
+        passed, reward, source = None, None, None
+        what = "not executable" if outcome.exit_code == 126 else "not found"
+        note = f"the shell could not run it: {what} (exit {outcome.exit_code}; is it installed in the image?)"
+    elif reward is None:
         reward, source = (1.0 if passed else 0.0), "exit_code"
     return Verification(
         command=command,

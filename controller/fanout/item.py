@@ -1,0 +1,306 @@
+"""One batch item, from its pre-flight to its result: the pipeline each worker runs, and what the workers of one
+batch share (:class:`BatchContext`).
+
+An item goes through the same decisions in the same order whether it runs or ``batch --plan`` describes it
+(:mod:`.plan`), so the plan says what the run does:
+
+1. its trajectory is read (once per version of the file);
+2. an item that finished in an earlier run with the same content key is skipped (:func:`finished_earlier`), when
+   its image can be told without making it;
+3. its host checks (:func:`check_item`: the options, the trajectory, pvisor's pre-flight), once;
+4. its image: made ready (the run) or previewed (the plan), then the checks that need it (the agent from its
+   label, the runtime, the workspace in it, its user: :func:`~pvisor_host.preflight.prepare.prepare`).
+
+Only then does the run create the item's directory and run its attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+from .._log import logger
+from ..attempts import RetryPolicy, run_attempts
+from ..backend.base import AnyBackend, ModelGateway
+from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError
+from ..files.digest import tree_sha256
+from ..files.space import disk_full, full_disk_raises
+from ..models.batch import ItemResult
+from ..models.image import BuildOptions, ImageRequest, ResolvedImage
+from ..models.profiles import get_profile
+from ..models.record import DISK_FULL, BatchInfo
+from ..models.replay import TrajectoryInfo
+from ..models.spec import ModelUpstream, ReplaySpec
+from ..preflight.checks import CheckedInputs, check_inputs, runtime_floor_warning
+from ..preflight.prepare import image_request, prepare, prepare_image
+from ..preflight.trajectory import read_trajectory
+from .images import ImageWindow
+from .manifest import BatchItem
+from .memo import Memo
+from .resume import ImageIdentity, content_key, finished_result, item_result, item_run_id, set_aside
+
+
+class BatchContext:
+    """What the workers of one batch share: the backend, the images made ready once for every item that shares
+    them, the model gateways, the cancel event and the deadline."""
+
+    def __init__(
+        self,
+        backend: AnyBackend,
+        *,
+        out: Path,
+        build: BuildOptions,
+        deadline: float | None = None,
+        rerun_failed: bool = False,
+        retry_oom: bool = False,
+        window: ImageWindow | None = None,
+    ) -> None:
+        self.backend = backend
+        self.out = out
+        self.build = build
+        self.deadline = deadline
+        self.rerun_failed = rerun_failed
+        self.retry_oom = retry_oom
+        self.window = window
+        """The task images, pulled just in time (None: the batch names none)."""
+        self.cancel = threading.Event()
+        self.started = time.monotonic()
+        self.full: DiskFull | None = None
+        """Set when an item found the run directory's filesystem full: no further item starts."""
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._images: Memo[ResolvedImage] = Memo()
+        self._gateways: Memo[ModelGateway] = Memo()
+        self._workspaces: Memo[str] = Memo()
+
+    def warn_once(self, warning: str | None) -> None:
+        """Log ``warning`` the first time this batch meets it (a runtime's, say: every item would repeat it)."""
+        if warning is None:
+            return
+        with self._lock:
+            if warning in self._warned:
+                return
+            self._warned.add(warning)
+        logger.warning(warning)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline)."""
+        if self.deadline is None:
+            return None
+        return self.deadline - (time.monotonic() - self.started)
+
+    def image(self, spec: ReplaySpec) -> ResolvedImage:
+        """The item's image, made ready once for every item that asks for the same one."""
+        request = image_request(spec)
+        return self._images.get(request.key, lambda: prepare_image(self.backend, request, self.build))
+
+    def prepare_ahead(self, spec: ReplaySpec) -> None:
+        """What can be made ready before the first item, in the iterating thread (so that Ctrl-C stops a build
+        at once): an agent image, or for a task image the agent image its runtime is injected from. A task
+        image itself is pulled just in time (:class:`ImageWindow`)."""
+        if not self._windowed(spec):
+            self.image(spec)
+        elif spec.inject and spec.agent is not None:
+            self._agent_image(spec.agent)
+
+    def _agent_image(self, agent: str) -> ResolvedImage:
+        request = ImageRequest(profile=get_profile(agent))
+        return self._images.get(request.key, lambda: prepare_image(self.backend, request, self.build))
+
+    def _windowed(self, spec: ReplaySpec) -> bool:
+        return spec.image is not None and self.window is not None and spec.image in self.window
+
+    def known_image(self, spec: ReplaySpec) -> ImageIdentity | None:
+        """The image the item will run in, as far as it can be told without pulling or building anything: an
+        agent image made ready already, or a task image's id from the engine or its registry (None: not yet)."""
+        if not self._windowed(spec):
+            try:
+                image = self.image(spec).image
+            except PvisorHostError:  # the item meets it again when it asks for its image
+                return None
+            return image.id, image.agent_image
+        assert self.window is not None and spec.image is not None
+        identity = self.window.identity(spec.image)
+        return (identity, self.agent_tag(spec)) if identity is not None else None
+
+    def agent_tag(self, spec: ReplaySpec) -> str | None:
+        """The agent image an injected runtime comes from (made ready before the first item), else None."""
+        if not spec.inject or spec.agent is None:
+            return None
+        try:
+            made = self._agent_image(spec.agent)
+        except PvisorHostError:
+            return None
+        return made.built.tag if made.built is not None else made.image.ref
+
+    def skip_image(self, spec: ReplaySpec) -> None:
+        """An item ends without running: its task image is one item less in demand."""
+        if self._windowed(spec):
+            assert self.window is not None and spec.image is not None
+            self.window.skip(spec.image)
+
+    def want_image(self, spec: ReplaySpec) -> None:
+        """The item passed its host checks and will ask for its task image: its pull may start now."""
+        if self._windowed(spec):
+            assert self.window is not None and spec.image is not None
+            self.window.want(spec.image)
+
+    def task_image(self, spec: ReplaySpec) -> contextlib.AbstractContextManager[object]:
+        """Hold the item's task image while it runs (pulled first when it is not there yet)."""
+        if not self._windowed(spec):
+            return contextlib.nullcontext()
+        assert self.window is not None and spec.image is not None
+        return self.window.holding(spec.image, self.cancel)
+
+    def gateway(self, upstream: ModelUpstream | None, user: str) -> ModelGateway | None:
+        if upstream is None:
+            return None
+        return self._gateways.get((upstream, user), lambda: self.backend.open_gateway(upstream, user=user))
+
+    def workspace_sha256(self, path: Path | None) -> str | None:
+        if path is None:
+            return None
+        return self._workspaces.get(path, lambda: tree_sha256(path))
+
+    def close(self) -> None:
+        for gateway in self._gateways.values():
+            gateway.close()
+
+
+def check_item(item: BatchItem, out: Path) -> CheckedInputs:
+    """The item's host checks, the same for the run and the plan (pvisor's verdict from its trajectory's survey).
+
+    Raises:
+        UsageError: the first problem found, in one line.
+    """
+    return check_inputs(item.spec, per_file=True, run_id=item_run_id(item.id), out_dir=out / item.id)
+
+
+def finished_earlier(
+    item: BatchItem,
+    trajectory: TrajectoryInfo,
+    image: ImageIdentity | None,
+    workspace_sha256: str | None,
+    *,
+    out: Path,
+    rerun_failed: bool,
+) -> tuple[str | None, ItemResult | None]:
+    """The item's content key (None: its image is not known yet) and its result from an earlier run that need not
+    run again (None: it runs), the same for the run and the plan."""
+    if image is None:
+        return None, None
+    key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
+    earlier = finished_result(out / item.id, key, rerun_failed)
+    if earlier is None:
+        return key, None
+    return key, earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
+
+
+def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
+    """One item, in a worker thread: resume decision, host checks, image, attempts. Never raises."""
+    with logger.contextualize(item=item.id):
+        asked = threading.Event()  # whether it asked for its task image (else the window is told it never will)
+        try:
+            result = _outcome(item, batch, asked)
+        finally:
+            if not asked.is_set():
+                batch.skip_image(item.spec)
+    return result.model_copy(update={"repeat_of": item.repeat_of}) if item.repeat_of else result
+
+
+def base_result(item: BatchItem, status: str, **fields: object) -> ItemResult:
+    """The row of an item that got no record (refused, not started, interrupted)."""
+    return ItemResult.model_validate(
+        {
+            "id": item.id,
+            "line": item.line,
+            "after_step": item.spec.after_step,
+            "agent": item.spec.agent,
+            "image": item.spec.image,
+            "status": status,
+            "repeat_of": item.repeat_of,
+            **fields,
+        }  # fmt: skip
+    )
+
+
+def interrupted_result(item: BatchItem, message: str) -> ItemResult:
+    return base_result(item, "interrupted", category="interrupted", message=message)
+
+
+def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> ItemResult:
+    if batch.cancel.is_set():
+        return interrupted_result(item, "not started")
+    if batch.full is not None:
+        return base_result(item, "not_run", message=f"not started: {batch.full.message}")
+    remaining = batch.remaining()
+    if remaining is not None and remaining <= 0:
+        return base_result(item, "not_run", message="the batch deadline passed before it started")
+    spec = item.spec
+    run_dir = batch.out / item.id
+    try:
+        with full_disk_raises(run_dir):
+            trajectory = read_trajectory(spec.trajectory)
+            workspace = batch.workspace_sha256(spec.workspace_dir)
+            key, earlier = finished_earlier(
+                item, trajectory, batch.known_image(spec), workspace, out=batch.out, rerun_failed=batch.rerun_failed
+            )
+            if earlier is not None:
+                return earlier
+            checked = check_item(item, batch.out)
+            batch.want_image(spec)  # its pull may start now
+            asked.set()
+            waiting = time.monotonic()
+            with batch.task_image(spec):
+                pull_wait = round(time.monotonic() - waiting, 4)  # the task image is here (pulled, or waited for)
+                image = batch.image(spec)
+                if key is None:  # told only now that its image is here
+                    identity = (image.image.id, image.image.agent_image)
+                    key, earlier = finished_earlier(
+                        item, trajectory, identity, workspace, out=batch.out, rerun_failed=batch.rerun_failed
+                    )
+                    if earlier is not None:
+                        return earlier
+                assert key is not None
+                remaining = batch.remaining()  # again: the wait for its image may have taken the rest
+                if remaining is not None and remaining <= 0:
+                    return base_result(item, "not_run", message="the batch deadline passed while it waited")
+                set_aside(batch.out, item.id)
+                if remaining is not None:  # the replay, then its verifier, within what is left
+                    checked = _within(checked, remaining)
+                prepared = prepare(checked, batch.backend, image=image)
+                if spec.image is not None:  # the time it waited for its task image (pulled just in time)
+                    prepared = prepared.model_copy(update={"timings": {"pull_wait": pull_wait, **prepared.timings}})
+                batch.warn_once(runtime_floor_warning(prepared))
+                record = run_attempts(
+                    prepared,
+                    batch.backend,
+                    gateway=batch.gateway(checked.spec.continuation, prepared.user),
+                    policy=RetryPolicy.for_spec(checked.spec, infra=True, oom=batch.retry_oom),
+                    cancel=batch.cancel,
+                    batch=BatchInfo(item_id=item.id, line=item.line, content_key=key, repeat_of=item.repeat_of),
+                )
+    except Interrupted as exc:
+        return interrupted_result(item, exc.one_line()).model_copy(update={"path": item.id})
+    except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
+        batch.full = batch.full or exc
+        return base_result(item, "infra_error", category=DISK_FULL, message=exc.one_line())
+    except PvisorHostError as exc:
+        status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
+        return base_result(item, status, category=exc.category, message=exc.one_line())
+    except Exception as exc:  # one item's bug must not stop the batch
+        logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
+        return base_result(item, "infra_error", category="internal", message=repr(exc))
+    if record.failure is not None and record.failure.disk_full:
+        batch.full = batch.full or disk_full(run_dir)
+    return item_result(record, item_id=item.id, line=item.line, run_dir=run_dir)
+
+
+def _within(checked: CheckedInputs, remaining: float) -> CheckedInputs:
+    """The checked item with its replay, then its verifier, cut to the time the deadline leaves."""
+    spec = checked.spec
+    timeout = max(1.0, min(spec.timeout, remaining))
+    verify = max(1.0, min(spec.verify_timeout, remaining - timeout))
+    return checked.model_copy(update={"spec": spec.model_copy(update={"timeout": timeout, "verify_timeout": verify})})
