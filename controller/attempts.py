@@ -25,6 +25,7 @@ from .errors import Interrupted
 from .files.atomic import write_atomic
 from .files.space import full_disk_raises
 from .models.gateway import MODEL_CASSETTE
+from .models.observations import match_observations
 from .models.record import AttemptSummary, BatchInfo, ReplayRecord, add_totals, load_record, save_record
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
@@ -128,13 +129,13 @@ def run_attempts(
         if attempted.exists():  # the interrupted attempt ran: its record says so
             records.append(load_record(attempted))
         if records:
-            _finish(out, records, batch)
+            _finish(out, records, batch, prepared.trajectory.path)
         else:
             shutil.rmtree(out / "attempts", ignore_errors=True)
             release_out_dir(out)
         raise
     with full_disk_raises(out):
-        final = _finish(out, records, batch)
+        final = _finish(out, records, batch, prepared.trajectory.path)
         _keep_tape(prepared)
         return final
 
@@ -160,8 +161,9 @@ def _keep_tape(prepared: PreparedReplay) -> None:
     write_atomic(upstream.cassette.tape(prepared.name), tape.read_bytes())
 
 
-def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = None) -> ReplayRecord:
-    """Move the last attempt up to ``out`` and write the top-level record listing every attempt."""
+def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None, trajectory: Path) -> ReplayRecord:
+    """Move the last attempt up to ``out`` and write the top-level record listing every attempt, with how its
+    replayed calls' observations matched the ``trajectory``'s."""
     last = records[-1]
     last_dir = out / "attempts" / str(last.attempt)
     for entry in last_dir.iterdir():
@@ -183,7 +185,22 @@ def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None = No
         )
         for r in records
     ]
-    final = last.model_copy(update={"attempts": summaries if len(records) > 1 else [], "batch": batch})
+    observations = match_observations(
+        last.artifact_json(out, "observation_comparison"),
+        trajectory,
+        last.artifact_path(out, "reconstructed_native_trajectory"),
+    )
+    failure = last.failure
+    if failure is not None and str(last_dir) in failure.message:  # the files it names moved up with it
+        failure = failure.model_copy(update={"message": failure.message.replace(str(last_dir), str(out))})
+    final = last.model_copy(
+        update={
+            "attempts": summaries if len(records) > 1 else [],
+            "batch": batch,
+            "observations": observations,
+            "failure": failure,
+        }
+    )
     if len(records) > 1 and final.model is not None:  # what every attempt's model calls came to
         every = add_totals([r.model.totals for r in records if r.model is not None and r.model.totals is not None])
         final = final.model_copy(update={"model": final.model.model_copy(update={"totals": every})})

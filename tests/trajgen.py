@@ -533,12 +533,13 @@ def mini_files_session(cwd: str = "/workspace") -> dict[str, Any]:
 
 
 def demo_session() -> list[dict[str, Any]]:
-    """The example shipped for `make demo` (workspace: examples/demo-workspace)."""
+    """The example shipped for `make demo` (workspace: examples/demo-workspace). Its observations are what the pinned
+    pvisor's tools answer in that workspace, byte for byte, so every replayed call reproduces exactly."""
     return claude_session(
         "Greet everyone listed in names.txt in a new file greeting.txt, then make the last greeting excited.",
         [
-            Turn([Call("Bash", {"command": "ls -1", "description": "look around"}, "names.txt")], "Let me look."),
-            Turn([Call("Read", {"file_path": "/workspace/names.txt"}, "     1\u2192Ada\n     2\u2192Grace\n")]),
+            Turn([Call("Bash", {"command": "ls -1", "description": "look around"}, "names.txt\n")], "Let me look."),
+            Turn([Call("Read", {"file_path": "/workspace/names.txt"}, "Ada\nGrace")]),
             Turn(
                 [
                     Call(
@@ -547,7 +548,7 @@ def demo_session() -> list[dict[str, Any]]:
                             "command": "sed 's/^/Hello, /' names.txt > greeting.txt && cat greeting.txt",
                             "description": "write greetings",
                         },
-                        "Hello, Ada\nHello, Grace",
+                        "Hello, Ada\nHello, Grace\n",
                     )
                 ]
             ),
@@ -560,7 +561,7 @@ def demo_session() -> list[dict[str, Any]]:
                             "old_string": "Hello, Grace",
                             "new_string": "Hello, Grace!",
                         },
-                        "The file has been updated.",
+                        "Updated /workspace/greeting.txt",
                     )
                 ]
             ),

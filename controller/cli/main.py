@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import traceback
 
@@ -42,12 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, typer.Abort):
         say("pvisor-host: interrupted")
         code = ExitCode.INTERRUPTED
-    except TyperException as exc:  # usage errors from option parsing
-        show = getattr(exc, "show", None)
-        if show is not None:
-            show()
-        else:
-            say(f"pvisor-host: error: {exc.format_message()}")
+    except TyperException as exc:  # usage errors from option parsing: one line in our own words
+        if debug:
+            traceback.print_exc()
+        say(f"pvisor-host: error: {usage_line(exc)}")
         code = exc.exit_code
     except Exception as exc:  # a bug: say so in one line, keep the traceback for --debug
         if debug:
@@ -58,6 +57,21 @@ def main(argv: list[str] | None = None) -> None:
     if code == ExitCode.INTERRUPTED:
         exit_interrupted()
     sys.exit(code)
+
+
+def usage_line(exc: TyperException) -> str:
+    """Click's usage error as one line of ours: ``--workers: 0 is not ... (see pvisor-host batch --help)``."""
+    message = exc.format_message().strip().rstrip(".")
+    found = re.match(r"^Invalid value for (.+?): (.*)$", message, flags=re.DOTALL)
+    if found is not None:
+        flag, problem = found.group(1).strip("'"), found.group(2)
+        message = f"{flag}: {problem[:1].lower()}{problem[1:]}"
+    else:
+        message = message[:1].lower() + message[1:]
+    message = " ".join(message.split())
+    context = getattr(exc, "ctx", None)
+    command = context.command_path if context is not None else "pvisor-host"
+    return f"{message} (see {command} --help)"
 
 
 def exit_interrupted() -> None:

@@ -193,11 +193,11 @@ def _help(field: FieldInfo) -> str:
 def _unit(field: FieldInfo) -> Literal["size", "duration"] | None:
     from pydantic import BeforeValidator
 
-    from ..models.spec import duration_or_zero, duration_value, size_value
+    from ..models.spec import duration_or_zero, duration_value, memory_value, size_value
 
     for meta in field.metadata:
         if isinstance(meta, BeforeValidator):
-            if meta.func is size_value:
+            if meta.func in (size_value, memory_value):
                 return "size"
             if meta.func in (duration_value, duration_or_zero):
                 return "duration"

@@ -21,7 +21,7 @@ from ..models.record import ReplayRecord
 from ..units import format_duration, format_size
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from ..backend.cluster.node.status import NodeStatus
     from ..fanout.compare import Comparison
@@ -66,12 +66,21 @@ def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> Non
         table.add_row("failure", f"{record.failure.category}: {record.failure.message}")
     result = record.result
     if result is not None and result.phase is not None:
-        table.add_row("phase", f"{result.phase} ({result.quality}), agent {result.agent_status}")
+        table.add_row(
+            "phase", f"{result.phase}, agent {result.agent_status} (pvisor's replay quality: {result.quality})"
+        )
         table.add_row(
             "replayed",
             f"{result.replayed_tool_calls} tool calls up to step {result.after_step}"
             f" ({result.prefix_model_turns} model turns), {result.continued_steps} continued steps",
         )
+    if record.observations is not None and record.observations.calls:
+        style = "green" if not record.observations.diverged else "yellow"
+        table.add_row("observations", f"[{style}]{record.observations.describe()}[/{style}]")
+    if record.verification is not None:
+        verification = record.verification
+        style = {"passed": "green", "could_not_run": "yellow"}.get(verification.outcome, "red")
+        table.add_row("verification", Text(verification.describe(), style=style))
     changes = record.workspace_changes
     if changes is not None:
         table.add_row(
@@ -296,8 +305,15 @@ def pulls_line(pulls: list[PullProgress]) -> str:
     return f"{line}; slowest {slowest.ref}{share}" if len(pulls) > 1 else f"{line} ({slowest.ref})"
 
 
-def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: bool = False) -> None:
-    """The end of ``batch``: counts per status and failure category, timings, and where the results are."""
+#: Items not ok the end of ``batch`` lists, a line each; the rest are counted, with how to list them.
+NOT_OK_LINES = 10
+
+
+def batch_summary(
+    console: Console, summary: BatchSummary, out: Path, results: Sequence[ItemResult] = (), *, quiet: bool = False
+) -> None:
+    """The end of ``batch``: counts per status and failure category, the items not ok (a line each, the first
+    :data:`NOT_OK_LINES`), the verifications, timings, and where the results are."""
     where = f"{_relative(out)}/summary.json, junit.xml, report.html"
     head = f"{summary.items} items: {summary.ran} ran, {summary.skipped} skipped (finished earlier)"
     if summary.interrupted:
@@ -320,6 +336,9 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
     console.print(table)
     if summary.categories:
         console.print("failures: " + _counts(summary.categories), highlight=False, soft_wrap=True)
+    if summary.verification is not None:
+        console.print(f"verification: {summary.verification.describe()}", highlight=False, soft_wrap=True)
+    not_ok_lines(console, results, out)
     images = summary.images
     if images is not None and (images.pulled or images.failed):
         if images.node_pulls is not None:  # a cluster: the nodes pulled, each within its own budget
@@ -340,6 +359,24 @@ def batch_summary(console: Console, summary: BatchSummary, out: Path, *, quiet: 
         highlight=False,
         soft_wrap=True,
     )
+
+
+def not_ok_lines(console: Console, results: Sequence[ItemResult], out: Path) -> None:
+    """The items not ok (or whose verifier did not pass), a line each: id, boundary, status and why; the first
+    :data:`NOT_OK_LINES`, then how many more and how to list them."""
+    not_ok = [r for r in results if r.not_ok]
+    for result in not_ok[:NOT_OK_LINES]:
+        step = f"after {result.after_step}" if result.after_step is not None else "-"
+        style = _STATUS_STYLE.get(result.status, "red")
+        line = Text.assemble(f"  {result.id}  {step}  ", (result.outcome_line(), style))
+        console.print(line, highlight=False, soft_wrap=True)
+    if len(not_ok) > NOT_OK_LINES:
+        more = len(not_ok) - NOT_OK_LINES
+        console.print(
+            f"  … and {more} more: pvisor-host results {shlex.quote(_relative(out))} --not-ok --format csv",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def batch_plan(

@@ -44,7 +44,8 @@ from .._log import logger
 from ..errors import UsageError
 from ..files.atomic import write_atomic
 from ..models.batch import FlakyItem
-from ..models.record import ModelTotals, ReplayRecord, add_totals, load_record
+from ..models.observations import match_observations
+from ..models.record import ModelTotals, ReplayRecord, VerificationOutcome, add_totals, load_record
 from ..units import shortlist
 from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
@@ -82,11 +83,14 @@ class ItemState(BaseModel):
     """The failure category (pvisor's for ``replay_failed``; otherwise the status)."""
     replayed_calls: int = 0
     """Replayed tool calls with an observation comparison."""
+    whitespace_calls: int = 0
+    """Of those, the calls whose fresh observation differs from the recorded one in whitespace only (reproduced)."""
     diverged_calls: int = 0
-    """Of those, the calls whose fresh observation differs from the recorded one."""
+    """Of those, the calls whose fresh observation differs from the recorded one otherwise."""
     first_divergence: CallRef | None = None
     diverged: list[int] = []
-    """Every replayed call (0-based) whose fresh observation differs from the recorded one."""
+    """Every replayed call (0-based) whose fresh observation differs from the recorded one (not only in
+    whitespace)."""
     effects: dict[str, str] = {}
     """What the replay did to the workspace: each file it added or changed → the sha256 of its final content
     (``?`` when it was not collected: ``--collect none``, or past the limit), each it removed → ``removed``."""
@@ -103,7 +107,9 @@ class ItemState(BaseModel):
     model: ModelTotals | None = None
     """A live continuation's model figures (every attempt's)."""
     verified: bool | None = None
-    """With ``--verify``: whether the task's verifier passed."""
+    """With ``--verify``: whether the task's verifier passed (None: no verifier, or it could not run)."""
+    verification: VerificationOutcome | None = None
+    """With ``--verify``: ``passed``, ``failed``, ``timed_out`` or ``could_not_run``."""
     egress: list[str] | None = None
     """With ``--egress``: the ``host:port`` its replayed tool calls reached (None: it ran without)."""
 
@@ -287,11 +293,14 @@ def _change(was: ItemState, now: ItemState) -> ChangeKind | None:
         return "regression"
     if was.status != "ok" and now.status == "ok":
         return "fixed"
-    if was.verified is True and now.verified is False:
+    if was.verification == "passed" and now.verification not in (None, "passed"):
         return "regression"
-    if was.verified is False and now.verified is True:
+    if was.verification not in (None, "passed") and now.verification == "passed":
         return "fixed"
-    if (was.status, was.category) != (now.status, now.category):
+    verified_both = was.verification is not None and now.verification is not None
+    if (was.status, was.category) != (now.status, now.category) or (
+        verified_both and was.verification != now.verification
+    ):
         return "status_changed"
     if was.first_divergence != now.first_divergence or was.diverged != now.diverged:
         return "divergence_moved"
@@ -361,9 +370,13 @@ def read_run(run_dir: Path) -> dict[tuple[str, int], ItemState]:
 
 
 def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState:
-    """One item's state, from its record and pvisor's observation comparison beside it."""
-    calls = _comparison(record, item_dir)
-    diverged = [n for n, call in enumerate(calls) if not call.get("exact", False)]
+    """One item's state, from its record (and pvisor's observation comparison beside it, for a record written
+    before it said how each call matched)."""
+    observations = record.observations or match_observations(
+        record.artifact_json(item_dir, COMPARISON_ROLE), Path(), None
+    )
+    calls = observations.calls if observations is not None else []
+    diverged = [call.index for call in calls if call.match == "diverged"]
     first = calls[diverged[0]] if diverged else None
     return ItemState(
         id=record.batch.item_id if record.batch is not None else item_dir.name,
@@ -371,12 +384,9 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         status=record.status,
         category=record.failure.category if record.failure else None,
         replayed_calls=len(calls),
+        whitespace_calls=sum(call.match == "whitespace" for call in calls),
         diverged_calls=len(diverged),
-        first_divergence=(
-            CallRef(index=diverged[0], call_id=str(first.get("call_id")), tool=str(first.get("tool")))
-            if first is not None
-            else None
-        ),
+        first_divergence=CallRef(index=first.index, call_id=first.call_id, tool=first.tool) if first else None,
         diverged=diverged,
         effects=_effects(record),
         trajectory=PurePosixPath(record.inputs.trajectory.path).name,
@@ -386,6 +396,7 @@ def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState
         path=str(item_dir.relative_to(run_dir)),
         model=record.model.totals if record.model is not None else None,
         verified=record.verification.passed if record.verification is not None else None,
+        verification=record.verification.outcome if record.verification is not None else None,
         egress=list(record.egress.hosts) if record.egress is not None else None,
     )
 
@@ -403,11 +414,6 @@ def _effects(record: ReplayRecord) -> dict[str, str]:
     return {path: digest for path, digest in effects.items() if not path.endswith("/")}  # files, not directories
 
 
-def _comparison(record: ReplayRecord, item_dir: Path) -> list[dict[str, object]]:
-    calls = record.artifact_json(item_dir, COMPARISON_ROLE)
-    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
-
-
 def _short(image: str | None) -> str:
     """``repo@sha256:0123456789ab``: enough of a digest or id to tell two apart."""
     if image is None:
@@ -421,11 +427,13 @@ def state_line(state: ItemState | None) -> str:
     if state is None:
         return "-"
     line = state.status if state.category in (None, state.status) else f"{state.status} ({state.category})"
-    if state.verified is not None:
-        line += ", verification passed" if state.verified else ", verification failed"
+    if state.verification is not None:
+        line += f", verification {state.verification.replace('_', ' ')}"
     if state.first_divergence is not None:
         call = state.first_divergence
         line += f", diverges at call {call.index + 1} ({call.tool} {call.call_id})"
+    elif state.whitespace_calls:
+        line += f", every observation reproduced ({state.whitespace_calls} differ only in whitespace)"
     elif state.replayed_calls:
         line += ", every observation exact"
     return line

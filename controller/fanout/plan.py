@@ -230,12 +230,11 @@ class _Planner:
 
 def _unpulled(item: BatchItem, spec: ReplaySpec, cost: ImageCost) -> ItemPlan:
     """An item whose task image is still in its registry: what pulling it costs, and what it is."""
-    if cost.error is not None:  # no such image, refused: the input; a registry that could not be asked: the host
-        wrong = "not found" in cost.error or "refused" in cost.error
+    if cost.error is not None:  # no such image, refused, unreachable: the input; a registry in trouble: the host
         return ItemPlan(
-            id=item.id, line=item.line, after_step=spec.after_step, action="reject",
-            reason=f"image {cost.ref}: {cost.error}", agent=spec.agent,
-            exit_code=ExitCode.USAGE if wrong else ExitCode.INFRASTRUCTURE, image=cost.ref, image_present=False,
+            id=item.id, line=item.line, after_step=spec.after_step, action="reject", reason=cost.error,
+            agent=spec.agent, exit_code=ExitCode.USAGE if cost.unavailable else ExitCode.INFRASTRUCTURE,
+            image=cost.ref, image_present=False,
         )  # fmt: skip
     note = f"to be pulled: {format_size(cost.pull_bytes)} from its registry"
     note += f" ({cost.digest})" if cost.digest else ""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES, ItemResult, VerificationResult
+from ..models.observations import match_observations
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
 from ..models.spec import ReplaySpec
@@ -73,7 +74,7 @@ def item_result(
         skipped=skipped,
         path=item_id,
         replayed=result.replayed_tool_calls if result is not None else None,
-        diverged=diverged(record, run_dir) if run_dir is not None else None,
+        **_matches(record, run_dir),
         continued=result.continued_steps if result is not None else None,
         verification=VerificationResult(
             outcome=verified.outcome,
@@ -91,12 +92,15 @@ def item_result(
     )
 
 
-def diverged(record: ReplayRecord, run_dir: Path) -> int | None:
-    """How many fresh observations differed from the recorded ones (pvisor's observation comparison)."""
-    compared = record.artifact_json(run_dir, "observation_comparison")
-    if not isinstance(compared, list):
-        return None
-    return sum(1 for call in compared if isinstance(call, dict) and call.get("exact") is False)
+def _matches(record: ReplayRecord, run_dir: Path | None) -> dict[str, int | None]:
+    """How the replayed calls' observations matched (``exact``, ``whitespace``, ``diverged``): from the record, or
+    for a record written before it said, from pvisor's comparison (whatever is not exact, diverged)."""
+    observations = record.observations
+    if observations is None and run_dir is not None:
+        observations = match_observations(record.artifact_json(run_dir, "observation_comparison"), Path(), None)
+    if observations is None:
+        return {"exact": None, "whitespace": None, "diverged": None}
+    return {"exact": observations.exact, "whitespace": observations.whitespace, "diverged": observations.diverged}
 
 
 def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult | None:

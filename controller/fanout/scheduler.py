@@ -1,13 +1,14 @@
 """Fan-out: many replays across many sandboxes, resumable, with nothing lost and nothing leaked.
 
 :func:`run_batch` streams :class:`~pvisor_host.fanout.manifest.BatchItem` s onto a pool of worker threads
-that share one backend (no subprocess per item). A worker does the item's host checks, takes the image made
-ready once for every item that shares it, and runs the item's attempts in fresh sandboxes; others create,
-run and collect meanwhile. At most ``2 × workers`` items are in flight, so a long manifest is never all in
-memory. Resume rules: :mod:`.resume`.
+that share one backend (no subprocess per item). A worker runs one item's pipeline (:mod:`.item`: its resume
+decision, its host checks, the image made ready once for every item that shares it, its attempts in fresh
+sandboxes); others create, run and collect meanwhile. At most ``2 × workers`` items are in flight, so a long
+manifest is never all in memory. Resume rules: :mod:`.resume`.
 
 Cancellation (Ctrl-C, SIGTERM): no new item starts, the backend stops every running sandbox of this batch,
-the records of finished items stay, and the summary says ``interrupted``.
+the records of finished items stay, every item not reached gets a ``not_run`` row, and the summary says
+``interrupted``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import contextlib
 import fcntl
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
@@ -120,7 +122,9 @@ class BatchRun:
         reports: Sequence[BatchReport] = (),
         on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
-        self._items = items
+        self._items = iter(items)
+        self._waiting: BatchItem | None = None
+        """An item taken from ``items`` and not yet submitted (it waits for a worker)."""
         self._images = list(images)
         self._reports = reports
         self._total = total
@@ -185,7 +189,9 @@ class BatchRun:
             with deferred_interrupts(reraise=False, hurry=window.hurry if window is not None else None):
                 self._batch.close()
                 pulls = self._batch.window.close() if self._batch.window is not None else None
-                self.results.sort(key=lambda r: r.line)
+                if interrupt is not None and not self._every_item_ended:
+                    self._not_started()
+                self.results.sort(key=lambda r: (r.line, r.after_step or 0, r.id))
                 remaining = self._batch.remaining()
                 summary = summarize(
                     self.results,
@@ -211,6 +217,13 @@ class BatchRun:
                 self.outcome = BatchOutcome(results=self.results, summary=summary)
         if isinstance(interrupt, KeyboardInterrupt) and not self._every_item_ended:
             raise interrupt
+
+    def _not_started(self) -> None:
+        """The items the batch never reached before it was stopped: a row each, ``not_run`` (so every item has
+        one, and the counts add up to the batch's items)."""
+        waiting = [self._waiting] if self._waiting is not None else []
+        for item in itertools.chain(waiting, self._items):
+            self.results.append(base_result(item, "not_run", message="not started: the batch was stopped first"))
 
     def _done(self, result: ItemResult) -> ItemResult:
         self.results.append(result)
@@ -240,10 +253,12 @@ class BatchRun:
                         late = "the batch deadline passed before it started"
                         yield self._done(base_result(item, "not_run", message=late))
                         continue
+                    self._waiting = item
                     while len(pending) >= 2 * workers:
                         yield from self._harvest(pending, timeout=0.2)
                     self._check_stop()
                     pending[pool.submit(run_item, item, batch)] = item
+                    self._waiting = None
                     yield from self._harvest(pending, timeout=0)
                 while pending:
                     yield from self._harvest(pending, timeout=0.2)

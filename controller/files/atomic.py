@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..errors import UsageError
+
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never half."""
@@ -20,3 +22,20 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def check_target(path: Path, flag: str) -> Path:
+    """A file the user asked for (``--output FILE``, ``--junit FILE``): refused in one line, before any work, when
+    it is a directory or its directory is missing or not writable. Returns it, absolute.
+
+    Raises:
+        UsageError: see above.
+    """
+    path = path.expanduser().absolute()
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; pass a file's path")
+    if not path.parent.is_dir():
+        raise UsageError(f"{flag} {path}: no directory {path.parent}", hint=f"mkdir -p {path.parent} first")
+    if not os.access(path.parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: {path.parent} is not writable")
+    return path

@@ -76,8 +76,13 @@ class ItemResult(BaseModel):
     path: str | None = None
     replayed: int | None = None
     """Tool calls pvisor replayed (``replayed_tool_calls``)."""
+    exact: int | None = None
+    """Of those, the calls whose fresh observation equals the recorded one."""
+    whitespace: int | None = None
+    """Of those, the calls whose fresh observation differs from the recorded one in whitespace or line endings
+    only (a trailing newline the recording lost): reproduced, counted apart from ``diverged``."""
     diverged: int | None = None
-    """Of those, how many fresh observations differed from the recorded ones."""
+    """Of those, the calls whose fresh observation differs from the recorded one otherwise."""
     continued: int | None = None
     """Steps the live agent took after the boundary (``continued_steps``)."""
     verification: VerificationResult | None = None
@@ -93,6 +98,21 @@ class ItemResult(BaseModel):
     def ran(self) -> bool:
         """Ran to a final status in this run."""
         return not self.skipped and self.status in FINAL_STATUSES
+
+    @property
+    def not_ok(self) -> bool:
+        """It did not end ``ok``, or its verifier did not pass: what the terminal lists and ``--not-ok`` keeps."""
+        return self.status != "ok" or (self.verification is not None and self.verification.passed is not True)
+
+    def outcome_line(self) -> str:
+        """How it ended, in one line: its status and why, and its verification (the terminal's list)."""
+        line = self.status
+        reason = self.message or (self.category if self.category not in (None, self.status) else None)
+        if reason:
+            line += f": {reason}"
+        if self.verification is not None:
+            line += f"; verification {self.verification.describe()}"
+        return line
 
 
 class ImageStats(BaseModel):

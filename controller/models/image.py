@@ -257,6 +257,9 @@ class ImageCost(BaseModel):
     """When absent: its layers (digest → compressed bytes), as the registry lists them."""
     error: str | None = None
     """When absent and the registry could not say: why."""
+    unavailable: bool = False
+    """That ``error`` is final and the input's: no such image, credentials refused, a registry that does not
+    resolve or refuses connections (otherwise the registry's trouble, which may pass)."""
 
     @property
     def pull_bytes(self) -> int:

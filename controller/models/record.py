@@ -21,6 +21,7 @@ from ..files.trees import WorkspaceChanges
 from ..units import percentile
 from .egress import EgressInfo
 from .image import ImageRef
+from .observations import Observations
 from .result import ReplayResult
 
 RECORD_SCHEMA: Final = "pvisor-host.record/v1"
@@ -357,6 +358,9 @@ class ReplayRecord(BaseModel):
     result: ReplayResult | None = None
     """pvisor's parsed ``sandbox-playback.result/v3``, when it printed one."""
     artifacts: list[Artifact] = []
+    observations: Observations | None = None
+    """How each replayed call's fresh observation matched the recorded one: exact, differing only in whitespace
+    or line endings, or diverged (pvisor's comparison, refined; in the top-level record)."""
     workspace_changes: WorkspaceChanges | None = None
     """What the replay added, changed and removed in the workspace (whatever ``--collect`` kept of it)."""
     collect: str = "full"

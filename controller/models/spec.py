@@ -54,6 +54,23 @@ def size_value(value: Any) -> Any:
     return parse_size(value) if isinstance(value, str) else value
 
 
+#: The least memory the engine gives a container (Docker refuses less than 6 MiB).
+MIN_MEMORY = 6 * 1024**2
+
+
+def memory_value(value: Any) -> Any:
+    """A memory limit: a size, at least :data:`MIN_MEMORY`; a bare small number is most likely meant in GiB, and
+    the hint says so."""
+    size = size_value(value)
+    if isinstance(size, int) and not isinstance(size, bool) and 0 < size < MIN_MEMORY:
+        bare = str(value).strip().isdigit()
+        raise UsageError(
+            f"{value!r} is {size} bytes, less than the 6 MiB a sandbox needs at least",
+            hint=f"sizes take a unit: did you mean {str(value).strip()}g?" if bare else "pass e.g. 512m or 4g",
+        )
+    return size
+
+
 def duration_value(value: Any) -> Any:
     """A duration field's value: the CLI's strings (``90m``) parsed, numbers as they are."""
     return parse_duration(value) if isinstance(value, str) else value
@@ -242,7 +259,9 @@ class ReplaySpec(BaseModel):
     """Run directory on the host; default ``./pvisor-runs/<run-id>``. Must be new or empty."""
     timeout: Seconds = 7200.0
     """Wall-clock limit for the container; past it the container is killed and the status is ``timeout``."""
-    memory: Bytes = 4 * 1024**3
+    memory: Annotated[
+        int, BeforeValidator(memory_value), Field(gt=0), WithJsonSchema(SIZE_JSON_SCHEMA, mode="validation")
+    ] = 4 * 1024**3
     """Memory limit (no swap on top); the ``/tmp`` tmpfs counts against it."""
     cpus: float = Field(default=2.0, gt=0)
     """CPU limit (fractions allowed)."""

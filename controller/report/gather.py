@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from ..fanout.compare import Comparison, state_line
 from ..fanout.results import iter_results
 from ..models.batch import PHASES, ItemResult, percentile
+from ..models.observations import read_observations
 from ..models.record import ModelTotals, add_totals, load_record
 from .budget import PAGE_BUDGET, fit
 from .model import (
@@ -39,7 +40,7 @@ from .model import (
     ReportData,
     field_defaults,
 )
-from .observations import compact_diff, read_observations
+from .observations import compact_diff
 
 #: Arguments that name what a call did, in the order they are looked for (shell tools first).
 COMMAND_KEYS = ("command", "cmd", "file_path", "path", "pattern", "url", "query")

@@ -325,7 +325,7 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_missing_required_option_is_a_usage_error(tmp_path):
     result = run_cli("replay", "--agent", "claude-code", env=NO_ENGINE)
     assert result.code == 2
-    assert "Missing option" in result.stderr and "--trajectory" in result.stderr
+    assert "missing option" in result.stderr and "--trajectory" in result.stderr
 
 
 @pytest.mark.parametrize(

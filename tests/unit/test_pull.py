@@ -24,7 +24,11 @@ REF = "127.0.0.1:5000/task/t1:v1"
         ("unauthorized: authentication required", 500, "registry_unauthorized"),
         ("toomanyrequests: injected rate limit", 500, "passing"),
         ("received unexpected HTTP status: 500 Internal Server Error", 500, "passing"),
-        ('Get "http://127.0.0.1:5000/v2/": dial tcp 127.0.0.1:5000: connect: connection refused', 500, "passing"),
+        ('Get "http://127.0.0.1:5000/v2/": dial tcp 127.0.0.1:5000: connect: connection refused', 500,
+         "registry_unreachable"),
+        ('Get "https://nosuch.invalid/v2/": dial tcp: lookup nosuch.invalid on 10.0.0.53:53: no such host', 500,
+         "registry_unreachable"),
+        ("read tcp 10.0.0.2:5123->10.0.0.9:5000: read: connection reset by peer", 500, "passing"),
         ("unexpected EOF", None, "passing"),
         ("invalid reference format", 400, "final"),
         # the engine's 500 says nothing of the registry: a certificate stays wrong, a digest is not a status
@@ -41,7 +45,7 @@ def test_what_a_failed_pull_means(text, status, kind):
         assert isinstance(found, RegistryError)
     else:
         assert isinstance(found, ImageUnavailable) and found.category == kind
-        assert found.one_line().startswith(f"{'image ' + REF if kind == 'image_not_found' else 'the registry'}")
+        assert found.one_line().startswith(f"{'the registry' if kind == 'registry_unauthorized' else 'image ' + REF}")
 
 
 class Time:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pvisor_host.models.batch import ItemResult
+from pvisor_host.models.observations import read_observations
 from pvisor_host.report.gather import gather
-from pvisor_host.report.observations import compact_diff, read_observations
+from pvisor_host.report.observations import compact_diff
 from pvisor_host.report.page import render_page
 
 from conftest import run_cli

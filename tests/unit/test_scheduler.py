@@ -83,8 +83,9 @@ def test_ctrl_c_with_sandboxes_running_stops_them_all_and_keeps_every_record(tmp
     assert time.monotonic() - started < 10  # stopped, not waited out
     assert backend.cancels == 1 and backend.running == 0
     summary = outcome.summary
-    # 4 ran, 4 more were queued (2 × workers in flight), 2 were never read from the manifest.
-    assert summary.interrupted and summary.items == 10 and summary.counts == {"interrupted": 8}
+    # 4 ran, 4 more were queued (2 × workers in flight), 2 were never reached: a row each, the counts add up.
+    assert summary.interrupted and summary.items == 10 and summary.counts == {"interrupted": 8, "not_run": 2}
+    assert sorted(r.id for r in outcome.results) == sorted(f"t{n}" for n in range(10))
     assert exit_code(summary, 0) == ExitCode.INTERRUPTED
     ran = sorted(p.parent.name for p in (tmp_path / "out").glob("*/record.json"))
     assert len(ran) == 4 and {record(tmp_path / "out", name)["status"] for name in ran} == {"interrupted"}

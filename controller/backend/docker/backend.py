@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from docker.errors import NotFound
 
 from ..._log import logger
+from ...errors import ImageUnavailable, PvisorHostError
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
@@ -200,10 +201,15 @@ class DockerBackend:
         found = self.puller.present(ref)
         if found is not None:
             return ImageCost(ref=ref, present=True, id=found.id, size=found.size, digest=found.digest)
+        from .pull import registry_fault
+
         try:
             manifest = self.puller.registries.manifest(ref)
         except ManifestError as exc:
-            return ImageCost(ref=ref, present=False, error=str(exc))
+            fault = registry_fault(ref, exc)
+            unavailable = isinstance(fault, ImageUnavailable)
+            error = fault.one_line() if isinstance(fault, PvisorHostError) else str(exc)
+            return ImageCost(ref=ref, present=False, error=error, unavailable=unavailable)
         source = self.puller.registries.mirrors.source(ref)
         digest = f"{Reference(source).repository}@{manifest.digest}" if manifest.digest else None
         return ImageCost(ref=ref, present=False, id=manifest.config_digest, digest=digest, layers=manifest.layers)

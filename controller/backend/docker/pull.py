@@ -1,12 +1,13 @@
 """Pulling an image by reference: progress as it arrives, retries of what a registry means as passing, and one
 clear line for what it means as final.
 
-* Passing: a rate limit (429), a 5xx, a dropped or reset connection, an unreachable registry. Retried with
+* Passing: a rate limit (429), a 5xx, a dropped or reset connection, a timeout. Retried with
   tenacity, with exponential backoff and jitter, for up to :data:`PATIENCE` seconds. A 429 honours the
   registry's ``Retry-After``: the engine does not pass it on, so the registry is asked (:mod:`.registry`),
   and every pull from that registry waits as long (:class:`Gates`), not just the one that was refused.
-* Final: no such image (``image_not_found``), or credentials the registry refuses (``registry_unauthorized``):
-  :class:`~pvisor_host.errors.ImageUnavailable`, at once, for that image only.
+* Final: no such image (``image_not_found``), credentials the registry refuses (``registry_unauthorized``), or a
+  registry whose name does not resolve or that refuses connections (``registry_unreachable``: a host without
+  it, or a typo): :class:`~pvisor_host.errors.ImageUnavailable`, at once, for that image only.
 
 Questions to a registry itself (a manifest, a configuration: :func:`Puller.ask`) follow the same rules, with
 the same patience, so an outage ends the same way whether a pull or a lookup met it, on one engine or on a
@@ -42,7 +43,7 @@ from ...errors import ImageUnavailable, Interrupted, RegistryError
 from ...models.image import PulledImage, PullProgress
 from .engine import describe, engine_errors, scrub
 from .images import Reference, repo_digest
-from .registry import ManifestError, Registries
+from .registry import ManifestError, Registries, unreachable
 
 if TYPE_CHECKING:
     import docker
@@ -145,6 +146,9 @@ def classify(reference: str, text: str, status: int | None = None) -> Exception:
             f"the registry refused to give {reference} ({text[:200]})",
             hint="log in to it as the docker CLI would (docker login): its credentials are used",
         )
+    why = unreachable(text)
+    if why is not None:
+        return unreachable_registry(reference, why)
     # The engine answers 500 for any failed pull: its status says nothing of the registry's, the text does.
     if (
         status in (429, 502, 503, 504)
@@ -153,6 +157,18 @@ def classify(reference: str, text: str, status: int | None = None) -> Exception:
     ):
         return _Passing(text)
     return RegistryError(f"pulling {reference} failed: {text[:300]}")
+
+
+def unreachable_registry(reference: str, why: str) -> ImageUnavailable:
+    """A registry whose name does not resolve, or that refuses connections: final at once (waiting would change
+    nothing on a host without it), naming the image and the registry."""
+    registry = Reference(reference).registry or "docker.io"
+    return ImageUnavailable(
+        "registry_unreachable",
+        f"image {reference} is not here and its registry {registry} {why}",
+        hint="check the name; a host without that registry runs only the images it has (docker load) or pulls them "
+        "through --registry-mirror / --image-rewrite",
+    )
 
 
 def hub_limit(reference: str) -> RegistryError:
@@ -180,6 +196,8 @@ def registry_fault(reference: str, exc: ManifestError) -> Exception:
         )
     if exc.status == 429 and _hub(reference) and (exc.retry_after is None or exc.retry_after > patience()):
         return hub_limit(reference)
+    if exc.unreachable is not None:
+        return unreachable_registry(reference, exc.unreachable)
     if not exc.answered or exc.status in (429, 500, 502, 503, 504):
         return _Passing(scrub(str(exc)), wait=exc.retry_after)
     return RegistryError(f"asking the registry for {reference} failed: {scrub(str(exc))[:300]}")

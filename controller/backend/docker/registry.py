@@ -68,11 +68,35 @@ class ManifestError(Exception):
     ``status`` is the HTTP status it answered (None: no answer, or one that could not be read);
     ``retry_after`` the seconds it asked to wait, when it did."""
 
-    def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        unreachable: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
         self.answered = status is not None
+        self.unreachable = unreachable
+        """``does not resolve`` or ``refuses connections``: no answer that waiting would change."""
+
+
+_UNRESOLVED = ("no such host", "name or service not known", "nodename nor servname", "failed to resolve",
+               "no address associated", "name resolution")  # fmt: skip
+
+
+def unreachable(text: str) -> str | None:
+    """Why a registry cannot be reached at all, from an error's text: its name does not resolve, or it refuses
+    connections (None: something else, which may pass)."""
+    lowered = text.lower()
+    if any(marker in lowered for marker in _UNRESOLVED):
+        return "does not resolve"
+    if "connection refused" in lowered:
+        return "refuses connections"
+    return None
 
 
 class Registries:
@@ -181,7 +205,9 @@ class Registries:
                     headers["Authorization"] = token
                     answer = self._session.request(method, url, headers=headers, timeout=TIMEOUT)
         except requests.RequestException as exc:
-            raise ManifestError(f"{host}: cannot reach the registry ({type(exc).__name__})") from None
+            why = unreachable(str(exc))
+            what = why or f"cannot be reached ({type(exc).__name__})"
+            raise ManifestError(f"{host}: the registry {what}", unreachable=why) from None
         return answer
 
     def _authorize(self, host: str, challenge: str, scope: str) -> str | None:

@@ -26,11 +26,13 @@ def compare(
     Exit 1 when an item that was ok is not any more.
     """
     from ...fanout.compare import compare_runs, write_junit
+    from ...files.atomic import check_target
     from .. import render
 
+    junit = check_target(junit, "--junit") if junit is not None else None
     comparison = compare_runs(old.absolute(), new.absolute())
     if junit is not None:
-        write_junit(comparison, junit.absolute())
+        write_junit(comparison, junit)
     if json_output:
         typer.echo(comparison.model_dump_json(indent=2))
     else:
@@ -68,6 +70,9 @@ def results(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write to this file (Parquet needs one); default: stdout.")
     ] = None,
+    not_ok: Annotated[
+        bool, typer.Option("--not-ok", help="Only the items that did not end ok, or whose verifier did not pass.")
+    ] = False,
 ) -> int:
     """One row per item of a batch, to analyse (pandas, a spreadsheet, CI): its boundary, agent, image and
     digest, status and category, replayed, diverged and continued counts, verification, tokens and cost, and
@@ -76,10 +81,13 @@ def results(
     """
     from ...errors import UsageError
     from ...fanout.results import load_results, write_results
+    from ...files.atomic import check_target
 
     if form not in ("jsonl", "csv", "parquet"):
         raise UsageError(f"--format {form!r}: pass jsonl, csv or parquet")
-    data = write_results(load_results(run_dir.absolute()), form, output)  # type: ignore[arg-type]
+    output = check_target(output, "--output") if output is not None else None
+    rows = [row for row in load_results(run_dir.absolute()) if row.not_ok or not not_ok]
+    data = write_results(rows, form, output)  # type: ignore[arg-type]
     if data is not None:
         typer.echo(data.decode(), nl=False)
     return ExitCode.OK

@@ -366,7 +366,7 @@ def _run(
     if json_output:
         typer.echo(outcome.summary.model_dump_json(indent=2))
     else:
-        render.batch_summary(console(), outcome.summary, options.out, quiet=quiet)
+        render.batch_summary(console(), outcome.summary, options.out, outcome.results, quiet=quiet)
     if outcome.summary.interrupted:
         say(f"pvisor-host: interrupted; every sandbox was removed. Run the same command to resume ({options.out})")
     return outcome

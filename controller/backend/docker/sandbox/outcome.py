@@ -39,7 +39,7 @@ from ....units import format_duration, format_size
 from . import container as sandbox
 from .collect import PATCH_NAME, Collected
 from .launch import limits
-from .stage import Staging
+from .stage import RUN_MOUNT, Staging
 
 #: How pvisor (Rust) words a write that found no space.
 #: pvisor's failure message when ``<agent> --version`` ran past 5 s (or printed more than 8 KiB).
@@ -103,6 +103,9 @@ def classify(
             category="oom",
             message=f"the sandbox ran out of memory (--memory {format_size(memory)}); the kernel killed a process",
         )
+    if infra_error and _NO_SPACE.search(infra_error):  # a write of ours found the host's disk full: never retried
+        return "infra_error", Failure(category=DISK_FULL, message=f"the run directory's filesystem is full: "
+                                      f"{infra_error}")  # fmt: skip
     if infra_error:
         return "infra_error", Failure(category="infra_error", message=infra_error)
     if result is None:
@@ -152,6 +155,10 @@ def build_record(
         memory=prepared.spec.memory,
         gvisor=prepared.runtime.gvisor,
     )
+    if failure is not None and RUN_MOUNT in failure.message:  # pvisor names its files where the sandbox saw them
+        failure = failure.model_copy(
+            update={"message": failure.message.replace(RUN_MOUNT, str(state.attempt.run_dir.absolute()))}
+        )
     model = _model_info(state)
     drift = model.totals.drift if model is not None and model.totals is not None else None
     upstream = prepared.spec.continuation
