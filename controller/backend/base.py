@@ -164,7 +164,12 @@ class Backend(Protocol[GatewayT]):
         """
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
-        """The mounts, limits and command of the sandbox :meth:`run_attempt` would start (nothing starts)."""
+        """The mounts, limits and command of the sandbox :meth:`run_attempt` would start (nothing starts).
+
+        Raises:
+            UsageError: a sandbox the backend would refuse to start (``--image-workspace`` with an image that has
+                nothing at the workspace path): the run and ``batch --plan`` ask alike.
+        """
 
     def capacity(self) -> int | None:
         """Sandboxes it can run at once now (a cluster: its engines' free and busy slots together), or None

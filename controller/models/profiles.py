@@ -207,6 +207,13 @@ class AgentProfile(_Model):
             return f"PyPI {install.package}=={self.version}"
         return "unavailable"
 
+    def inject_refusal(self) -> str | None:
+        """Why the agent cannot be injected into a task image, in one line (None: it can)."""
+        if self.inject is not None:
+            return None
+        reason = self.inject_unsupported or "its profile has no [inject] section"
+        return f"{self.agent} cannot be injected into a task image: {reason}"
+
     @property
     def installable(self) -> bool:
         """False when the pinned runtime cannot be installed here."""

@@ -65,7 +65,7 @@ def memory_value(value: Any) -> Any:
     if isinstance(size, int) and not isinstance(size, bool) and 0 < size < MIN_MEMORY:
         bare = str(value).strip().isdigit()
         raise UsageError(
-            f"{value!r} is {size} bytes, less than the 6 MiB a sandbox needs at least",
+            f"{str(value).strip()} is {size} bytes, less than the 6 MiB a sandbox needs at least",
             hint=f"sizes take a unit: did you mean {str(value).strip()}g?" if bare else "pass e.g. 512m or 4g",
         )
     return size

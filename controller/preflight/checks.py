@@ -158,9 +158,9 @@ def with_agent(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
 def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
     """The options' checks that need the agent: its continuation, and an image it needs that cannot be made."""
     _continuation(spec, profile)
-    if spec.inject and profile.inject is None:
-        reason = profile.inject_unsupported or "its profile has no [inject] section"
-        raise UsageError(f"--inject: {profile.agent} cannot be injected into a task image: {reason}")
+    refusal = profile.inject_refusal() if spec.inject else None
+    if refusal is not None:
+        raise UsageError(refusal, hint="drop --inject")
     needs_agent_image = spec.inject or (spec.image is None and spec.mode != "prepare-only")
     if needs_agent_image and isinstance(profile.install, UnavailableInstall):
         raise UsageError(

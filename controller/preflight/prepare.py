@@ -67,7 +67,9 @@ def prepare(
             "preflight": round(checked.seconds + checked_at - started, 4),
             "image": round(time.monotonic() - checked_at, 4),
         }
-        return assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
+        prepared = assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
+        backend.describe_sandbox(prepared)  # what the sandbox cannot be (a workspace the image lacks), as the plan
+        return prepared
     except BaseException:
         release_out_dir(checked.out_dir)
         raise

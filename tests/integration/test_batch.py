@@ -433,7 +433,7 @@ def test_plan_starts_nothing_and_its_keys_are_the_run_keys(tmp_path, claude_imag
         "batch", "--trajectories", root / "*.jsonl", "--after-step", "all", "--agent", "claude-code",
         "--mode", "replay-only", "--out", out, "--plan", "--json", "--memory", "1g",
     )  # fmt: skip
-    assert planned.code == 2, planned.stderr  # the broken trajectory is rejected by the host pvisor
+    assert planned.code == 1, planned.stderr  # the broken trajectory is rejected by the host pvisor, as the run would
     plans = {p["id"]: p for p in json.loads(planned.stdout)}
     assert list(plans) == [
         *[f"a-after{n}" for n in range(1, 6)],
@@ -462,3 +462,119 @@ def test_plan_starts_nothing_and_its_keys_are_the_run_keys(tmp_path, claude_imag
         "--mode", "replay-only", "--out", out, "--plan", "--json", "--memory", "1g",
     )  # fmt: skip
     assert {p["action"] for p in json.loads(replanned.stdout)} == {"skip"}
+
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "trajectories"
+
+
+def test_plan_and_run_agree_verdict_by_verdict(tmp_path, claude_image, containers_created):
+    """One mixed manifest, planned then run: every item the plan rejects, the run rejects with the same words,
+    and every item the plan runs ends ok. What the host can tell starts no sandbox, in either."""
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "good.jsonl", claude_files_session())
+    (root / "opencode.jsonl").write_bytes((DATA / "opencode-contract-shape.jsonl").read_bytes())
+    lines = [
+        {"id": "good1", "trajectory": "good.jsonl", "after_step": 1},
+        {"id": "good5", "trajectory": "good.jsonl", "after_step": 5},
+        {"id": "unbuildable", "trajectory": "opencode.jsonl", "after_step": 1},  # OpenCode 1.17.7: not here
+        {"id": "past-the-end", "trajectory": "good.jsonl", "after_step": 9},
+        {"id": "no-workspace", "trajectory": "good.jsonl", "after_step": 1, "image": claude_image,
+         "image_workspace": True, "workspace_path": "/srv/nothing-here"},
+    ]  # fmt: skip
+    manifest = root / "m.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = ("--mode", "replay-only", "--memory", "1g", "--out", tmp_path / "out")
+    since = time.time()
+    planned = run_cli("batch", manifest, *common, "--plan", "--json")
+    assert planned.code == 1, planned.stderr  # as the run exits: three items not ok
+    assert [c for c in containers_created(since) if "pvisor-host.run" in c] == []
+    verdicts = {p["id"]: (p["action"], p["reason"]) for p in json.loads(planned.stdout)}
+    assert {item: action for item, (action, _) in verdicts.items()} == {
+        "good1": "run", "good5": "run", "unbuildable": "reject", "past-the-end": "reject", "no-workspace": "reject",
+    }  # fmt: skip
+    assert verdicts["unbuildable"][1].startswith("cannot build opencode 1.17.7 here: OpenCode 1.17.7 is not on")
+    assert verdicts["past-the-end"][1] == (
+        "pvisor rejected the replay (trajectory_error): requested after-step 9, trajectory has 5 complete batches"
+    )
+    assert verdicts["no-workspace"][1] == (
+        "--image-workspace: the image has nothing at /srv/nothing-here (pass the right --workspace-path)"
+    )
+    text = run_cli("batch", manifest, *common, "--plan")  # one line per item, then the total
+    assert text.code == 1
+    assert text.stdout.splitlines()[:2] == [
+        f"good1  claude-code  after 1  {claude_image}  run",
+        f"good5  claude-code  after 5  {claude_image}  run",
+    ]
+    assert "5 items: 2 to run, 0 to skip, 3 rejected" in text.stdout.splitlines()
+
+    since = time.time()
+    ran = run_cli("batch", manifest, *common)
+    assert ran.code == 1, ran.stderr
+    rows = {row["id"]: row for row in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    for item, (action, reason) in verdicts.items():
+        if action == "run":
+            assert rows[item]["status"] == "ok", item
+        else:
+            assert (rows[item]["status"], rows[item]["message"]) == ("rejected", reason), item
+            assert not (tmp_path / "out" / item).exists(), item  # refused before its directory was made
+    started = [c for c in containers_created(since) if c.get("pvisor-host.role") == "sandbox"]
+    assert len(started) == 2  # the two good items' sandboxes, nothing for the rejected ones
+    listed = [line.split()[0] for line in ran.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["unbuildable", "past-the-end", "no-workspace"]  # under the table: each item not ok
+
+
+def test_a_reason_every_item_shares_is_one_line_and_nothing_runs(tmp_path, claude_image, containers_created):
+    """No --mode (continue) and no model, a cassette that is not there, an agent that cannot be built here: the
+    whole batch is refused in one line, exit 2, before any pull or sandbox, and nothing is written."""
+    root = tmp_path / "data"
+    root.mkdir()
+    write_jsonl(root / "t.jsonl", claude_files_session())
+    (root / "o.jsonl").write_bytes((DATA / "opencode-contract-shape.jsonl").read_bytes())
+    out = tmp_path / "out"
+    since = time.time()
+    cases = {
+        ("--trajectories", root / "t.jsonl"): "pvisor-host: error: every item: --mode continue lets the agent call "
+        "its model, which --network none cannot reach (pass --model-base-url URL --model NAME --model-api-key-env "
+        "VAR: a host-side gateway keeps the key)",
+        ("--trajectories", root / "t.jsonl", "--model", "m", "--model-cassette", "replay", tmp_path / "nowhere"):
+        f"pvisor-host: error: every item: --model-cassette replay {tmp_path / 'nowhere'}: no such directory (record "
+        "one with --model-cassette record DIR)",
+        ("--trajectories", root / "o.jsonl", "--mode", "replay-only"): "pvisor-host: error: every item: cannot build "
+        "opencode 1.17.7 here: ",
+        ("--trajectories", root / "t.jsonl", "--mode", "replay-only", "--memory", "4"): "pvisor-host: error: "
+        "--memory: 4 is 4 bytes, less than the 6 MiB a sandbox needs at least (sizes take a unit: did you mean 4g?)",
+    }  # fmt: skip
+    for args, line in cases.items():
+        result = run_cli("batch", *args, "--after-step", "1,2", "--out", out)
+        assert result.code == 2, result.stderr
+        assert len(result.error_lines) == 1 and result.error_lines[0].startswith(line), result.stderr
+        assert not out.exists()
+    assert containers_created(since) == []
+
+
+def test_a_task_image_whose_registry_does_not_resolve_fails_at_once(tmp_path, claude_image, containers_created):
+    """A host without a registry: an image that is not here fails its items in about a second, not after minutes
+    of backoff, with one line naming the image and its registry; --plan says the same."""
+    root = tmp_path / "data"
+    root.mkdir()
+    for n in range(3):
+        write_jsonl(root / f"t{n}.jsonl", claude_files_session(f"/w{n}"))
+    args = ("--trajectories", root / "*.jsonl", "--after-step", "1", "--image", "nosuch.invalid/task:{stem}",
+            "--inject", "--mode", "replay-only", "--out", tmp_path / "out")  # fmt: skip
+    planned = run_cli("batch", *args, "--plan", "--json")
+    assert planned.code == 1, planned.stderr
+    reasons = {p["id"]: p["reason"] for p in json.loads(planned.stdout)}
+    started = time.monotonic()
+    ran = run_cli("batch", *args)
+    took = time.monotonic() - started
+    assert ran.code == 1, ran.stderr
+    print(f"a batch of 3 unresolvable images ended in {took:.1f} s")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["category"]) for r in rows] == [("rejected", "registry_unreachable")] * 3
+    for row in rows:
+        assert row["message"].startswith(
+            f"image nosuch.invalid/task:{row['id'].removesuffix('-after1')} is not here and its registry "
+            "nosuch.invalid does not resolve"
+        )
+        assert reasons[row["id"]] == row["message"]

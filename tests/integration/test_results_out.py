@@ -117,9 +117,13 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     manifest = verify_manifest(tmp_path / "data", VERIFIES)
     out = tmp_path / "before"
     result = run_cli("batch", manifest, "--mode", "replay-only", "--out", out, "--workers", "2", "--json")
-    assert result.code == 0, result.stderr  # every replay is ok; the verifications are their own figures
+    assert result.code == 1, result.stderr  # every replay is ok, but two verifiers did not pass (--fail-on)
     summary = json.loads(result.stdout)
-    assert summary["verification"] == {"verified": 4, "passed": 2, "pass_rate": 0.5, "mean_reward": 0.4375}
+    assert summary["verification"] == {
+        "items": 4, "passed": 2, "failed": 1, "timed_out": 1, "could_not_run": 0, "pass_rate": 0.5,
+        "mean_reward": 0.4375,
+    }  # fmt: skip
+    assert summary["counts"] == {"ok": 4}
     rows = {row["id"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     seen = {item: (row["verification"]["passed"], row["verification"]["reward"], row["verification"]["timed_out"])
             for item, row in rows.items()}  # fmt: skip
@@ -135,7 +139,7 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     assert (out / "rewarded" / "verifier" / "reward.txt").read_text() == "0.75\n"
     assert rows["passes"]["after_step"] == 1 and rows["passes"]["replayed"] == 1 and rows["passes"]["diverged"] == 0
     junit = (out / "junit.xml").read_text()
-    assert junit.count('type="verification_failed"') == 2
+    assert junit.count('type="verification_failed"') == 1 and junit.count('type="verification_timed_out"') == 1
 
     # The same rows as CSV and as Parquet, read back.
     parquet = tmp_path / "rows.parquet"
@@ -153,8 +157,10 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     # The same batch where the item that passed no longer does: compare calls it a regression.
     flipped = verify_manifest(tmp_path / "data2", {**VERIFIES, "passes": "test -f missing.txt"})
     after = tmp_path / "after"
-    again = run_cli("batch", flipped, "--mode", "replay-only", "--out", after, "--workers", "2")
-    assert again.code == 0, again.stderr
+    again = run_cli(
+        "batch", flipped, "--mode", "replay-only", "--out", after, "--workers", "2", "--fail-on", "failures"
+    )
+    assert again.code == 0, again.stderr  # every replay ok: only the verifications fail, which this run does not ask
     compared = run_cli("compare", out, after, "--json")
     assert compared.code == 1, compared.stderr
     changes = json.loads(compared.stdout)["changes"]

@@ -267,8 +267,9 @@ class ClusterBackend:
         return self.local.runtime(name)
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
-        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
-        return self.local.describe_sandbox(prepared)
+        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox` (a task image is on the nodes, not here: a
+        node's staging checks what it holds)."""
+        return self.local.describe_sandbox(prepared, here=not prepared.image.task_image)
 
     # -- sandboxes, on nodes --------------------------------------------------------------------------------
 

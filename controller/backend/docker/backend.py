@@ -302,12 +302,13 @@ class DockerBackend:
         default, known = self._runtimes
         return runtimes.choose(name or default, known)
 
-    def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
-        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox`."""
+    def describe_sandbox(self, prepared: PreparedReplay, *, here: bool = True) -> SandboxPlan:
+        """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox` (``here``: the image is on this engine, so
+        what it holds is checked too)."""
         from .sandbox import launch
         from .sandbox.stage import planned_staging, staging_root
 
-        if prepared.spec.image_workspace:  # what the run's staging refuses, told now
+        if prepared.spec.image_workspace and here:  # what the run's staging refuses, told now
             self._seeds.check(self.client, self._ownership, prepared.image.id, prepared.workspace_path)
         attempt = Attempt(run_id=prepared.run_id, run_dir=prepared.out_dir)
         staging = planned_staging(staging_root(prepared.out_dir), prepared.trajectory.path)

@@ -112,9 +112,9 @@ def _marker(profile: AgentProfile, agent_image_id: str) -> dict[str, str]:
 
 def inject_spec(profile: AgentProfile) -> InjectSpec:
     """The profile's ``[inject]`` section, or a :class:`UsageError` saying why the agent cannot be injected."""
-    if profile.inject is None:
-        reason = profile.inject_unsupported or "its profile has no [inject] section"
-        raise UsageError(f"{profile.agent} cannot be injected into a task image: {reason}", hint="drop --inject")
+    refusal = profile.inject_refusal()
+    if refusal is not None or profile.inject is None:
+        raise UsageError(refusal or "", hint="drop --inject")
     return profile.inject
 
 
