@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         ResultProtocolError,
         UsageError,
     )
-    from .models.batch import BatchSummary, ItemResult, VerificationResult
+    from .models.batch import BatchSummary, ItemResult
     from .models.housekeeping import GcReport
     from .models.image import BuildOptions, ImageRef
     from .models.record import ReplayRecord
@@ -66,7 +66,6 @@ _EXPORTS = {
     "BuildOptions": "models.image",
     "GcReport": "models.housekeeping",
     "ItemResult": "models.batch",
-    "VerificationResult": "models.batch",
     "BatchSummary": "models.batch",
     "ExitCode": "errors",
     "PvisorHostError": "errors",
@@ -100,7 +99,6 @@ __all__ = [
     "BuildOptions",
     "GcReport",
     "ItemResult",
-    "VerificationResult",
     "BatchSummary",
     "TrajectoryReport",
     # errors and exit codes

@@ -334,16 +334,16 @@ def inspect(*trajectories: Path | str, agent: str | None = None) -> list[Traject
     return inspect_files([Path(path) for path in trajectories], agent)
 
 
-def results(out: Path | str) -> list[ItemResult]:
-    """The rows of a finished (or interrupted) batch directory, one per item, as ``pvisor-host results`` gives
-    them: boundary, agent, image and digest, status and category, replayed, diverged and continued counts,
-    verification, tokens and cost, and durations. For pandas: ``pd.DataFrame([r.model_dump() for r in rows])``,
-    or ``pd.json_normalize`` for the nested fields.
+def results(out: Path | str | Iterable[Path | str]) -> list[ItemResult]:
+    """The rows of a finished (or interrupted) batch directory, one per item whatever happened to it, as
+    ``pvisor-host results`` gives them (several directories: one list, each row's ``batch`` saying whose): the
+    same flat fields for every batch. For pandas: ``pd.DataFrame([r.model_dump() for r in rows])``.
 
     Raises:
-        UsageError: ``out`` is not a batch's directory.
+        UsageError: a directory is not a batch's.
     """
-    return load_results(Path(out).absolute())
+    dirs = [out] if isinstance(out, str | Path) else list(out)
+    return load_results(*(Path(d).absolute() for d in dirs))
 
 
 def gc(*, dry_run: bool = False, docker_host: str | None = None) -> GcReport:

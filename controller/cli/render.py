@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 _STATUS_STYLE = {"ok": "green", "replay_failed": "red", "timeout": "yellow", "oom": "yellow"}
 _CHANGE_STYLE = {
-    "regression": "red", "status_changed": "yellow", "divergence_moved": "yellow", "effects_changed": "yellow",
-    "new_hosts": "yellow", "image_changed": "yellow", "fixed": "green",
+    "regression": "red", "new_failure": "red", "status_changed": "yellow", "divergence_moved": "yellow",
+    "effects_changed": "yellow", "new_hosts": "yellow", "image_changed": "yellow", "fixed": "green",
 }  # fmt: skip
 
 

@@ -3,7 +3,10 @@
 Items are matched by id and boundary (``after_step``); an item whose boundary changed is gone at the old
 one and new at the new one. For each pair it reports, regressions first:
 
-* ``regression`` — it was ``ok`` and is not any more, or its verification (``--verify``) passed and does not now;
+* ``regression`` — it was ``ok`` and is not any more (failed, rejected before a sandbox, not run, or not in the new
+  run at all), or its verification (``--verify``) passed and does not now;
+* ``new_failure`` — it is new and not ``ok`` (or its verification did not pass): a guard fails on it as on a
+  regression;
 * ``fixed`` — it was not ``ok`` and is now, or its verification failed and passes now;
 * ``status_changed`` — neither is ``ok``, and the status or the failure category differs;
 * ``divergence_moved`` — same status, but the replayed tool calls whose fresh observation differs from the
@@ -15,7 +18,11 @@ one and new at the new one. For each pair it reports, regressions first:
   (``--egress``) that they did not reach before (:attr:`ItemChange.new_hosts`; any other change names them too);
 * ``image_changed`` — nothing of the above, but it ran in other bytes: its image's registry digest (or, for
   an image without one, its id) differs;
-* ``new`` and ``gone``.
+* ``new`` (and ok) and ``gone`` (and was not ok).
+
+Every item of each run counts, whether or not it got a record: the items are its rows (``results.jsonl``, or the
+records of a batch killed before writing it: :mod:`.results`), and each row's record, where it has one, adds
+what only a record says (the calls that diverged, the workspace's effects, the hosts reached).
 
 Two ``replay --out`` directories (a ``record.json`` each) compare the same way: their one item each is the
 pair (named by the earlier one's trajectory file; a warning when the two trajectories' names differ), and a
@@ -43,23 +50,26 @@ from pydantic import BaseModel
 from .._log import logger
 from ..errors import UsageError
 from ..files.atomic import write_atomic
-from ..models.batch import FlakyItem
+from ..models.batch import FlakyItem, ItemKeys, ItemResult
 from ..models.observations import match_observations
 from ..models.record import ModelTotals, ReplayRecord, VerificationOutcome, add_totals, load_record
 from ..units import shortlist
+from .results import iter_results
 from .summary import STEP_SUMMARY_ITEMS, append_step_summary, cell, more_line
 
 COMPARE_SCHEMA = "pvisor-host.compare/v1"
 COMPARISON_ROLE = "observation_comparison"
 ChangeKind = Literal[
-    "regression", "fixed", "status_changed", "divergence_moved", "effects_changed", "new_hosts", "image_changed",
-    "new", "gone",
+    "regression", "new_failure", "fixed", "status_changed", "divergence_moved", "effects_changed", "new_hosts",
+    "image_changed", "new", "gone",
 ]  # fmt: skip
 #: The order changes are listed in: what a CI guard must look at first.
 KIND_ORDER: tuple[ChangeKind, ...] = (
-    "regression", "status_changed", "divergence_moved", "effects_changed", "new_hosts", "image_changed", "gone",
-    "new", "fixed",
+    "regression", "new_failure", "status_changed", "divergence_moved", "effects_changed", "new_hosts",
+    "image_changed", "gone", "new", "fixed",
 )  # fmt: skip
+#: The changes a guard fails on: an item that was ok and is not (or is gone), a new item that is not ok.
+FAILING: frozenset[ChangeKind] = frozenset({"regression", "new_failure"})
 #: In :attr:`ItemState.effects`: a file the replay removed, and one whose content was not collected.
 REMOVED, UNCOLLECTED = "removed", "?"
 
@@ -102,8 +112,8 @@ class ItemState(BaseModel):
     """The trajectory's file name (what matches a single replay's item with the other side's)."""
     repeat_of: str | None = None
     """With ``batch --repeat K``: the id its repeats share."""
-    path: str
-    """The item's directory, relative to its run directory."""
+    path: str | None = None
+    """The item's directory, relative to its run directory (None: it has none)."""
     model: ModelTotals | None = None
     """A live continuation's model figures (every attempt's)."""
     verified: bool | None = None
@@ -112,6 +122,13 @@ class ItemState(BaseModel):
     """With ``--verify``: ``passed``, ``failed``, ``timed_out`` or ``could_not_run``."""
     egress: list[str] | None = None
     """With ``--egress``: the ``host:port`` its replayed tool calls reached (None: it ran without)."""
+
+
+class ItemRef(BaseModel):
+    """An item, by its id and boundary."""
+
+    id: str
+    after_step: int
 
 
 class ItemChange(BaseModel):
@@ -185,10 +202,18 @@ class Comparison(BaseModel):
     flaky: list[FlakyItem] = []
     """With ``--repeat K`` in the new run: its items whose repeats ended or left the workspace otherwise."""
 
+    same: list[ItemRef] = []
+    """The items matched that did not change (every matched item is a test case of the JUnit file)."""
+
     @property
     def regressions(self) -> list[ItemChange]:
-        """The changes a guard fails on."""
+        """The items that were ok and are not (or are gone)."""
         return [c for c in self.changes if c.kind == "regression"]
+
+    @property
+    def failing(self) -> list[ItemChange]:
+        """The changes a guard fails on: regressions and new items that are not ok."""
+        return [c for c in self.changes if c.kind in FAILING]
 
 
 def compare_runs(old: Path, new: Path) -> Comparison:
@@ -205,11 +230,12 @@ def compare_runs(old: Path, new: Path) -> Comparison:
             logger.warning("comparing replays of two trajectories: {} and {}", first.trajectory, second.trajectory)
         after = {(first.trajectory or first.id, second.after_step): second}
     changes: list[ItemChange] = []
+    same: list[ItemRef] = []
     matched = 0
     for key in sorted(before.keys() | after.keys()):
         was, now = before.get(key), after.get(key)
         if was is None or now is None:
-            kind: ChangeKind = "new" if was is None else "gone"
+            kind: ChangeKind = _new(now) if now is not None else "regression" if _ok(was) else "gone"
             changes.append(ItemChange(id=key[0], after_step=key[1], kind=kind, old=was, new=now))
             continue
         matched += 1
@@ -226,22 +252,34 @@ def compare_runs(old: Path, new: Path) -> Comparison:
                     files=files, new_hosts=hosts,
                 )
             )  # fmt: skip
+        else:
+            same.append(ItemRef(id=key[0], after_step=key[1]))
     changes.sort(key=lambda c: (KIND_ORDER.index(c.kind), c.id, c.after_step))
     return Comparison(
         old=str(old),
         new=str(new),
         matched=matched,
-        unchanged=matched - sum(1 for c in changes if c.kind not in ("new", "gone")),
+        unchanged=len(same),
         counts={kind: n for kind, n in sorted(Counter(c.kind for c in changes).items())},
         changes=changes,
         model=_model_move(before, after),
         flaky=flaky_items(after.values()),
+        same=same,
     )
 
 
-def run_flaky(run_dir: Path) -> list[FlakyItem]:
-    """The flaky items of a batch run directory (see :func:`flaky_items`)."""
-    return flaky_items(read_run(run_dir).values())
+def _ok(state: ItemState | None) -> bool:
+    """Ended ok, with its verifier passing where it had one."""
+    return state is not None and state.status == "ok" and state.verification in (None, "passed")
+
+
+def _new(state: ItemState) -> ChangeKind:
+    return "new" if _ok(state) else "new_failure"
+
+
+def run_flaky(run_dir: Path, rows: Iterable[ItemResult]) -> list[FlakyItem]:
+    """The flaky items among a batch's ``rows`` (see :func:`flaky_items`), their records in ``run_dir``."""
+    return flaky_items(item_state(row, _record_of(run_dir, row), run_dir) for row in rows if row.repeat_of)
 
 
 def flaky_items(states: Iterable[ItemState]) -> list[FlakyItem]:
@@ -350,54 +388,69 @@ def check_run_dir(run_dir: Path, *, single: bool = False) -> None:
 
 
 def read_run(run_dir: Path) -> dict[tuple[str, int], ItemState]:
-    """Every item of a batch run directory that has a readable record, by (id, after_step); or the one item
-    of a replay directory."""
+    """Every item of a batch run directory, whether or not it got a record (its rows: :mod:`.results`), by (id,
+    after_step), each with what its record adds where it has one; or the one item of a replay directory."""
     check_run_dir(run_dir, single=True)
-    items: dict[tuple[str, int], ItemState] = {}
-    records = [run_dir / "record.json"] if _single(run_dir) else sorted(run_dir.glob("*/record.json"))
-    for record_path in records:
-        if record_path.parent.name.startswith("."):
-            continue  # .previous/ and staging
+    if _single(run_dir):
         try:
-            record = load_record(record_path)
+            record = load_record(run_dir / "record.json")
         except (OSError, ValueError):
-            continue  # an item whose run was killed before its record was written has no result
-        state = item_state(record, record_path.parent, run_dir)
+            raise UsageError(f"{run_dir / 'record.json'} is not a readable record; pass a replay's --out") from None
+        keys = ItemKeys(
+            id=run_dir.name, line=0, after_step=record.inputs.after_step, trajectory=record.inputs.trajectory.path
+        )
+        state = item_state(ItemResult.from_record(record, keys, path="."), record, run_dir)
+        return {(state.id, state.after_step): state}
+    items: dict[tuple[str, int], ItemState] = {}
+    for row in iter_results(run_dir):
+        state = item_state(row, _record_of(run_dir, row), run_dir)
         items[(state.id, state.after_step)] = state
-    if not items and not (run_dir / "summary.json").is_file():
-        raise UsageError(f"{run_dir} holds no readable results (record.json); pass a batch's or a replay's --out")
     return items
 
 
-def item_state(record: ReplayRecord, item_dir: Path, run_dir: Path) -> ItemState:
-    """One item's state, from its record (and pvisor's observation comparison beside it, for a record written
-    before it said how each call matched)."""
-    observations = record.observations or match_observations(
-        record.artifact_json(item_dir, COMPARISON_ROLE), Path(), None
-    )
+def _record_of(run_dir: Path, row: ItemResult) -> ReplayRecord | None:
+    """The record beside a row, when it has one that reads."""
+    if row.path is None:
+        return None
+    try:
+        return load_record(run_dir / row.path / "record.json")
+    except (OSError, ValueError):
+        return None  # an item whose run was killed before its record was written
+
+
+def item_state(row: ItemResult, record: ReplayRecord | None, run_dir: Path) -> ItemState:
+    """One item's state: how it ended, from its row; which calls diverged, its workspace's effects and its image's
+    id, from its record where it has one (and pvisor's observation comparison beside it, for a record written
+    before records said how each call matched)."""
+    observations = None
+    if record is not None:
+        item_dir = run_dir / (row.path or ".")
+        observations = record.observations or match_observations(
+            record.artifact_json(item_dir, COMPARISON_ROLE), Path(), None
+        )
     calls = observations.calls if observations is not None else []
     diverged = [call.index for call in calls if call.match == "diverged"]
     first = calls[diverged[0]] if diverged else None
     return ItemState(
-        id=record.batch.item_id if record.batch is not None else item_dir.name,
-        after_step=record.inputs.after_step,
-        status=record.status,
-        category=record.failure.category if record.failure else None,
+        id=row.id,
+        after_step=row.after_step or 0,
+        status=row.status,
+        category=row.category,
         replayed_calls=len(calls),
         whitespace_calls=sum(call.match == "whitespace" for call in calls),
         diverged_calls=len(diverged),
         first_divergence=CallRef(index=first.index, call_id=first.call_id, tool=first.tool) if first else None,
         diverged=diverged,
-        effects=_effects(record),
-        trajectory=PurePosixPath(record.inputs.trajectory.path).name,
-        repeat_of=record.batch.repeat_of if record.batch is not None else None,
-        image=record.image.digest or record.image.id,
-        image_id=record.image.id,
-        path=str(item_dir.relative_to(run_dir)),
-        model=record.model.totals if record.model is not None else None,
-        verified=record.verification.passed if record.verification is not None else None,
-        verification=record.verification.outcome if record.verification is not None else None,
-        egress=list(record.egress.hosts) if record.egress is not None else None,
+        effects=_effects(record) if record is not None else {},
+        trajectory=PurePosixPath(row.trajectory).name if row.trajectory else None,
+        repeat_of=row.repeat_of,
+        image=row.image_digest or (record.image.id if record is not None else row.image),
+        image_id=record.image.id if record is not None else None,
+        path=row.path,
+        model=row.model_totals(),
+        verified=row.verification_passed,
+        verification=row.verification,
+        egress=row.egress_hosts,
     )
 
 
@@ -448,36 +501,46 @@ def write_reports(comparison: Comparison, out: Path) -> None:
 
 
 def markdown(comparison: Comparison) -> str:
-    """The step summary's part for ``--baseline``: the counts, and each regressed item with what it was and is
-    (where its replay diverges, its verification)."""
-    regressions = comparison.regressions
+    """The step summary's part for ``--baseline``: the counts, and each regressed item and new failure with what it
+    was and is (where its replay diverges, its verification)."""
+    regressions, failing = comparison.regressions, comparison.failing
     lines = [
         f"#### Against `{comparison.old}`",
         "",
-        f"{len(regressions)} regressed, {len(comparison.changes) - len(regressions)} otherwise changed, "
-        f"{comparison.unchanged} unchanged (compare.json).",
+        f"{len(regressions)} regressed, {len(failing) - len(regressions)} new and failing, "
+        f"{len(comparison.changes) - len(failing)} otherwise changed, {comparison.unchanged} unchanged (compare.json).",
     ]
-    if regressions:
-        lines += ["", "| regressed | boundary | was → is |", "|---|---|---|"]
-        lines += [f"| `{cell(c.id)}` | {c.after_step} | {cell(c.describe)} |" for c in regressions[:STEP_SUMMARY_ITEMS]]
-        lines += more_line(len(regressions))
+    if failing:
+        lines += ["", "| regressed or new and failing | boundary | was → is |", "|---|---|---|"]
+        lines += [f"| `{cell(c.id)}` | {c.after_step} | {cell(c.describe)} |" for c in failing[:STEP_SUMMARY_ITEMS]]
+        lines += more_line(len(failing))
     return "\n".join([*lines, ""])
 
 
 def write_junit(comparison: Comparison, path: Path) -> None:
-    """A JUnit file with a test case per changed item in which only the regressions fail."""
+    """A JUnit file with a test case per item of either run: the regressions and the new items that are not ok
+    fail, the other changes pass and say what changed, the items that did not change pass (so a green run shows
+    its tests)."""
+    failing = comparison.failing
     suite = ET.Element(
         "testsuite",
         name="pvisor-host compare",
-        tests=str(len(comparison.changes)),
-        failures=str(len(comparison.regressions)),
+        tests=str(len(comparison.changes) + len(comparison.same)),
+        failures=str(len(failing)),
         errors="0",
     )
     for change in comparison.changes:
-        case = ET.SubElement(suite, "testcase", classname=f"compare.{change.kind}", name=change.id)
-        if change.kind == "regression":
-            failure = ET.SubElement(case, "failure", type="regression", message=change.describe)
+        case = ET.SubElement(suite, "testcase", classname=f"compare.{change.kind}", name=_case(change))
+        if change.kind in FAILING:
+            failure = ET.SubElement(case, "failure", type=change.kind, message=change.describe)
             failure.text = change.describe
         else:
             ET.SubElement(case, "system-out").text = change.describe
+    for item in comparison.same:
+        ET.SubElement(suite, "testcase", classname="compare.unchanged", name=_case(item))
     write_atomic(path, bytes(ET.tostring(suite, encoding="utf-8", xml_declaration=True)))
+
+
+def _case(item: ItemRef | ItemChange) -> str:
+    """A test case's name: the item, and its boundary."""
+    return f"{item.id} (after step {item.after_step})"

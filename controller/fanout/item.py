@@ -20,6 +20,7 @@ import contextlib
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from .._log import logger
 from ..attempts import RetryPolicy, run_attempts
@@ -39,7 +40,7 @@ from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
-from .resume import ImageIdentity, content_key, finished_result, item_result, item_run_id, set_aside
+from .resume import ImageIdentity, content_key, finished_record, item_run_id, set_aside
 
 
 class BatchContext:
@@ -192,10 +193,10 @@ def finished_earlier(
     if image is None:
         return None, None
     key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
-    earlier = finished_result(out / item.id, key, rerun_failed)
+    earlier = finished_record(out / item.id, key, rerun_failed)
     if earlier is None:
         return key, None
-    return key, earlier.model_copy(update={"id": item.id, "line": item.line, "path": item.id})
+    return key, ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
 
 
 def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
@@ -207,27 +208,18 @@ def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
         finally:
             if not asked.is_set():
                 batch.skip_image(item.spec)
-    return result.model_copy(update={"repeat_of": item.repeat_of}) if item.repeat_of else result
+    return result
 
 
-def base_result(item: BatchItem, status: str, **fields: object) -> ItemResult:
-    """The row of an item that got no record (refused, not started, interrupted)."""
-    return ItemResult.model_validate(
-        {
-            "id": item.id,
-            "line": item.line,
-            "after_step": item.spec.after_step,
-            "agent": item.spec.agent,
-            "image": item.spec.image,
-            "status": status,
-            "repeat_of": item.repeat_of,
-            **fields,
-        }  # fmt: skip
-    )
+def base_result(item: BatchItem, status: str, *, out: Path | None = None, **fields: Any) -> ItemResult:
+    """The row of an item that got no record of its own (refused, not started, stopped); ``out``: the batch's
+    directory, to name the item's when it has one."""
+    path = item.id if out is not None and (out / item.id).is_dir() else None
+    return ItemResult.without_record(item.keys, status, path=path, **fields)
 
 
-def interrupted_result(item: BatchItem, message: str) -> ItemResult:
-    return base_result(item, "interrupted", category="interrupted", message=message)
+def interrupted_result(item: BatchItem, message: str, *, out: Path | None = None) -> ItemResult:
+    return base_result(item, "interrupted", out=out, category="interrupted", message=message)
 
 
 def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> ItemResult:
@@ -283,19 +275,19 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
                     batch=BatchInfo(item_id=item.id, line=item.line, content_key=key, repeat_of=item.repeat_of),
                 )
     except Interrupted as exc:
-        return interrupted_result(item, exc.one_line()).model_copy(update={"path": item.id})
+        return interrupted_result(item, exc.one_line(), out=batch.out)
     except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
         batch.full = batch.full or exc
-        return base_result(item, "infra_error", category=DISK_FULL, message=exc.one_line())
+        return base_result(item, "infra_error", out=batch.out, category=DISK_FULL, message=exc.one_line())
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
-        return base_result(item, status, category=exc.category, message=exc.one_line())
+        return base_result(item, status, out=batch.out, category=exc.category, message=exc.one_line())
     except Exception as exc:  # one item's bug must not stop the batch
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
-        return base_result(item, "infra_error", category="internal", message=repr(exc))
+        return base_result(item, "infra_error", out=batch.out, category="internal", message=repr(exc))
     if record.failure is not None and record.failure.disk_full:
         batch.full = batch.full or disk_full(run_dir)
-    return item_result(record, item_id=item.id, line=item.line, run_dir=run_dir)
+    return ItemResult.from_record(record, item.keys, path=item.id)
 
 
 def _within(checked: CheckedInputs, remaining: float) -> CheckedInputs:

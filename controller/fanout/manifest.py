@@ -32,6 +32,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from ..errors import UsageError
+from ..models.batch import ROW_COLUMNS, ItemKeys
 from ..models.profiles import get_profile
 from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
 from ..preflight.checks import check_options
@@ -47,6 +48,10 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,119}$")
 MAX_REPEAT = 100
 #: What a batch item collects of its workspace unless it says: the changes (a dataset's checkouts are large).
 BATCH_COLLECT = "changes"
+#: The dataset's columns a row keeps when ``--keep`` does not say (SWE-bench's and its kind's instance id).
+DEFAULT_KEEP = ("instance_id",)
+#: Where an expanded row carries what its items' rows keep of it (the trajectory as given, the kept columns).
+_GIVEN = "__row__"
 #: Replay options a line may not set: the batch names each item's run directory and run ids.
 _BATCH_OWNED = {"out": "<batch out>/<id>/", "run_id": "<id>-<random>"}
 
@@ -101,6 +106,19 @@ class BatchItem(BaseModel):
     spec: ReplaySpec
     repeat_of: str | None = None
     """With ``--repeat K``: the id its K repeats share; its own is ``<that>.r<n>``."""
+    trajectory: str | None = None
+    """The trajectory as the dataset gave it (None: as the spec has it)."""
+    columns: dict[str, str | None] = {}
+    """The dataset's own columns its row keeps (``--keep``)."""
+
+    @property
+    def keys(self) -> ItemKeys:
+        """What its row says of it before anything ran (:class:`~pvisor_host.models.batch.ItemKeys`)."""
+        return ItemKeys(
+            id=self.id, line=self.line, after_step=self.spec.after_step, repeat_of=self.repeat_of,
+            trajectory=self.trajectory if self.trajectory is not None else str(self.spec.trajectory),
+            agent=self.spec.agent, image=self.spec.image, columns=self.columns,
+        )  # fmt: skip
 
     def repeats(self, times: int) -> list[BatchItem]:
         """This item ``times`` times, under ids of their own (itself, once, when ``times`` is 1)."""
@@ -162,6 +180,8 @@ def _resolve(fields: dict[str, Any], base: Path) -> dict[str, Any]:
 
 
 def _item(number: int, fields: dict[str, Any], defaults: dict[str, Any], seen: dict[str, int]) -> BatchItem:
+    fields = dict(fields)
+    given = fields.pop(_GIVEN, {})
     raw_id = fields.pop("id", None)
     for name, value in _BATCH_OWNED.items():
         if name in fields:
@@ -182,7 +202,9 @@ def _item(number: int, fields: dict[str, Any], defaults: dict[str, Any], seen: d
             raise UsageError(f"id {item_id!r} is already used on line {seen[item_id]}")
         item_id = f"{item_id}-{hashlib.sha256(f'{number}-{spec.after_step}'.encode()).hexdigest()[:6]}"
     seen[item_id] = number
-    return BatchItem(id=item_id, line=number, spec=spec)
+    return BatchItem(
+        id=item_id, line=number, spec=spec, trajectory=given.get("trajectory"), columns=given.get("columns", {})
+    )
 
 
 def _host_checks(spec: ReplaySpec) -> None:
@@ -282,8 +304,11 @@ class Rows:
         id_template: Template | None = None,
         columns: ColumnMap | None = None,
         tables: bool = False,
+        keep: list[str] | None = None,
     ) -> None:
         self.base = base
+        self.keep = keep
+        """The dataset's columns each row's items keep (None: ``instance_id`` where the dataset has one)."""
         self.strict = strict
         self.tables = tables
         self.columns = columns or ColumnMap()
@@ -297,6 +322,7 @@ class Rows:
             k: v for k, v in defaults.items() if k != "after_step" and not (k == "image" and self.image_template)
         }
         used = self.columns.columns | (id_template.fields if id_template else set())
+        used |= set(keep if keep is not None else DEFAULT_KEEP)
         self.template_columns = used | (self.image_template.fields if self.image_template else set())
 
     def expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
@@ -332,6 +358,8 @@ class Rows:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _expand(self, number: int, row: dict[str, Any]) -> Iterator[Entry]:
+        kept = self._kept(row)
+        given = row.get(self.columns.fields.get("trajectory", "trajectory"))
         row = self.columns.apply(dict(row))
         if self.tables:
             row = text_cells(row, _LIST_FIELDS)
@@ -367,11 +395,17 @@ class Rows:
             explicit_id = self.id_template.render(values)
         if image_template is not None:
             fields["image"] = image_template.render(values)
+        fields[_GIVEN] = {"trajectory": str(given) if given is not None else None, "columns": kept}
         for step in self._steps(steps, agent, Path(trajectory)):
             item = {**fields, "after_step": step}
             if explicit_id is not None:
                 item["id"] = explicit_id if steps.plain else f"{explicit_id}-after{step}"
             yield number, item
+
+    def _kept(self, row: dict[str, Any]) -> dict[str, str | None]:
+        """The dataset's own columns the row's items keep (``--keep``; by default ``instance_id``), as text."""
+        names = self.keep if self.keep is not None else [name for name in DEFAULT_KEEP if name in row]
+        return {name: None if row.get(name) is None else str(row[name]) for name in names}
 
     def _image_template(self, fields: dict[str, Any]) -> Template | None:
         """The row's own image template, else the default's (None: the image is a name as it is)."""
@@ -442,6 +476,9 @@ class BatchInput(BaseModel):
     """``--seed S``: what ``--sample`` draws with."""
     select: list[str] = []
     """``--select PATTERN``: only the items whose id matches one of these shell patterns (``django__*``)."""
+    keep: list[str] | None = None
+    """``--keep COLUMN,...``: the dataset's own columns each item's row keeps, to join the results back to it
+    (None: ``instance_id``, where the dataset has it; empty: none)."""
     _chosen: set[tuple[int, int]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -454,6 +491,13 @@ class BatchInput(BaseModel):
             raise UsageError("--map reads a manifest's columns; --trajectories has none")
         if self.limit is not None and self.sample is not None:
             raise UsageError("--limit takes the first items and --sample draws some at random; pass one")
+        if self.keep is not None:
+            self.keep = [name.strip() for column in self.keep for name in column.split(",") if name.strip()]
+            clash = [name for name in self.keep if name in ROW_COLUMNS]
+            if clash:
+                raise UsageError(f"--keep {clash[0]}: every row has a column of that name; keep another")
+            if self.keep and self.manifest is None:
+                raise UsageError("--keep keeps a manifest's columns; --trajectories has none")
         if self.after_step is not None:
             parse_steps(self.after_step, name="--after-step")
             self.defaults = {**self.defaults, "after_step": self.after_step}
@@ -493,6 +537,7 @@ class BatchInput(BaseModel):
             id_template=parse_template(self.id, flag="--id") if self.id is not None else None,
             columns=ColumnMap.parse(self.map, set(ROW_FIELDS)),
             tables=tables,
+            keep=self.keep,
         )
 
     def check(self) -> ManifestCheck:

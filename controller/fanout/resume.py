@@ -20,8 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from ..files.trees import remove_tree
-from ..models.batch import FINAL_STATUSES, ItemResult, VerificationResult
-from ..models.observations import match_observations
+from ..models.batch import FINAL_STATUSES
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME
 from ..models.spec import ReplaySpec
@@ -52,59 +51,8 @@ def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageIdentity, 
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def item_result(
-    record: ReplayRecord, *, item_id: str, line: int, skipped: bool = False, run_dir: Path | None = None
-) -> ItemResult:
-    """An item's result from its record (``run_dir``: where it is, to count its diverged observations)."""
-    result = record.result
-    verified = record.verification
-    return ItemResult(
-        id=item_id,
-        line=line,
-        repeat_of=record.batch.repeat_of if record.batch is not None else None,
-        after_step=record.inputs.after_step,
-        agent=record.inputs.agent,
-        image=record.image.ref,
-        image_digest=record.image.digest,
-        status=record.status,
-        category=record.failure.category if record.failure else None,
-        message=record.failure.message if record.failure else None,
-        timings=record.timings,
-        attempts=max(1, len(record.attempts)),
-        skipped=skipped,
-        path=item_id,
-        replayed=result.replayed_tool_calls if result is not None else None,
-        **_matches(record, run_dir),
-        continued=result.continued_steps if result is not None else None,
-        verification=VerificationResult(
-            outcome=verified.outcome,
-            passed=verified.passed,
-            reward=verified.reward,
-            exit_code=verified.exit_code,
-            timed_out=verified.timed_out,
-            seconds=verified.seconds,
-            note=verified.note,
-        )
-        if verified is not None
-        else None,  # fmt: skip
-        model=record.model.totals if record.model is not None else None,
-        egress=record.egress.totals() if record.egress is not None else None,
-    )
-
-
-def _matches(record: ReplayRecord, run_dir: Path | None) -> dict[str, int | None]:
-    """How the replayed calls' observations matched (``exact``, ``whitespace``, ``diverged``): from the record, or
-    for a record written before it said, from pvisor's comparison (whatever is not exact, diverged)."""
-    observations = record.observations
-    if observations is None and run_dir is not None:
-        observations = match_observations(record.artifact_json(run_dir, "observation_comparison"), Path(), None)
-    if observations is None:
-        return {"exact": None, "whitespace": None, "diverged": None}
-    return {"exact": observations.exact, "whitespace": observations.whitespace, "diverged": observations.diverged}
-
-
-def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult | None:
-    """The earlier result of an item, if its record is complete, has the same key and need not rerun."""
+def finished_record(run_dir: Path, key: str, rerun_failed: bool) -> ReplayRecord | None:
+    """The record of an item that finished earlier, if it is complete, has the same key and need not rerun."""
     try:
         record = load_record(run_dir / "record.json")
     except (OSError, ValueError):
@@ -115,7 +63,7 @@ def finished_result(run_dir: Path, key: str, rerun_failed: bool) -> ItemResult |
         return None  # the host's disk, not the item: it runs again once there is space
     if rerun_failed and record.status != "ok":
         return None
-    return item_result(record, item_id=record.batch.item_id, line=record.batch.line, skipped=True, run_dir=run_dir)
+    return record
 
 
 def set_aside(out: Path, item_id: str) -> None:

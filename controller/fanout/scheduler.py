@@ -207,7 +207,7 @@ class BatchRun:
                 if self._batch.full is not None:
                     summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
                 if any(r.repeat_of for r in self.results):
-                    summary.flaky = run_flaky(options.out)
+                    summary.flaky = run_flaky(options.out, self.results)
                 try:
                     write_reports(options.out, self.results, summary, more=self._reports)
                 except OSError as exc:

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from ..units import percentile
 from .egress import EgressStats, EgressTotals
-from .record import ModelTotals, VerificationOutcome, describe_verification
+from .observations import match_observations
+from .record import ModelDrift, ModelTotals, ReplayRecord, VerificationOutcome, describe_verification
 
 __all__ = [
     "FINAL_STATUSES",
@@ -17,8 +20,8 @@ __all__ = [
     "RESULTS_FILE",
     "BatchSummary",
     "ImageStats",
+    "ItemKeys",
     "ItemResult",
-    "VerificationResult",
     "VerificationStats",
     "percentile",
 ]
@@ -33,47 +36,68 @@ verifier's (``--verify``)."""
 RESULTS_FILE = "results.jsonl"
 
 
-class VerificationResult(BaseModel):
-    """An item's verification, as a results row carries it (``record.json`` has the command and its output)."""
-
-    outcome: VerificationOutcome
-    """``passed``, ``failed``, ``timed_out`` or ``could_not_run`` (no verdict on the task: counted apart)."""
-    passed: bool | None
-    reward: float | None = None
-    exit_code: int | None = None
-    timed_out: bool = False
-    seconds: float | None = None
-    note: str | None = None
-    """Why it did not run to its end, when it did not."""
-
-    def describe(self) -> str:
-        """One line: what it came to, its exit code and reward."""
-        return describe_verification(self.outcome, self.exit_code, self.reward, self.seconds, self.note)
-
-
-class ItemResult(BaseModel):
-    """How one batch item ended (this run, or in an earlier run it was skipped for): one row of
-    ``results.jsonl`` (schema ``docs/schemas/results-row.schema.json``)."""
+class ItemKeys(BaseModel):
+    """What an item's row says of it before anything ran: who it is, where it came from, what it asked for."""
 
     id: str
     line: int
-    after_step: int | None = None
-    """The boundary it replayed to."""
+    after_step: int
+    trajectory: str
+    """The trajectory as the dataset gave it (a manifest's path as written, the shorthand's file)."""
     agent: str | None = None
     image: str | None = None
-    """The image as it was asked for (a task image's reference, or the agent image's tag)."""
+    """The image as planned (a task image's reference, or none for the agent's own image)."""
+    repeat_of: str | None = None
+    columns: dict[str, str | None] = {}
+    """The dataset's own columns it keeps (``--keep``), as text."""
+
+
+#: Statuses an item has when it got no record of its own.
+NO_RECORD_STATUSES = ("rejected", "not_run", "interrupted", "infra_error")
+
+
+class ItemResult(BaseModel):
+    """One item of a batch, whatever happened to it: a row of ``results.jsonl`` and of ``pvisor-host results``,
+    flat and the same in every format (JSON Lines, CSV, Parquet): these columns, in this order, every time,
+    whatever options ran, then the dataset's columns a batch was asked to keep (``--keep``). Built once per item,
+    from its record (:meth:`from_record`) or, when it has none, from how it ended (:meth:`without_record`); the
+    summary, the report, compare, JUnit, the step summary and ``pvisor_host.results()`` all read it. Its JSON
+    Schema is ``docs/schemas/results-row.schema.json``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    batch: str | None = None
+    """The batch's directory, as ``pvisor-host results`` was given it (several batches read as one table)."""
+    id: str
+    """Unique in its batch; names its directory ``<batch>/<id>/``."""
+    line: int
+    """Its manifest line (or position in the shorthand's expansion)."""
+    after_step: int | None = None
+    """The boundary it replays to."""
+    repeat_of: str | None = None
+    """With ``--repeat K``: the id its repeats share (theirs are ``<id>.r1`` …)."""
+    trajectory: str | None = None
+    """The trajectory as the dataset gave it."""
+    agent: str | None = None
+    """The agent whose trajectory it is (from the dataset, the trajectory's format, or the image's label)."""
+    image: str | None = None
+    """The image as asked for (a task image's reference, or the agent image's tag once it is known)."""
     image_digest: str | None = None
     """The registry digest the image came from (``repo@sha256:...``), when it came from one."""
     status: str
     """A record status (``ok``, ``replay_failed``, ``timeout``, ``oom``, ``infra_error``, ``interrupted``),
-    ``rejected`` (refused before a sandbox started) or ``not_run`` (the deadline passed first)."""
+    ``rejected`` (refused before a sandbox started) or ``not_run`` (the batch ended, or was stopped, first)."""
     category: str | None = None
+    """Why it is not ok: pvisor's failure category for ``replay_failed``, pvisor-host's otherwise
+    (``image_not_found``, ``registry_unreachable``, ``disk_full``, ``usage``, ...)."""
     message: str | None = None
-    timings: dict[str, float] = {}
-    attempts: int = 0
+    """The same in words."""
     skipped: bool = False
-    """Finished in an earlier run with the same content key, so not run again."""
+    """Finished in an earlier run with the same content key, so not run again (its figures are that run's)."""
+    attempts: int = 0
+    """Attempts its replay took (0: none ran)."""
     path: str | None = None
+    """Its directory, relative to the batch's, when it has one."""
     replayed: int | None = None
     """Tool calls pvisor replayed (``replayed_tool_calls``)."""
     exact: int | None = None
@@ -85,14 +109,155 @@ class ItemResult(BaseModel):
     """Of those, the calls whose fresh observation differs from the recorded one otherwise."""
     continued: int | None = None
     """Steps the live agent took after the boundary (``continued_steps``)."""
-    verification: VerificationResult | None = None
-    """With ``--verify``: whether the task's verifier passed, and its reward."""
-    model: ModelTotals | None = None
-    """A live continuation's model figures (tokens, cost, ...), every attempt's calls included."""
-    egress: EgressTotals | None = None
-    """With ``--egress``: the connections its tool calls made and were refused, the bytes, the hosts."""
-    repeat_of: str | None = None
-    """With ``--repeat K``: the id its repeats share (see :class:`FlakyItem`)."""
+    verification: VerificationOutcome | None = None
+    """With ``--verify``: ``passed``, ``failed``, ``timed_out`` or ``could_not_run`` (no verdict on the task)."""
+    verification_passed: bool | None = None
+    """With ``--verify``: whether the task's verifier passed (None when it could not run)."""
+    verification_exit_code: int | None = None
+    """The verifier's exit code, when it ran to its end."""
+    verification_reward: float | None = None
+    """The reward it wrote (``reward.txt``, ``reward.json``), else 1 or 0."""
+    verification_seconds: float | None = None
+    """How long the verifier ran."""
+    verification_note: str | None = None
+    """Why it did not run to its end, when it did not."""
+    model_calls: int | None = None
+    """A live continuation's model calls, every attempt's (None: no gateway saw its model)."""
+    model_input_tokens: int | None = None
+    """Input tokens, the cached ones included (as the APIs count them)."""
+    model_output_tokens: int | None = None
+    """Output tokens."""
+    model_cached_tokens: int | None = None
+    """Of the input tokens, those the upstream served from its cache."""
+    model_retries: int | None = None
+    """Upstream refusals the gateway retried before an answer reached the agent."""
+    model_errors: int | None = None
+    """Calls whose answer to the agent was an error, or a stream that broke off."""
+    model_waited_seconds: float | None = None
+    """Time its calls waited for a slot in the batch's model limits."""
+    model_latency_p50_ms: float | None = None
+    """The median of its model calls' latency, to the first byte."""
+    model_latency_p90_ms: float | None = None
+    """Their 90th percentile."""
+    model_cost: float | None = None
+    """What the tokens cost at ``--model-price``."""
+    model_drift_call: int | None = None
+    """With a cassette served back: the first model call whose request differed from the recording."""
+    model_drift_field: str | None = None
+    """Where that request differed: ``messages``, ``input``, ... (``calls``: more calls than the tape holds)."""
+    model_drift_message: int | None = None
+    """The first message of that field (0-based) that differs."""
+    egress_connections: int | None = None
+    """With ``--egress``: connections its tool calls made through the egress proxy."""
+    egress_refused: int | None = None
+    """Connections the proxy refused (not listed, a non-public address, a cap)."""
+    egress_sent: int | None = None
+    """Bytes sent through them."""
+    egress_received: int | None = None
+    """Bytes received."""
+    egress_limited: str | None = None
+    """Which ``--egress-limit`` cap was reached, if one was."""
+    egress_hosts: list[str] | None = None
+    """``host:port`` reached (the first 50)."""
+    egress_refused_hosts: list[str] | None = None
+    """``host:port`` refused (the first 50)."""
+    time_pull_wait: float | None = None
+    """Seconds it waited for its task image (pulled just in time)."""
+    time_preflight: float | None = None
+    """Seconds of its host checks."""
+    time_image: float | None = None
+    """Seconds making its image ready (a build, a probe, an injected runtime)."""
+    time_stage: float | None = None
+    """Seconds staging its run directory (the trajectory, the workspace)."""
+    time_create: float | None = None
+    """Seconds for the engine to create and start its sandbox."""
+    time_run: float | None = None
+    """Seconds pvisor ran in the sandbox."""
+    time_collect: float | None = None
+    """Seconds collecting its results."""
+    time_verify: float | None = None
+    """Seconds its verifier ran (``--verify``)."""
+    time_total: float | None = None
+    """Seconds, the phases above added up (the wait for its image aside)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nested(cls, value: Any) -> Any:
+        """A row of a ``results.jsonl`` written before rows were flat (nested ``timings``, ``verification``,
+        ``model`` and ``egress``), read as a flat one."""
+        if not isinstance(value, dict) or not any(isinstance(value.get(k), dict) for k in _NESTED):
+            return value
+        row = dict(value)
+        for phase, seconds in (row.pop("timings", None) or {}).items():
+            row[f"time_{phase}"] = seconds
+        verification = row.pop("verification", None)
+        if isinstance(verification, dict):
+            passed = verification.get("passed")
+            timed_out = verification.get("timed_out")
+            row["verification"] = "timed_out" if timed_out else "passed" if passed else "failed"
+            row["verification_passed"] = passed
+            for key in ("exit_code", "reward", "seconds"):
+                row[f"verification_{key}"] = verification.get(key)
+        for group in ("model", "egress"):
+            nested = row.pop(group, None)
+            for key, inner in (nested or {}).items():
+                if isinstance(inner, dict):  # the model's drift
+                    row.update({f"{group}_{key}_{k}": v for k, v in inner.items() if k != "diff"})
+                else:
+                    row[f"{group}_{key}"] = inner
+        return row
+
+    @classmethod
+    def without_record(cls, keys: ItemKeys, status: str, **fields: Any) -> ItemResult:
+        """The row of an item that got no record: refused at pre-flight, not run, or stopped before it started."""
+        return cls.model_validate({**keys.model_dump(exclude={"columns"}), **keys.columns, "status": status, **fields})
+
+    @classmethod
+    def from_record(
+        cls, record: ReplayRecord, keys: ItemKeys, *, path: str, skipped: bool = False, run_dir: Path | None = None
+    ) -> ItemResult:
+        """The row of an item from its record (``path``: its directory, relative to the batch's; ``run_dir``: where
+        it is, for a record written before records said how each call's observation matched)."""
+        result = record.result
+        row: dict[str, Any] = {
+            **keys.model_dump(exclude={"columns"}),
+            **keys.columns,
+            "agent": record.inputs.agent,
+            "image": record.image.ref,
+            "image_digest": record.image.digest,
+            "status": record.status,
+            "category": record.failure.category if record.failure else None,
+            "message": record.failure.message if record.failure else None,
+            "skipped": skipped,
+            "attempts": max(1, len(record.attempts)),
+            "path": path,
+            "replayed": result.replayed_tool_calls if result is not None else None,
+            "continued": result.continued_steps if result is not None else None,
+            **{f"time_{phase}": seconds for phase, seconds in record.timings.items() if phase in PHASES},
+        }
+        observations = record.observations
+        if observations is None and run_dir is not None:  # whatever pvisor did not call exact, diverged
+            observations = match_observations(record.artifact_json(run_dir, "observation_comparison"), Path(), None)
+        if observations is not None:
+            row.update(exact=observations.exact, whitespace=observations.whitespace, diverged=observations.diverged)
+        verified = record.verification
+        if verified is not None:
+            row.update(
+                verification=verified.outcome, verification_passed=verified.passed,
+                verification_exit_code=verified.exit_code, verification_reward=verified.reward,
+                verification_seconds=verified.seconds, verification_note=verified.note,
+            )  # fmt: skip
+        totals = record.model.totals if record.model is not None else None
+        if totals is not None:
+            row.update({f"model_{k}": v for k, v in totals.model_dump(exclude={"drift"}).items()})
+            if totals.drift is not None:
+                drift = totals.drift
+                row.update(
+                    model_drift_call=drift.call, model_drift_field=drift.field, model_drift_message=drift.message
+                )
+        if record.egress is not None:
+            row.update({f"egress_{k}": v for k, v in record.egress.totals().model_dump().items()})
+        return cls.model_validate(row)
 
     @property
     def ran(self) -> bool:
@@ -102,7 +267,46 @@ class ItemResult(BaseModel):
     @property
     def not_ok(self) -> bool:
         """It did not end ``ok``, or its verifier did not pass: what the terminal lists and ``--not-ok`` keeps."""
-        return self.status != "ok" or (self.verification is not None and self.verification.passed is not True)
+        return self.status != "ok" or (self.verification is not None and self.verification != "passed")
+
+    @property
+    def columns(self) -> dict[str, Any]:
+        """The dataset's columns it kept (``--keep``)."""
+        return dict(self.model_extra or {})
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase it has (:data:`PHASES`)."""
+        found = {phase: getattr(self, f"time_{phase}") for phase in PHASES}
+        return {phase: seconds for phase, seconds in found.items() if seconds is not None}
+
+    def describe_verification(self) -> str | None:
+        """Its verification in one line (None: it had none)."""
+        if self.verification is None:
+            return None
+        return describe_verification(
+            self.verification, self.verification_exit_code, self.verification_reward, self.verification_seconds,
+            self.verification_note,
+        )  # fmt: skip
+
+    def model_totals(self) -> ModelTotals | None:
+        """Its model figures as the record has them (None: it had no model gateway)."""
+        if self.model_calls is None:
+            return None
+        fields = {name: getattr(self, f"model_{name}") for name in ModelTotals.model_fields if name != "drift"}
+        drift = None
+        if self.model_drift_call is not None:
+            drift = ModelDrift(
+                call=self.model_drift_call, field=self.model_drift_field or "", message=self.model_drift_message,
+                diff="",
+            )  # fmt: skip
+        return ModelTotals.model_validate({k: v for k, v in fields.items() if v is not None} | {"drift": drift})
+
+    def egress_totals(self) -> EgressTotals | None:
+        """Its egress as the record counts it (None: it ran without ``--egress``)."""
+        if self.egress_connections is None:
+            return None
+        fields = {name: getattr(self, f"egress_{name}") for name in EgressTotals.model_fields}
+        return EgressTotals.model_validate({k: v for k, v in fields.items() if v is not None})
 
     def outcome_line(self) -> str:
         """How it ended, in one line: its status and why, and its verification (the terminal's list)."""
@@ -110,9 +314,16 @@ class ItemResult(BaseModel):
         reason = self.message or (self.category if self.category not in (None, self.status) else None)
         if reason:
             line += f": {reason}"
-        if self.verification is not None:
-            line += f"; verification {self.verification.describe()}"
+        verification = self.describe_verification()
+        if verification is not None:
+            line += f"; verification {verification}"
         return line
+
+
+#: The groups an older row nested.
+_NESTED = ("timings", "verification", "model", "egress")
+#: The columns every row has, in order (the dataset's kept columns follow them).
+ROW_COLUMNS: tuple[str, ...] = tuple(ItemResult.model_fields)
 
 
 class ImageStats(BaseModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -79,18 +80,19 @@ def gather(
         calls = _compared(out, view) if view.dir is not None and (unknown or view.diverged > 0) else None
         if calls is not None:
             outcomes = Counter(call.outcome for call in calls)
-            view.exact, view.diverged, view.errored = outcomes["exact"], outcomes["diverged"], outcomes["errored"]
+            view.exact, view.whitespace = outcomes["exact"], outcomes["whitespace"]
+            view.diverged, view.errored = outcomes["diverged"], outcomes["errored"]
             groups.add(view.id, calls)
-        elif view.replayed and view.status == "ok":
-            view.exact = view.replayed  # every replayed call reproduced (results.jsonl says none diverged)
+        elif view.replayed and view.status == "ok":  # every replayed call reproduced (the row says none diverged)
+            view.exact = view.replayed - view.whitespace
         index = table.add(view)
         _tally(images, boundaries, view)
         if not result.skipped:
-            for phase in PHASES:
-                if phase in result.timings:
-                    phases[phase].append(result.timings[phase])
-            if result.model is not None:
-                totals.append(result.model)
+            for phase, seconds in result.timings().items():
+                phases[phase].append(seconds)
+            model = result.model_totals()
+            if model is not None:
+                totals.append(model)
         if view.dir is not None:
             candidates.append((_priority(view), index, view.id, view.dir))
     summary = _summary(out)
@@ -242,7 +244,7 @@ def _summary(out: Path) -> dict[str, Any]:
 
 def _row_view(result: ItemResult) -> ItemView:
     """An item's row, from its result alone (no file read)."""
-    verification = result.verification
+    model = result.model_totals()
     return ItemView(
         id=result.id,
         line=result.line,
@@ -254,18 +256,19 @@ def _row_view(result: ItemResult) -> ItemView:
         after_step=result.after_step,
         replayed=result.replayed,
         continued=result.continued,
+        whitespace=result.whitespace or 0,
         diverged=result.diverged or 0,
-        duration=round(result.timings["total"], 3) if "total" in result.timings else None,
-        pull_wait=round(result.timings["pull_wait"], 3) if "pull_wait" in result.timings else None,
+        duration=round(result.time_total, 3) if result.time_total is not None else None,
+        pull_wait=round(result.time_pull_wait, 3) if result.time_pull_wait is not None else None,
         attempts=result.attempts,
         skipped=result.skipped,
         dir=result.path,
-        tokens=result.model.input_tokens + result.model.output_tokens if result.model is not None else None,
-        verified=verification.passed if verification is not None else None,
-        reward=verification.reward if verification is not None else None,
-        egress=result.egress.connections if result.egress is not None else None,
-        refused=result.egress.refused if result.egress is not None else None,
-        model=_model_line(result.model),
+        tokens=model.input_tokens + model.output_tokens if model is not None else None,
+        verified=result.verification_passed,
+        reward=result.verification_reward,
+        egress=result.egress_connections,
+        refused=result.egress_refused,
+        model=_model_line(model),
     )
 
 
@@ -277,13 +280,24 @@ def _priority(view: ItemView) -> int:
 
 
 def _compared(out: Path, view: ItemView) -> list[CallView] | None:
-    """The item's replayed calls from pvisor's output files (no record read): None when there are none."""
+    """The item's replayed calls from pvisor's output files and how its record says each matched: None when there
+    are none."""
     assert view.dir is not None
     output = out / view.dir / "output"
     compared = _read_json(output / "observation-comparison.json")
     if not isinstance(compared, list):
         return None
-    return _calls(compared, _arguments(_read_json(output / "manifest.json")))
+    record = _read_json(out / view.dir / "record.json")
+    observations = record.get("observations") if isinstance(record, dict) else None
+    return _calls(compared, _arguments(_read_json(output / "manifest.json")), _matches(observations))
+
+
+def _matches(observations: Any) -> dict[str, str]:
+    """Each call id's match (``exact``, ``whitespace``, ``diverged``) from a record's ``observations``."""
+    calls = observations.get("calls") if isinstance(observations, dict) else None
+    if not isinstance(calls, list):
+        return {}
+    return {str(c.get("call_id")): str(c.get("match")) for c in calls if isinstance(c, dict)}
 
 
 def _read_json(path: Path) -> Any:
@@ -352,10 +366,11 @@ def _detail_view(out: Path, item_id: str, directory: str) -> tuple[ItemView, _Ob
     view.model = _model_line(record.model.totals if record.model is not None else None)
     compared = record.artifact_json(item_dir, "observation_comparison")
     if isinstance(compared, list):
-        view.calls = _calls(compared, _arguments(record.artifact_json(item_dir, "playback_plan")))
+        matches = {c.call_id: c.match for c in record.observations.calls} if record.observations is not None else {}
+        view.calls = _calls(compared, _arguments(record.artifact_json(item_dir, "playback_plan")), matches)
     view.next_action = _next_action(record.artifact_json(item_dir, "next_action_comparison"))
     fresh = record.artifact_path(item_dir, "reconstructed_native_trajectory")
-    if fresh is None or not any(call.outcome != "exact" for call in view.calls):
+    if fresh is None or not any(call.outcome not in ("exact", "whitespace") for call in view.calls):
         return view, None
     return view, _Observations(Path(record.inputs.trajectory.path), record.inputs.trajectory.size, fresh)
 
@@ -384,19 +399,25 @@ class _Observations(NamedTuple):
     fresh: Path
 
 
-def _calls(compared: list[Any], arguments: dict[str, Any]) -> list[CallView]:
+def _calls(compared: list[Any], arguments: dict[str, Any], matches: Mapping[str, str]) -> list[CallView]:
     calls = []
     for index, entry in enumerate(c for c in compared if isinstance(c, dict)):
+        call_id = str(entry.get("call_id"))
         exact = bool(entry.get("exact"))
         replayed_error = bool(entry.get("replayed_is_error"))
-        call_id = str(entry.get("call_id"))
         calls.append(
             CallView(
                 index=index,
                 call_id=call_id,
                 tool=str(entry.get("tool")),
                 command=_command(arguments.get(call_id)),
-                outcome="exact" if exact else "errored" if replayed_error else "diverged",
+                outcome="exact"
+                if exact
+                else "errored"
+                if replayed_error
+                else "whitespace"
+                if matches.get(call_id) == "whitespace"
+                else "diverged",
                 original_is_error=bool(entry.get("original_is_error")),
                 replayed_is_error=replayed_error,
             )
@@ -411,7 +432,7 @@ def _add_diffs(pending: list[tuple[ItemView, _Observations]], room: int) -> int:
     skipped = 0
     for first in (True, False):
         for view, source in pending:
-            differing = [call for call in view.calls if call.outcome != "exact"][:DIFFS_PER_ITEM]
+            differing = [call for call in view.calls if call.outcome not in ("exact", "whitespace")][:DIFFS_PER_ITEM]
             calls = differing[:1] if first else differing[1:]
             if room <= 0:
                 skipped += len(calls)
@@ -477,7 +498,7 @@ class _Groups:
         for call in calls:
             for key in ((call.tool, None), (call.tool, call.command)):
                 self.calls[key] += 1
-                if call.outcome != "exact":
+                if call.outcome not in ("exact", "whitespace"):
                     self.diverged[key] += 1
                     if len(self.where[key]) < 10 and item_id not in self.where[key]:
                         self.where[key].append(item_id)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 REPORT_SCHEMA = "pvisor-host.report/v1"
-CallOutcome = Literal["exact", "diverged", "errored"]
+CallOutcome = Literal["exact", "whitespace", "diverged", "errored"]
 
 
 class CallView(BaseModel):
@@ -25,8 +25,9 @@ class CallView(BaseModel):
     command: str | None = None
     """The shell command, or the path, pattern or URL the call acted on (shortened)."""
     outcome: CallOutcome
-    """``exact``: the fresh observation equals the recorded one; ``errored``: it did not, and the fresh call
-    failed; ``diverged``: it did not, otherwise."""
+    """``exact``: the fresh observation equals the recorded one; ``whitespace``: it differs in whitespace or line
+    endings only (reproduced); ``errored``: it did not, and the fresh call failed; ``diverged``: it did not,
+    otherwise."""
     original_is_error: bool = False
     replayed_is_error: bool = False
     diff: str | None = None
@@ -72,6 +73,7 @@ class ItemView(BaseModel):
     continued: int | None = None
     """pvisor's ``continued_steps``."""
     exact: int = 0
+    whitespace: int = 0
     diverged: int = 0
     errored: int = 0
     duration: float | None = None
@@ -109,10 +111,12 @@ class ItemView(BaseModel):
 ROW = (
     "id", "line", "dir", "status", "agent", "after_step", "image", "replayed", "duration", "diverged", "errored",
     "continued", "exact", "verified", "reward", "pull_wait", "tokens", "category", "message", "attempts", "skipped",
-    "egress", "refused",
+    "egress", "refused", "whitespace",
 )  # fmt: skip
 #: What a row's trailing columns default to (left off when they hold it).
-ROW_DEFAULTS: dict[str, Any] = {"diverged": 0, "errored": 0, "exact": None, "attempts": 1, "skipped": 0}
+ROW_DEFAULTS: dict[str, Any] = {
+    "diverged": 0, "errored": 0, "exact": None, "attempts": 1, "skipped": 0, "whitespace": 0,
+}  # fmt: skip
 #: The row's columns that hold indices into :attr:`ReportData.values` (repeated strings, stored once).
 INDEXED = ("status", "agent", "image", "category", "message")
 #: What an item's details hold (its :class:`ItemView` fields beyond the row).

@@ -226,6 +226,9 @@ def test_sigint_at_random_moments_leaves_nothing_and_resumes_to_the_same_summary
             json.loads(record.read_text())
         if process.returncode == 130 and (out / "summary.json").exists():
             assert summary_of(out)["interrupted"] is True
+            rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            assert len(rows) == 12 and all(row["after_step"] == 1 for row in rows), f"seed {seed}, moment {moment}"
+            assert sum(summary_of(out)["counts"].values()) == 12  # the counts add up: not_run for what never ran
         elif process.returncode == 130:  # interrupted while starting up, before the batch began
             after = {path: path.stat().st_mtime_ns for path in out.glob("*/record.json")}
             assert after == before, f"seed {seed}, moment {moment}: items ran but no summary"

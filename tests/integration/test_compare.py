@@ -16,14 +16,16 @@ DIFFERENT = "an observation the fresh run will not reproduce"
 RANDOM = "cat /proc/sys/kernel/random/uuid > out.txt"
 
 
-def session(second_command: str = "true", second_result: str = "") -> list[dict]:
-    """Two tool batches: ``true`` (no output, recorded as none), then the given command and recording."""
+def session(second_command: str = "true", second_result: str = "", version: str = "2.1.220") -> list[dict]:
+    """Two tool batches: ``true`` (no output, recorded as none), then the given command and recording; another
+    ``version`` than the pinned one is a trajectory pvisor refuses (``rejected`` before any sandbox)."""
     return claude_session(
         "Compare.",
         [
             Turn([Call("Bash", {"command": "true"}, result="")]),
             Turn([Call("Bash", {"command": second_command, "timeout": 600000}, result=second_result)]),
         ],
+        version=version,
     )
 
 
@@ -55,6 +57,7 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
             "drifts": (session(), {}),
             "random": (session(RANDOM), {}),
             "retired": (session(), {}),
+            "rejects": (session(), {}),
         },
     )
     new = batch(
@@ -66,13 +69,15 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
             "drifts": (session(second_result=DIFFERENT), {}),
             "random": (session(RANDOM), {}),  # the same calls, the same (empty) observations, another file
             "added": (session(), {}),
+            "rejects": (session(version="2.1.219"), {}),  # ok before, now refused by pvisor: a regression
+            "added-broken": (session(version="2.1.219"), {}),  # new and refused: a new failure
         },
         "--baseline",
         tmp_path / "old-out",
         env={"GITHUB_STEP_SUMMARY": str(step_summary)},
     )
     before = {p.parent.name: json.loads(p.read_text())["status"] for p in old.glob("*/record.json")}
-    assert before == dict.fromkeys(("steady", "breaks", "drifts", "random", "retired"), "ok")
+    assert before == dict.fromkeys(("steady", "breaks", "drifts", "random", "retired", "rejects"), "ok")
 
     junit = tmp_path / "compare.xml"
     done = run_cli("compare", old, new, "--json", "--junit", junit)
@@ -80,12 +85,15 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     result = json.loads(done.stdout)
     assert [(c["kind"], c["id"]) for c in result["changes"]] == [
         ("regression", "breaks"),
+        ("regression", "rejects"),  # rejected at pre-flight: no record, a row all the same
+        ("regression", "retired"),  # ok before, gone now
+        ("new_failure", "added-broken"),
         ("divergence_moved", "drifts"),
         ("effects_changed", "random"),
-        ("gone", "retired"),
         ("new", "added"),
     ]
-    assert (result["matched"], result["unchanged"]) == (4, 1)
+    assert (result["matched"], result["unchanged"]) == (5, 1)
+    assert json.loads(done.stdout)["changes"][1]["new"]["category"] == "unsupported_version"
     changes = {c["id"]: c for c in result["changes"]}
     assert changes["breaks"]["new"]["status"] == "timeout"
     assert changes["drifts"]["old"]["first_divergence"] is None  # both calls reproduced exactly
@@ -94,14 +102,17 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
     assert changes["random"]["files"] == ["out.txt"] and changes["random"]["new"]["diverged"] == []
 
     assert json.loads((new / "compare.json").read_text())["changes"] == result["changes"]  # batch --baseline
-    assert ET.parse(new / "compare.xml").getroot().get("failures") == "1"
+    assert ET.parse(new / "compare.xml").getroot().get("failures") == "4"
     suite = ET.parse(junit).getroot()
-    assert [case.get("name") for case in suite if case.find("failure") is not None] == ["breaks"]
+    assert [case.get("name") for case in suite if case.find("failure") is not None] == [
+        "breaks (after step 2)", "rejects (after step 2)", "retired (after step 2)", "added-broken (after step 2)",
+    ]  # fmt: skip
+    assert suite.get("tests") == "8"  # every item is a test case, the unchanged one too
 
     table = run_cli("compare", old, new)
     assert table.code == 1
     assert table.stdout.splitlines()[-1] == (
-        "4 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 gone, 1 new, 1 regression"
+        "5 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 new, 1 new failure, 3 regression"
     )
     assert "diverges at call 2 (Bash toolu_02a)" in table.stdout
 
@@ -114,14 +125,15 @@ def test_compare_reports_exactly_the_item_that_failed_and_the_one_that_diverged(
         )
         rows = [[cell.strip() for cell in row] for row in rows]
         assert [row[:3] for row in rows] == [
-            ["regression", "breaks", "2"], ["divergence moved", "drifts", "2"], ["effects changed", "random", "2"],
-            ["gone", "retired", "2"], ["new", "added", "2"],
+            ["regression", "breaks", "2"], ["regression", "rejects", "2"], ["regression", "retired", "2"],
+            ["new failure", "added-broken", "2"], ["divergence moved", "drifts", "2"],
+            ["effects changed", "random", "2"], ["new", "added", "2"],
         ]  # fmt: skip
         assert rows[0][3:5] == ["ok, every observation exact", "timeout"]
-        assert rows[2][5] == "out.txt"
+        assert rows[5][5] == "out.txt"
         totals = page.js("document.getElementById('comparison-totals').textContent")
         assert totals.endswith(
-            "4 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 gone, 1 new, 1 regression."
+            "5 items matched, 1 unchanged; 1 divergence moved, 1 effects changed, 1 new, 1 new failure, 3 regression."
         )
 
     # The step summary names the regression; the same batch again, against a copy of itself, has failures that

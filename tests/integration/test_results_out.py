@@ -125,19 +125,20 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     }  # fmt: skip
     assert summary["counts"] == {"ok": 4}
     rows = {row["id"]: row for row in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
-    seen = {item: (row["verification"]["passed"], row["verification"]["reward"], row["verification"]["timed_out"])
+    seen = {item: (row["verification"], row["verification_passed"], row["verification_reward"])
             for item, row in rows.items()}  # fmt: skip
     assert seen == {
-        "passes": (True, 1.0, False),
-        "fails": (False, 0.0, False),
-        "hangs": (False, 0.0, True),
-        "rewarded": (True, 0.75, False),
+        "passes": ("passed", True, 1.0),
+        "fails": ("failed", False, 0.0),
+        "hangs": ("timed_out", False, 0.0),
+        "rewarded": ("passed", True, 0.75),
     }
     record = json.loads((out / "fails" / "record.json").read_text())
     assert record["verification"]["exit_code"] == 1 and "no such file" in record["verification"]["output_tail"]
     assert json.loads((out / "rewarded" / "record.json").read_text())["verification"]["reward_source"] == "reward.txt"
     assert (out / "rewarded" / "verifier" / "reward.txt").read_text() == "0.75\n"
     assert rows["passes"]["after_step"] == 1 and rows["passes"]["replayed"] == 1 and rows["passes"]["diverged"] == 0
+    assert result.stdout.count("verification") >= 1
     junit = (out / "junit.xml").read_text()
     assert junit.count('type="verification_failed"') == 1 and junit.count('type="verification_timed_out"') == 1
 
@@ -148,10 +149,10 @@ def test_verify_results_csv_parquet_and_a_verification_that_flips(tmp_path, clau
     pq = pytest.importorskip("pyarrow.parquet")
     table = pq.read_table(parquet).to_pylist()
     assert [row["id"] for row in table] == list(rows)
-    assert [row["verification.passed"] for row in table] == [r["verification"]["passed"] for r in rows.values()]
-    assert [row["timings.run"] for row in table] == [r["timings"]["run"] for r in rows.values()]
+    assert [row["verification_passed"] for row in table] == [r["verification_passed"] for r in rows.values()]
+    assert [row["time_run"] for row in table] == [r["time_run"] for r in rows.values()]
     as_csv = run_cli("results", out, "--format", "csv")
-    assert as_csv.code == 0 and as_csv.stdout.splitlines()[0].startswith("id,line,after_step,agent,")
+    assert as_csv.code == 0 and as_csv.stdout.splitlines()[0].startswith("batch,id,line,after_step,repeat_of,")
     assert len(as_csv.stdout.splitlines()) == 5
 
     # The same batch where the item that passed no longer does: compare calls it a regression.
@@ -191,3 +192,67 @@ def test_what_the_replay_leaves_cannot_forge_the_verifiers_reward(tmp_path, clau
     assert not (out / "verifier" / "reward.txt").exists()
     assert record["workspace_changes"]["added"] == ["made.txt"]  # not by-verifier.txt
     assert "s3cret-value" not in (out / "record.json").read_text()
+
+
+def docs_examples() -> tuple[list[str], str]:
+    """The console commands and the Python of docs/batch.md's results section (step 5), as the page has them."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "batch.md").read_text()
+    section = page.split("**5. Results.**", 1)[1].split("compare replays-before/", 1)[0]
+    console = section.split("```console\n", 1)[1].split("```", 1)[0]
+    commands = [line.removeprefix("$ ").split("#")[0].strip() for line in console.splitlines() if line.startswith("$")]
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return commands, python
+
+
+def test_every_batch_has_the_same_columns_and_the_docs_examples_run(tmp_path, claude_image, monkeypatch):
+    """Two real batches of one dataset: one with --verify and a rejected item, one with neither. Their rows have the
+    same columns in the same order, their Parquet files the same schema (nullable ints and booleans), they
+    concatenate, join back to the dataset by its own instance_id, and every example of the docs' results section
+    runs as written."""
+    pd = pytest.importorskip("pandas")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "t.jsonl", claude_session("Make it.", [Turn([Call("Bash", {"command": "echo ok > a"})])]))
+    dataset = pd.DataFrame(
+        {
+            "instance_id": ["task__a-1", "task__b-2", "task__c-3"],
+            "trajectory": ["t.jsonl", "t.jsonl", "t.jsonl"],
+            "after_step": [1, 1, 9],  # the third boundary is past the trajectory's end: rejected, with a row
+            "repo": ["x/a", "x/b", "x/c"],
+        }
+    )
+    dataset.to_parquet(tmp_path / "swe-bench.parquet")
+    common = ("swe-bench.parquet", "--map", "id=instance_id", "--mode", "replay-only", "--keep", "instance_id,repo")
+    verified = run_cli("batch", *common, "--verify", "test -f a", "--out", "replays")
+    assert verified.code == 1, verified.stderr  # the rejected item
+    plain = run_cli("batch", *common, "--out", "replays-model-b")
+    assert plain.code == 1, plain.stderr
+    (tmp_path / "replays-model-a").symlink_to(tmp_path / "replays")
+
+    lines = [json.loads(line) for line in (tmp_path / "replays" / "results.jsonl").read_text().splitlines()]
+    other = [json.loads(line) for line in (tmp_path / "replays-model-b" / "results.jsonl").read_text().splitlines()]
+    assert [list(row) for row in lines] == [list(row) for row in other]  # the same columns, in the same order
+    assert list(lines[0])[-2:] == ["instance_id", "repo"]  # the dataset's own columns, after the fixed ones
+    assert [(r["id"], r["line"], r["after_step"], r["status"]) for r in lines] == [
+        ("task__a-1", 1, 1, "ok"), ("task__b-2", 2, 1, "ok"), ("task__c-3", 3, 9, "rejected"),
+    ]  # fmt: skip
+    assert lines[2]["trajectory"] == "t.jsonl" and lines[2]["path"] is None  # as the dataset gave it; no directory
+    assert (lines[0]["verification"], other[0]["verification"]) == ("passed", None)
+
+    commands, python = docs_examples()
+    for command in commands:
+        done = run_cli(*command.split()[1:])
+        assert done.code == 0, f"{command}: {done.stderr}"
+    schemas = [pq.read_schema(path) for path in ("replays.parquet", "both.parquet")]
+    assert schemas[0].equals(schemas[1], check_metadata=False)
+    kinds = {field.name: str(field.type) for field in schemas[0]}
+    assert (kinds["replayed"], kinds["verification_passed"], kinds["time_total"]) == ("int64", "bool", "double")
+    names = ("replays", "replays-model-b")
+    frames = [pd.read_parquet(tmp_path / "replays.parquet")]
+    run_cli("results", names[1], "--format", "parquet", "--output", "b.parquet")
+    frames.append(pd.read_parquet("b.parquet"))
+    assert pq.read_schema("b.parquet").equals(pq.read_schema("replays.parquet"), check_metadata=False)
+    assert list(pd.concat(frames).columns) == list(frames[0].columns)
+    both = pd.read_parquet("both.parquet")
+    assert sorted(set(both["batch"])) == ["replays-model-a/", "replays-model-b/"] and len(both) == 6
+    exec(compile(python, "docs/batch.md", "exec"), {})  # every line of the docs' Python runs as written

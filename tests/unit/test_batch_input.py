@@ -18,7 +18,7 @@ from pvisor_host.fanout.resume import content_key
 from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markdown, parse_fail_on, summarize
 from pvisor_host.files.digest import tree_sha256
 from pvisor_host.models.batch import ItemResult, VerificationStats, percentile
-from pvisor_host.models.record import ModelDrift, ModelTotals
+from pvisor_host.models.record import ModelDrift
 from pvisor_host.models.spec import ReplaySpec
 
 from conftest import run_cli
@@ -316,7 +316,11 @@ def test_fail_on_is_a_comma_list(text, baseline, expected):
 
 def test_the_step_summary_names_drifted_items_and_links_the_run(monkeypatch):
     drift = ModelDrift(call=2, field="messages", message=5, diff="- Linux 6.1\n+ Linux 6.8")
-    drifted = [ItemResult(id=f"i{n}", line=n, status="ok", model=ModelTotals(calls=2, drift=drift)) for n in range(22)]
+    drifted = [
+        ItemResult(id=f"i{n}", line=n, status="ok", model_calls=2, model_drift_call=drift.call,
+                   model_drift_field=drift.field, model_drift_message=drift.message)
+        for n in range(22)
+    ]  # fmt: skip
     summary = summarize(drifted, total=22, started=START, finished=START, interrupted=False, deadline=False)
     for name, value in (
         ("GITHUB_SERVER_URL", "https://github.com"),

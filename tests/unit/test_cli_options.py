@@ -25,7 +25,7 @@ REPLAY_OWN = {"json_output"}
 BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out_dir", "workers", "deadline",
              "rerun_failed", "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet",
              "json_output", "pull_workers", "image_budget", "keep_images", "item_id", "columns", "registry_mirror",
-             "image_rewrite", "fail_on", "repeat", "limit", "sample", "seed", "select", "verbose"}  # fmt: skip
+             "image_rewrite", "fail_on", "repeat", "limit", "sample", "seed", "select", "verbose", "keep"}  # fmt: skip
 SPEC_OPTIONS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
 BUILD_OPTIONS = {"base", "ca_bundle"}
 PER_ITEM = {"trajectory", "after_step", "out", "run_id", "session_id"}

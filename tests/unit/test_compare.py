@@ -125,14 +125,14 @@ def test_every_kind_of_change_regressions_first(runs):
     old, new = runs
     result = compare_runs(old, new)
     assert [(c.kind, c.id, c.after_step) for c in result.changes] == [
+        ("regression", "gone", 3),  # it was ok, and the new run has no such item: a guard must see it
+        ("regression", "moved-boundary", 2),
         ("regression", "regresses", 3),
         ("status_changed", "other-failure", 3),
         ("divergence_moved", "diverges-later", 3),
         ("divergence_moved", "diverges-more", 3),
         ("divergence_moved", "starts-diverging", 3),
         ("effects_changed", "other-effects", 3),
-        ("gone", "gone", 3),
-        ("gone", "moved-boundary", 2),
         ("new", "moved-boundary", 3),
         ("new", "new", 3),
         ("fixed", "fixed", 3),
@@ -141,9 +141,8 @@ def test_every_kind_of_change_regressions_first(runs):
         "divergence_moved": 3,
         "effects_changed": 1,
         "fixed": 1,
-        "gone": 2,
         "new": 2,
-        "regression": 1,
+        "regression": 3,
         "status_changed": 1,
     }
     assert (result.matched, result.unchanged) == (10, 3)
@@ -154,7 +153,8 @@ def test_every_kind_of_change_regressions_first(runs):
     later = next(c for c in result.changes if c.id == "diverges-later")
     assert later.describe == "ok, diverges at call 1 (Bash toolu_01a) → ok, diverges at call 3 (Bash toolu_03a)"
     assert later.new is not None and (later.new.replayed_calls, later.new.diverged_calls) == (3, 1)
-    regression = result.regressions[0]
+    assert result.regressions[0].describe == "ok, every observation exact → -"
+    regression = result.regressions[2]
     assert regression.describe == "ok, every observation exact → timeout, every observation exact"
 
 
@@ -164,15 +164,17 @@ def test_the_cli_prints_a_table_writes_junit_where_only_regressions_fail_and_exi
     done = run_cli("compare", old, new, "--junit", junit)
     assert (done.code, done.stderr) == (1, "")
     lines = done.stdout.splitlines()
-    assert lines[1].split()[:3] == ["regression", "regresses", "3"]
+    assert lines[1].split()[:3] == ["regression", "gone", "3"]
     assert lines[-1] == (
-        "10 items matched, 3 unchanged; 3 divergence moved, 1 effects changed, 1 fixed, 2 gone, 2 new, "
-        "1 regression, 1 status changed"
+        "10 items matched, 3 unchanged; 3 divergence moved, 1 effects changed, 1 fixed, 2 new, 3 regression, "
+        "1 status changed"
     )
     suite = ET.parse(junit).getroot()
-    assert (suite.get("tests"), suite.get("failures")) == ("11", "1")
+    assert (suite.get("tests"), suite.get("failures")) == ("14", "3")  # every item a case: a green run shows them
     failed = [case.get("name") for case in suite if case.find("failure") is not None]
-    assert failed == ["regresses"]
+    assert failed == ["gone (after step 3)", "moved-boundary (after step 2)", "regresses (after step 3)"]
+    unchanged = [case.get("name") for case in suite if case.get("classname") == "compare.unchanged"]
+    assert unchanged == ["same (after step 3)", "same-failure (after step 3)", "still-diverges (after step 3)"]
 
 
 def test_json_and_no_regression_exits_0(runs):
@@ -192,7 +194,7 @@ def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
         done.stderr
         == f"pvisor-host: error: {missing} is not a directory; pass a batch's or a replay's --out directory\n"
     )
-    with pytest.raises(UsageError, match="holds no readable results"):
+    with pytest.raises(UsageError, match="holds no batch results"):
         compare_runs(tmp_path / "old" / ".previous", runs[1])
     with pytest.raises(UsageError, match="is not a directory"):
         compare_runs(tmp_path / "missing", runs[1])
@@ -250,6 +252,7 @@ def test_two_single_replay_directories_are_compared_as_one_item_and_one_with_a_b
 
 def test_repeats_that_end_or_change_the_workspace_otherwise_are_flaky(tmp_path):
     from pvisor_host.fanout.compare import run_flaky
+    from pvisor_host.fanout.results import load_results
     from pvisor_host.fanout.summary import markdown, summarize
 
     run = tmp_path / "run"
@@ -260,7 +263,7 @@ def test_repeats_that_end_or_change_the_workspace_otherwise_are_flaky(tmp_path):
     item(run, "fails.r2", repeat_of="fails", status="timeout")
     item(run, "fails.r10", repeat_of="fails")
     item(run, "alone", files={"now.txt": "x"})
-    flaky = run_flaky(run)
+    flaky = run_flaky(run, load_results(run))
     assert [(f.id, f.repeats, f.files) for f in flaky] == [
         ("clock", ["clock.r1", "clock.r2", "clock.r3"], ["now.txt"]),
         ("fails", ["fails.r1", "fails.r2", "fails.r10"], []),  # in the repeats' order, not the ids'
@@ -286,11 +289,13 @@ def test_report_with_a_baseline_embeds_the_changes_regressions_first(runs):
     data = json.loads(page.split('<script id="report-data" type="application/json">', 1)[1].split("</script>", 1)[0])
     compared = data["comparison"]
     assert (compared["baseline"], compared["matched"], compared["total"]) == (str(old), 10, 11)
-    assert [(c["kind"], c["id"]) for c in compared["changes"][:2]] == [
+    assert [(c["kind"], c["id"]) for c in compared["changes"][:4]] == [
+        ("regression", "gone"),
+        ("regression", "moved-boundary"),
         ("regression", "regresses"),
         ("status_changed", "other-failure"),
     ]
-    assert compared["changes"][0]["was"] == "ok, every observation exact"
+    assert compared["changes"][2]["was"] == "ok, every observation exact"
     assert run_cli("report", new).code == 0 and '"comparison":' not in (new / "report.html").read_text()
 
 

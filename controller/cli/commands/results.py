@@ -22,8 +22,9 @@ def compare(
     """What changed between two batch runs (or two replays): regressions first, then other status changes,
     other diverged calls, other workspace effects (the files), other images, items gone and new.
 
-    Items are matched by id and boundary (after_step); a replay's one item by its trajectory's file name.
-    Exit 1 when an item that was ok is not any more.
+    Items are matched by id and boundary (after_step); a replay's one item by its trajectory's file name. Every
+    item counts, a rejected one too. Exit 1 when an item that was ok is not any more (or is gone), or a new item is
+    not ok.
     """
     from ...fanout.compare import compare_runs, write_junit
     from ...files.atomic import check_target
@@ -37,7 +38,7 @@ def compare(
         typer.echo(comparison.model_dump_json(indent=2))
     else:
         render.comparison(console(), comparison)
-    return ExitCode.REPLAY_FAILED if comparison.regressions else ExitCode.OK
+    return ExitCode.REPLAY_FAILED if comparison.failing else ExitCode.OK
 
 
 def report(
@@ -63,7 +64,10 @@ def report(
 
 
 def results(
-    run_dir: Annotated[Path, typer.Argument(metavar="DIR", help="A batch's --out directory.", show_default=False)],
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(metavar="DIR...", help="Batch --out directories (several: one table).", show_default=False),
+    ],
     form: Annotated[
         str, typer.Option("--format", metavar="jsonl|csv|parquet", help="Rows as JSON Lines, CSV or Parquet.")
     ] = "jsonl",
@@ -74,20 +78,21 @@ def results(
         bool, typer.Option("--not-ok", help="Only the items that did not end ok, or whose verifier did not pass.")
     ] = False,
 ) -> int:
-    """One row per item of a batch, to analyse (pandas, a spreadsheet, CI): its boundary, agent, image and
-    digest, status and category, replayed, diverged and continued counts, verification, tokens and cost, and
-    durations, the wait for its image included. CSV and Parquet have one column per field (dotted for nested
-    ones: verification.passed, timings.run).
+    """One row per item of a batch, whatever happened to it, to analyse (pandas, a spreadsheet, CI): the same
+    columns in the same order for every batch (docs/batch.md#from-a-dataset-to-results), so several batches read
+    as one table, with a batch column saying whose row it is.
     """
     from ...errors import UsageError
-    from ...fanout.results import load_results, write_results
+    from ...fanout.results import iter_results, kept_columns, write_results
     from ...files.atomic import check_target
 
     if form not in ("jsonl", "csv", "parquet"):
         raise UsageError(f"--format {form!r}: pass jsonl, csv or parquet")
     output = check_target(output, "--output") if output is not None else None
-    rows = [row for row in load_results(run_dir.absolute()) if row.not_ok or not not_ok]
-    data = write_results(rows, form, output)  # type: ignore[arg-type]
+    outs = [path.absolute() for path in run_dirs]
+    rows = iter_results(*outs, names=[str(path) for path in run_dirs])
+    kept = kept_columns(*outs)
+    data = write_results((row for row in rows if row.not_ok or not not_ok), form, output, kept=kept)  # type: ignore[arg-type]
     if data is not None:
         typer.echo(data.decode(), nl=False)
     return ExitCode.OK

@@ -131,6 +131,14 @@ def batch(
         list[str] | None,
         typer.Option(metavar="PATTERN", help="Only the items whose id matches this shell pattern (repeatable)."),
     ] = None,
+    keep: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="COLUMN,...",
+            help="The dataset's own columns each item's row keeps, to join the results back to it (default: "
+            "instance_id, where the dataset has one; --keep '' keeps none).",
+        ),
+    ] = None,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="With --plan: each item's mounts, limits and command too.")
     ] = False,
@@ -220,7 +228,7 @@ def batch(
     source = BatchInput.parse(
         manifest=manifest or manifest_file, trajectories=trajectories, after_step=after_step, id=item_id,
         map=columns or [], defaults=spec_fields(options), repeat=repeat, limit=limit, sample=sample, seed=seed,
-        select=select or [],
+        select=select or [], keep=keep,
     )  # fmt: skip
     checked = source.check()
     for problem in checked.problems:
@@ -298,9 +306,13 @@ def _compare_with(baseline: Path, batch_dir: Path, *, quiet: bool) -> int:
     comparison = compare_runs(baseline, batch_dir)
     write_reports(comparison, batch_dir)
     write_report(batch_dir, comparison=comparison)  # the page again, with what changed side by side
-    regressed = len(comparison.regressions)
+    regressed = len(comparison.failing)
     if quiet:
-        say(f"pvisor-host: against {baseline}: {regressed} regressed, {len(comparison.changes)} changed (compare.json)")
+        say(
+            f"pvisor-host: against {baseline}: {len(comparison.regressions)} regressed, "
+            f"{regressed - len(comparison.regressions)} new and failing, {len(comparison.changes)} changed "
+            "(compare.json)"
+        )
     else:
         render.comparison(console(), comparison)
     return regressed
