@@ -1,5 +1,7 @@
 """``report``: ``report.html`` of 2,000 and of 100,000 items (copies of a real batch's): the page's size, the
-memory and time to write it, and the time to its first rows in headless Chromium (median of 3).
+memory and time to write it, and the time to its first rows in headless Chromium (median of 3). Then ``results`` of
+the 100,000 items to Parquet against reading the same ``results.jsonl`` with pandas, interleaved (3 pairs): time
+and peak RSS.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import CLI, ROOT, batch_command, median, scaled, write_manifest
+from bench.common import CLI, ROOT, batch_command, median, peak_rss, scaled, write_manifest
 
 
 def report(work: Path) -> dict[str, Any]:
@@ -54,4 +56,29 @@ def report(work: Path) -> dict[str, Any]:
     return {
         "rows": rows,
         "target": "100,000 items: a page of at most 10 MB, written in at most 300 MB, first rows within 3 s",
+        "results": _results(big, work),
+    }
+
+
+def _results(batch: Path, work: Path) -> dict[str, Any]:
+    """``pvisor-host results DIR --format parquet`` against ``pd.read_json(results.jsonl, lines=True)``, pairs
+    interleaved: each one's wall time and peak RSS, and the medians' ratios."""
+    ours = [CLI, "results", str(batch), "--format", "parquet", "--output", str(work / "rows.parquet")]
+    pandas = [sys.executable, "-c", f"import pandas as pd; pd.read_json({str(batch / 'results.jsonl')!r}, lines=True)"]
+    times: dict[str, list[float]] = {"results": [], "pandas": []}
+    peaks: dict[str, list[int]] = {"results": [], "pandas": []}
+    for _ in range(3):
+        for name, command in (("results", ours), ("pandas", pandas)):
+            wall, peak = peak_rss(command)
+            times[name].append(wall)
+            peaks[name].append(peak)
+    mine, theirs = median(times["results"]), median(times["pandas"])
+    return {
+        "items": sum(1 for _ in (batch / "results.jsonl").open()),
+        "results_seconds": round(mine, 2),
+        "pandas_seconds": round(theirs, 2),
+        "time_ratio": round(mine / theirs, 2),
+        "results_peak_rss_mib": round(max(peaks["results"]) / 2**20, 1),
+        "pandas_peak_rss_mib": round(max(peaks["pandas"]) / 2**20, 1),
+        "target": "at most 1.5x the time of reading results.jsonl with pandas, at most 500 MB",
     }

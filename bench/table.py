@@ -64,6 +64,13 @@ def table(results: dict[str, Any]) -> str:
     if "report" in results:
         for items, row in results["report"]["rows"].items():
             lines.append(f"report of {items} items: {row}")
+        rows = results["report"].get("results")
+        if rows:
+            lines.append(
+                f"results of {rows['items']} items to Parquet: {rows['results_seconds']} s, "
+                f"{rows['results_peak_rss_mib']} MiB; pandas reading the same results.jsonl: "
+                f"{rows['pandas_seconds']} s, {rows['pandas_peak_rss_mib']} MiB ({rows['time_ratio']}x)"
+            )
     if "gateway" in results:
         g = results["gateway"]
         for row, added in g["added_latency"].items():

@@ -56,7 +56,7 @@ Entry = ReplaySpec | Mapping[str, Any]
 @contextlib.contextmanager
 def _engine(docker_host: str | None, *, pool_size: int = 10, **where: Any) -> Iterator[AnyBackend]:
     """The backend, open for the block (``where``: ``cluster``, ``registry``, ``registry_mirror``,
-    ``image_rewrites``, as :func:`open_backend` takes them)."""
+    ``image_rewrites``, ``out``, as :func:`open_backend` takes them)."""
     backend = open_backend(pool_size=pool_size, docker_host=docker_host, **where)
     try:
         yield backend
@@ -268,7 +268,7 @@ def batch(
     )
     opener = functools.partial(
         _pooled_engine, docker_host, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
-        image_rewrites=image_rewrites, lent=backend,
+        image_rewrites=image_rewrites, lent=backend, out=options.out,
     )  # fmt: skip
     return Batch(checked, options, backend=opener, fit_workers=workers is None)
 

@@ -330,7 +330,7 @@ class FakeBackend:
         self.cancels += 1
         self._stop.set()
 
-    def sweep(self, *, dry_run: bool = False) -> GcReport:
+    def sweep(self, *, dry_run: bool = False, out: Path | None = None) -> GcReport:
         return GcReport(orphans=[], live=0, other_hosts=0)
 
     def catalog(self) -> list[CatalogEntry]:

@@ -18,6 +18,8 @@ from ..errors import UsageError
 from .base import AnyBackend, Backend, ModelGateway
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..models.ownership import Ownership
 
 __all__ = ["AnyBackend", "Backend", "ModelGateway", "check_cluster_options", "check_registry", "open_backend"]
@@ -68,6 +70,7 @@ def open_backend(
     registry: str | None = None,
     registry_mirror: str | None = None,
     image_rewrites: list[str] | None = None,
+    out: Path | None = None,
 ) -> AnyBackend:
     """The Docker engine at ``docker_host`` (default: ``DOCKER_HOST``, else the default socket), checked with a
     ping; with ``cluster`` (``HEAD:PORT``), the Ray cluster there, this engine making the images.
@@ -94,9 +97,8 @@ def open_backend(
         from .cluster.connect import require_ray
 
         require_ray()
-    local = DockerBackend.connect(
-        ownership or Ownership.current(), pool_size=pool_size, timeout=timeout, docker_host=docker_host
-    )
+    ownership = ownership or Ownership.current(out=str(out) if out is not None else None)
+    local = DockerBackend.connect(ownership, pool_size=pool_size, timeout=timeout, docker_host=docker_host)
     local.use_mirrors(mirrors)
     if cluster is None:
         return local

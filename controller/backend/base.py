@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:  # annotations only: importing the seam costs nothing
     import threading
     from collections.abc import Callable
+    from pathlib import Path
 
     from ..models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
     from ..models.image import (
@@ -205,8 +206,9 @@ class Backend(Protocol[GatewayT]):
 
     # -- housekeeping ---------------------------------------------------------------------------------------
 
-    def sweep(self, *, dry_run: bool = False) -> GcReport:
-        """Remove what controllers that are gone left behind (``gc``); never a live owner's or another host's."""
+    def sweep(self, *, dry_run: bool = False, out: Path | None = None) -> GcReport:
+        """Remove what controllers that are gone left behind (``gc``); never a live owner's or another host's. With
+        ``out``, only what dead runs into that batch directory left (a batch does so before it starts)."""
 
     def catalog(self) -> list[CatalogEntry]:
         """The images and runtime volumes pvisor-host made, least recently used first."""

@@ -488,6 +488,8 @@ def comparison(console: Console, result: Comparison) -> None:
     console.print(f"{result.matched} items matched, {result.unchanged} unchanged; {counts}", highlight=False)
     if result.model is not None:
         console.print(f"model: {result.model.describe}", highlight=False, soft_wrap=True)
+    for line in result.environment:
+        console.print(f"environment differs: {line}", highlight=False, soft_wrap=True, markup=False)
     _flaky(console, result.flaky)
 
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from rich.console import Console
 
     from ..backend.base import AnyBackend
@@ -57,6 +59,7 @@ def open_engine(
     registry: str | None = None,
     registry_mirror: str | None = None,
     image_rewrites: list[str] | None = None,
+    out: Path | None = None,
 ) -> Iterator[AnyBackend]:
     """The local engine (or, with ``cluster``, the Ray cluster at that address, its nodes pulling images from
     ``registry`` when given; task images through ``registry_mirror`` and ``image_rewrites``) for one command,
@@ -65,7 +68,7 @@ def open_engine(
 
     backend = open_backend(
         pool_size=pool_size, timeout=timeout, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
-        image_rewrites=image_rewrites,
+        image_rewrites=image_rewrites, out=out,
     )  # fmt: skip
     try:
         yield backend

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from .._log import logger
 from ..errors import UsageError
@@ -122,6 +122,8 @@ class ItemState(BaseModel):
     """With ``--verify``: ``passed``, ``failed``, ``timed_out`` or ``could_not_run``."""
     egress: list[str] | None = None
     """With ``--egress``: the ``host:port`` its replayed tool calls reached (None: it ran without)."""
+    environment: dict[str, str | None] = Field(default={}, exclude=True)
+    """The environment it ran with (its record's; compared across runs, not listed per item)."""
 
 
 class ItemRef(BaseModel):
@@ -204,6 +206,9 @@ class Comparison(BaseModel):
 
     same: list[ItemRef] = []
     """The items matched that did not change (every matched item is a test case of the JUnit file)."""
+    environment: list[str] = []
+    """The environment variables the two runs' matched items ran with otherwise: ``NAME: old → new (N items)``
+    (a secret's value is never compared: only whether it was there)."""
 
     @property
     def regressions(self) -> list[ItemChange]:
@@ -265,7 +270,29 @@ def compare_runs(old: Path, new: Path) -> Comparison:
         model=_model_move(before, after),
         flaky=flaky_items(after.values()),
         same=same,
+        environment=_environment_moves(before, after),
     )
+
+
+def _environment_moves(before: dict[tuple[str, int], ItemState], after: dict[tuple[str, int], ItemState]) -> list[str]:
+    """Each variable whose value differs between the runs' matched items (both with a recorded environment)."""
+    moved: Counter[tuple[str, str, str]] = Counter()
+    for key in before.keys() & after.keys():
+        was, now = before[key].environment, after[key].environment
+        if not was or not now:
+            continue
+        for name in sorted(was.keys() | now.keys()):
+            if name in was and name in now and was[name] == now[name]:
+                continue
+            moved[(name, _shown(was, name), _shown(now, name))] += 1
+    return [f"{name}: {old} → {new} ({count} items)" for (name, old, new), count in sorted(moved.items())]
+
+
+def _shown(environment: dict[str, str | None], name: str) -> str:
+    if name not in environment:
+        return "unset"
+    value = environment[name]
+    return "(secret)" if value is None else repr(value)
 
 
 def _ok(state: ItemState | None) -> bool:
@@ -451,6 +478,7 @@ def item_state(row: ItemResult, record: ReplayRecord | None, run_dir: Path) -> I
         verified=row.verification_passed,
         verification=row.verification,
         egress=row.egress_hosts,
+        environment=record.inputs.environment if record is not None else {},
     )
 
 

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -172,6 +173,7 @@ class BatchRun:
         started_at = datetime.now(UTC)
         interrupt: BaseException | None = None
         with _exclusive(options.out):
+            self._sweep_earlier()
             try:
                 yield from self._fan_out()
             except (KeyboardInterrupt, GeneratorExit, _Cancelled) as exc:
@@ -217,6 +219,20 @@ class BatchRun:
                 self.outcome = BatchOutcome(results=self.results, summary=summary)
         if isinstance(interrupt, KeyboardInterrupt) and not self._every_item_ended:
             raise interrupt
+
+    def _sweep_earlier(self) -> None:
+        """Remove what an earlier run into this directory left in the engine when it died (``kill -9``): its
+        sandboxes would run on to their own deadline, taking slots and memory. Said in one line."""
+        try:
+            swept = self._batch.backend.sweep(out=self._options.out)
+        except PvisorHostError as exc:
+            logger.warning("could not look for what an earlier run into {} left: {}", self._options.out, exc)
+            return
+        if swept.orphans:
+            kinds = Counter(resource.kind for resource in swept.orphans)
+            what = ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in sorted(kinds.items()))
+            failed = f" ({len(swept.failed)} could not be removed: pvisor-host gc)" if swept.failed else ""
+            logger.warning("removed what a dead earlier run into {} left: {}{}", self._options.out, what, failed)
 
     def _not_started(self) -> None:
         """The items the batch never reached before it was stopped: a row each, ``not_run`` (so every item has

@@ -22,6 +22,8 @@ class Resource(BaseModel):
     owner: str
     role: str | None = None
     run: str | None = None
+    out: str | None = None
+    """The batch directory its creator wrote into, when it had one."""
 
 
 class GcReport(BaseModel):

@@ -43,6 +43,8 @@ class ImageRef(BaseModel):
     user: str | None = None
     """A task image's own user, as its configuration says (``uid:gid`` where the engine could read it from the
     image's ``/etc/passwd``; ``""``: root); None for the product's agent images."""
+    env: dict[str, str] = {}
+    """The environment the image's configuration sets (``Config.Env``), which every sandbox of it starts with."""
 
     @property
     def task_image(self) -> bool:
@@ -141,6 +143,8 @@ class _Existing(_Plan):
     """The registry digest the engine holds it by for that name (``repo@sha256:...``), when it has one."""
     user: str = ""
     """The user its configuration runs as (``Config.User``: a name, ``uid[:gid]``, or ``""`` for root)."""
+    env: dict[str, str] = {}
+    """The environment its configuration sets (``Config.Env``)."""
 
 
 class LabelledPlan(_Existing):

@@ -40,16 +40,20 @@ class Ownership(BaseModel):
     """``<host>/<pid>/<start ticks>`` of the process creating the resources: ``gc`` removes them once it is gone."""
     host: str
     """The host ``gc`` runs on; resources owned on another host are never judged from here."""
+    out: str | None = None
+    """The directory the invocation writes into (a batch's ``--out``), when it has one: a later run into it finds
+    what this one left, should it die without cleaning up."""
 
     @classmethod
-    def current(cls, session: str | None = None) -> Ownership:
-        """This process as the owner, with ``session`` (default: a new one)."""
+    def current(cls, session: str | None = None, *, out: str | None = None) -> Ownership:
+        """This process as the owner, with ``session`` (default: a new one), writing into ``out``."""
         pid = os.getpid()
         host = socket.gethostname()
         return cls(
             session=session or uuid.uuid4().hex[:16],
             owner=f"{host}/{pid}/{process_start_ticks(pid) or 0}",
             host=host,
+            out=out,
         )
 
     def owner_alive(self, owner_id: str) -> bool | None:

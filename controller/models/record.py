@@ -59,6 +59,10 @@ class Inputs(BaseModel):
     workspace_path: str
     collect_workspace: bool
     env_names: list[str]
+    environment: dict[str, str | None] = {}
+    """The environment the replay ran with: its image's, pvisor-host's (``PYTHONHASHSEED``, ``TZ`` and ``LANG``
+    pinned unless the image or ``--env`` sets them), and the names of the values handed over secretly (``--env``,
+    the model's key), whose values are null here."""
     trajectory: TrajectoryRef
 
 

@@ -521,7 +521,7 @@ def test_plan_and_run_agree_verdict_by_verdict(tmp_path, claude_image, container
         else:
             assert (rows[item]["status"], rows[item]["message"]) == ("rejected", reason), item
             assert not (tmp_path / "out" / item).exists(), item  # refused before its directory was made
-    started = [c for c in containers_created(since) if c.get("pvisor-host.role") == "sandbox"]
+    started = [c for c in containers_created(since) if c.get("pvisor-host.role") == "replay"]
     assert len(started) == 2  # the two good items' sandboxes, nothing for the rejected ones
     listed = [line.split()[0] for line in ran.stdout.splitlines() if line.startswith("  ")]
     assert listed == ["unbuildable", "past-the-end", "no-workspace"]  # under the table: each item not ok

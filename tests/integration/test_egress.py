@@ -223,7 +223,7 @@ def test_a_batch_journals_an_unlisted_index_and_a_cut_download_and_the_report_sh
     assert (stats["items"], stats["limited"], stats["refused"]) == (2, 1, refused["refused"])
     assert stats["hosts"] == {f"{address}:{port}": 1} and stats["refused_hosts"] == {f"{address}:{port}": 1}
     rows = {json.loads(line)["id"]: json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()}
-    assert rows["capped"]["egress"]["limited"] == "bytes"
+    assert rows["capped"]["egress_limited"] == "bytes"
 
     with Browser(chromium) as browser:
         page = browser.open((out / "report.html").as_uri())

@@ -254,5 +254,5 @@ def test_every_batch_has_the_same_columns_and_the_docs_examples_run(tmp_path, cl
     assert pq.read_schema("b.parquet").equals(pq.read_schema("replays.parquet"), check_metadata=False)
     assert list(pd.concat(frames).columns) == list(frames[0].columns)
     both = pd.read_parquet("both.parquet")
-    assert sorted(set(both["batch"])) == ["replays-model-a/", "replays-model-b/"] and len(both) == 6
+    assert sorted(set(both["batch"])) == ["replays-model-a", "replays-model-b"] and len(both) == 6
     exec(compile(python, "docs/batch.md", "exec"), {})  # every line of the docs' Python runs as written

@@ -373,9 +373,9 @@ class ClusterBackend:
 
     # -- housekeeping (the driver's engine) ------------------------------------------------------------------
 
-    def sweep(self, *, dry_run: bool = False) -> GcReport:
+    def sweep(self, *, dry_run: bool = False, out: Path | None = None) -> GcReport:
         """See :meth:`pvisor_host.backend.base.Backend.sweep` (this host; each node sweeps when it joins)."""
-        return self.local.sweep(dry_run=dry_run)
+        return self.local.sweep(dry_run=dry_run, out=out)
 
     def catalog(self) -> list[CatalogEntry]:
         """See :meth:`pvisor_host.backend.base.Backend.catalog`."""

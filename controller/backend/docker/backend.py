@@ -369,11 +369,13 @@ class DockerBackend:
 
     # -- housekeeping ---------------------------------------------------------------------------------------
 
-    def sweep(self, *, dry_run: bool = False) -> GcReport:
+    def sweep(self, *, dry_run: bool = False, out: Path | None = None) -> GcReport:
         """See :meth:`pvisor_host.backend.base.Backend.sweep`."""
         from .cleanup import gc
 
-        return gc.collect_garbage(self.client, self._ownership, dry_run=dry_run)
+        return gc.collect_garbage(
+            self.client, self._ownership, dry_run=dry_run, out=str(out) if out is not None else None
+        )
 
     def catalog(self) -> list[CatalogEntry]:
         """See :meth:`pvisor_host.backend.base.Backend.catalog`."""

@@ -2,7 +2,8 @@
 
 Every container, volume, network and image we create carries ``pvisor-host.*`` labels: ``session`` (one per
 controller invocation: cancelling finds its sandboxes by it) and ``owner`` (``host/pid/start-ticks`` of
-the creating process: ``gc`` tells a live owner from a dead one by it, even when the pid has been reused).
+the creating process: ``gc`` tells a live owner from a dead one by it, even when the pid has been reused), and
+``out`` (the batch directory it writes into: a later batch into it removes what a dead one left there).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ OWNER = PREFIX + "owner"
 STARTED = PREFIX + "started"
 VERSION = PREFIX + "version"
 ROLE = PREFIX + "role"
+OUT = PREFIX + "out"
 
 # Image labels written at build time (the record of what was verified inside the image).
 AGENT = PREFIX + "agent"
@@ -43,4 +45,6 @@ def resource_labels(ownership: Ownership, role: str, run_id: str | None = None) 
     }
     if run_id:
         labels[RUN] = run_id
+    if ownership.out:
+        labels[OUT] = ownership.out
     return labels

@@ -253,6 +253,7 @@ def batch(
         registry=None if plan else registry,
         registry_mirror=registry_mirror,
         image_rewrites=image_rewrite,
+        out=batch_options.out,
     ) as backend:
         capacity = backend.capacity()
         if workers is None and capacity is not None:  # a cluster: as many at a time as it has engine slots

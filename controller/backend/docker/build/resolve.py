@@ -31,7 +31,7 @@ from ....models.image import (
 from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile, get_profile
 from .. import labels as L
-from ..engine import ENGINE_ERRORS, describe
+from ..engine import ENGINE_ERRORS, describe, engine_errors
 from ..images import repo_digest
 from .base import find_image, pull
 from .inject import Injector, RuntimeVolume, check_task_image_metadata, inject_spec, runtime_volume_name
@@ -60,12 +60,13 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
     labels = dict(found.labels or {})
     digest = repo_digest(image, found.attrs.get("RepoDigests") or [])
     user = str((found.attrs.get("Config") or {}).get("User") or "")
+    env = config_env(found)
     if request.inject:
         if profile is None:
             raise UsageError("--inject needs both --image (the task image) and --agent (the runtime to inject)")
         inject_spec(profile)
         check_task_image_metadata(found, image)
-        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user)
+        return InjectPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user, env=env)
     labelled_agent = labels.get(L.AGENT) or None
     if labelled_agent is None:
         if profile is None:
@@ -73,7 +74,7 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
                 f"image {image} was not built by pvisor-host (no {L.AGENT} label)",
                 hint="pass --agent to say which agent it holds",
             )
-        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user)
+        return ProbePlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, user=user, env=env)
     if profile is not None and profile.agent != labelled_agent:
         raise UsageError(
             f"image {image} holds {labelled_agent} {labels.get(L.AGENT_VERSION, '?')}, not {profile.agent}",
@@ -81,7 +82,13 @@ def plan_image(client: docker.DockerClient, request: ImageRequest) -> ImagePlan:
         )
     profile = profile or get_profile(labelled_agent)
     _check_labels(image, labels, profile)
-    return LabelledPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest)
+    return LabelledPlan(profile=profile, ref=image, id=found.id, labels=labels, digest=digest, env=env)
+
+
+def config_env(image: Image) -> dict[str, str]:
+    """The environment an image's configuration sets (``Config.Env``: ``NAME=value`` entries)."""
+    entries = (image.attrs.get("Config") or {}).get("Env") or []
+    return dict(entry.split("=", 1) for entry in entries if isinstance(entry, str) and "=" in entry)
 
 
 def _local_or_pulled(client: docker.DockerClient, image: str) -> Image:
@@ -130,29 +137,35 @@ def materialize(
         ImageBuildError: a build failed or produced the wrong versions.
     """
     profile = plan.profile
-    if isinstance(plan, BuildPlan) and plan.pvisor_only:
-        built = build_pvisor_image(client, ownership, profile.suite, build)
-        return ResolvedImage(profile=profile, image=_ref(built.tag, built.id, profile, "build"), built=built)
     if isinstance(plan, BuildPlan):
-        built = build_agent_image(client, ownership, profile, build)
-        return ResolvedImage(profile=profile, image=_ref(built.tag, built.id, profile, "build"), built=built)
+        built = (
+            build_pvisor_image(client, ownership, profile.suite, build)
+            if plan.pvisor_only
+            else build_agent_image(client, ownership, profile, build)
+        )
+        with engine_errors(f"inspect image {built.tag}"):
+            env = config_env(client.images.get(built.id))
+        image = _ref(built.tag, built.id, profile, "build").model_copy(update={"env": env})
+        return ResolvedImage(profile=profile, image=image, built=built)
     if isinstance(plan, InjectPlan):
         injector.check_task_image(plan.id, plan.ref, profile)
         built = build_agent_image(client, ownership, profile, build)
         volume = injector.ensure_runtime_volume(profile, built.id)
-        image = _injected(plan, volume, built.tag).model_copy(update={"user": users.resolve(plan.id, plan.user)})
-        return ResolvedImage(profile=profile, image=image, built=built)
+        update: dict[str, object] = {"user": users.resolve(plan.id, plan.user), "env": plan.env}
+        return ResolvedImage(profile=profile, image=_injected(plan, volume, built.tag).model_copy(update=update),
+                             built=built)  # fmt: skip
     if isinstance(plan, LabelledPlan):
         entrypoint = plan.labels.get(L.AGENT_ENTRYPOINT, profile.entrypoint)
         image = _ref(plan.ref, plan.id, profile, "labels", entrypoint, plan.labels.get(L.PVISOR_PATH))
-        return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest}))
+        return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest, "env": plan.env}))
     found = probe_agent_image(client, ownership, plan.id, profile)
     problem = version_problem(found, profile)
     if problem is not None:
         raise UsageError(f"image {plan.ref} {problem}", hint=f"pvisor-host build --agent {profile.agent}")
     image = _ref(plan.ref, plan.id, profile, "probe", found.agent_path, found.pvisor_path)
     user = users.resolve(plan.id, plan.user)
-    return ResolvedImage(profile=profile, image=image.model_copy(update={"digest": plan.digest, "user": user}))
+    fields: dict[str, object] = {"digest": plan.digest, "user": user, "env": plan.env}
+    return ResolvedImage(profile=profile, image=image.model_copy(update=fields))
 
 
 def preview(client: docker.DockerClient, users: ImageUsers, plan: ImagePlan) -> ImagePreview:

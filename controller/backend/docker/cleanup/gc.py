@@ -39,18 +39,24 @@ def labelled_resources(client: docker.DockerClient) -> list[Resource]:
 
 def _resource(kind: ResourceKind, resource_id: str, name: str, labels: dict[str, str]) -> Resource:
     return Resource(
-        kind=kind, id=resource_id, name=name, owner=labels[L.OWNER], role=labels.get(L.ROLE), run=labels.get(L.RUN)
-    )
+        kind=kind, id=resource_id, name=name, owner=labels[L.OWNER], role=labels.get(L.ROLE), run=labels.get(L.RUN),
+        out=labels.get(L.OUT),
+    )  # fmt: skip
 
 
-def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_run: bool = False) -> GcReport:
+def collect_garbage(
+    client: docker.DockerClient, ownership: Ownership, *, dry_run: bool = False, out: str | None = None
+) -> GcReport:
     """Find the orphans (see the module docstring) and remove them: containers first, then networks and volumes.
+    With ``out``, only those of runs into that directory (the task images the cache noted are left to ``gc``).
 
     Owners are judged on ``ownership.host``, this host: another host's resources are counted, never removed.
     """
     orphans: list[Resource] = []
     live = other_hosts = 0
     for resource in labelled_resources(client):
+        if out is not None and resource.out != out:
+            continue
         alive = ownership.owner_alive(resource.owner)
         if alive is None:
             other_hosts += 1
@@ -59,7 +65,7 @@ def collect_garbage(client: docker.DockerClient, ownership: Ownership, *, dry_ru
         else:
             orphans.append(resource)
     cache = pulled.cache_of(client, ownership)
-    for noted in pulled.pulled(cache):  # task images a batch pulled and could not remove itself
+    for noted in pulled.pulled(cache) if out is None else []:  # task images a batch pulled and could not remove itself
         if noted.owner is None or noted.holder is not None:
             continue  # the cache keeps it (within the budgets), or a live process holds it
         alive = ownership.owner_alive(noted.owner)

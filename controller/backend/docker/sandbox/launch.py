@@ -22,6 +22,14 @@ GVISOR_PIDS = (
 )
 #: What a strict sandbox's environment says (a task image keeps its own).
 STRICT_ENV = {"HOME": "/tmp", "TMPDIR": "/tmp"}
+#: What every sandbox's environment pins unless its image or ``--env`` sets it, so that the repeats of a replay
+#: behave alike: a Python tool's set and dict order, the time zone, the locale (docs/security.md).
+PINNED_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8"}
+#: Seconds past its host-side deadline (``--timeout``, ``--verify-timeout``) after which a sandbox ends itself, the
+#: host there to end it or not (entry.sh's ``bounded``): the host, when it is there, ends it first.
+SELF_GRACE = 30
+#: Seconds a verifying sandbox waits for the host's go-ahead after pvisor has ended (the host collects first).
+GO_AHEAD_WAIT = 300
 _MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
 
 
@@ -67,6 +75,15 @@ def secret_env(prepared: PreparedReplay, model: ModelAccess | None, host_env: di
     return env
 
 
+def sandbox_environment(
+    prepared: PreparedReplay, cspec: sandbox.ContainerSpec, secret_names: list[str]
+) -> dict[str, str | None]:
+    """The environment a sandbox ran with, for its record: its image's, then its container's, then the names of
+    the values handed over through env.sh (``--env``, the model's key), whose values are never recorded."""
+    environment: dict[str, str | None] = {**prepared.image.env, **cspec.environment}
+    return {**environment, **dict.fromkeys(secret_names)}
+
+
 def model_hosts(model: ModelAccess | None) -> list[str]:
     """The host of the model gateway a sandbox calls, which its tools reach directly (not through the egress
     proxy): none besides loopback but on an internal model network."""
@@ -89,7 +106,8 @@ def container_spec(
     spec = prepared.spec
     task = prepared.sandbox == "task-image"
     # A task image keeps its own HOME, TMPDIR and working directory (docs/security.md); strict gives /tmp.
-    environment = dict(prepared.profile.sandbox_env) if task else {**prepared.profile.sandbox_env, **STRICT_ENV}
+    environment = {k: v for k, v in PINNED_ENV.items() if k not in spec.env and k not in prepared.image.env}
+    environment |= prepared.profile.sandbox_env if task else {**prepared.profile.sandbox_env, **STRICT_ENV}
     if spec.mode == "replay-only":
         environment |= {k: v for k, v in prepared.profile.replay_only_env.items() if k not in spec.env}
     mounts: list[sandbox.BindMount | sandbox.VolumeMount] = [
@@ -100,9 +118,12 @@ def container_spec(
     ]
     if prepared.image.runtime_volume:
         mounts.append(sandbox.VolumeMount(volume=prepared.image.runtime_volume, target=RUNTIME_MOUNT))
+    environment["PVISOR_HOST_DEADLINE"] = str(int(spec.timeout) + SELF_GRACE)
     if staging.verifier_dir is not None:
         mounts.append(sandbox.BindMount(source=staging.verifier_dir, target=VERIFIER_MOUNT))
         environment["PVISOR_HOST_WORKSPACE"] = prepared.workspace_path
+        environment["PVISOR_HOST_VERIFY_DEADLINE"] = str(int(spec.verify_timeout) + SELF_GRACE)
+        environment["PVISOR_HOST_GO_AHEAD"] = str(GO_AHEAD_WAIT * 10)
     network: str = spec.network
     relay_bin = f"{RUNTIME_MOUNT}/relay" if prepared.image.runtime_volume else RELAY_PATH
     if model is not None:

@@ -38,7 +38,7 @@ from ....models.result import ReplayResult
 from ....units import format_duration, format_size
 from . import container as sandbox
 from .collect import PATCH_NAME, Collected
-from .launch import limits
+from .launch import limits, sandbox_environment
 from .stage import RUN_MOUNT, Staging
 
 #: How pvisor (Rust) words a write that found no space.
@@ -68,6 +68,10 @@ class AttemptState:
         self.used_gateway = False
         self.egress_journal: list[EgressInfo] = []
         """With ``--egress``: the run's journal, once the proxy has let the run go."""
+        self.self_deadline: str | None = None
+        """What the sandbox ended itself at its own deadline (entry.sh's ``deadline.json``), when it did."""
+        self.secret_names: list[str] = []
+        """The variables handed over through env.sh (``--env``, the model's): named in the record, never valued."""
 
     def phase(self, name: str, since: float) -> float:
         """Note that phase ``name`` took from ``since`` until now; return now."""
@@ -86,6 +90,7 @@ def classify(
     timeout: float,
     memory: int,
     gvisor: bool = False,
+    self_deadline: str | None = None,
 ) -> tuple[ReplayStatus, Failure | None]:
     """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
 
@@ -98,6 +103,8 @@ def classify(
         return "timeout", Failure(
             category="timeout", message=f"the sandbox ran past --timeout {format_duration(timeout)} and was killed"
         )
+    if self_deadline is not None:  # the host did not end it in time (it was away): it ended itself
+        return "timeout", Failure(category="timeout", message=f"killed at its own deadline: {self_deadline}")
     if outcome.oom_killed:
         return "oom", Failure(
             category="oom",
@@ -154,6 +161,7 @@ def build_record(
         timeout=prepared.spec.timeout,
         memory=prepared.spec.memory,
         gvisor=prepared.runtime.gvisor,
+        self_deadline=state.self_deadline,
     )
     if failure is not None and RUN_MOUNT in failure.message:  # pvisor names its files where the sandbox saw them
         failure = failure.model_copy(
@@ -180,7 +188,9 @@ def build_record(
         started_at=state.started_at,
         finished_at=datetime.now(UTC),
         timings=state.timings,
-        inputs=_inputs(prepared, staging.trajectory_in_sandbox, staging.trajectory_filled, staging.staged_sha256),
+        inputs=_inputs(
+            prepared, staging.trajectory_in_sandbox, staging.trajectory_filled, staging.staged_sha256
+        ).model_copy(update={"environment": sandbox_environment(prepared, cspec, state.secret_names)}),
         image=prepared.image,
         limits=limits(prepared, cspec),
         container=info,

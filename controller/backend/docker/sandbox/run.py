@@ -32,18 +32,19 @@ from ....models.replay import Attempt, PreparedReplay
 from ....models.result import parse_result
 from ....models.spec import parse_user
 from ....signals import deferred_interrupts
+from ....units import format_duration
 from ..build.files import ImageFiles
 from ..cleanup import usage
 from ..egress import egress_access
 from ..gateway import Gateway, ModelAccess
 from . import container as sandbox
 from . import launch
-from .collect import collect_logs, collect_trees, collect_workspace, warn_if_cut
+from .collect import collect_logs, collect_trees, collect_workspace, open_log, warn_if_cut
 from .container import Leftovers
 from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
-from .stage import Staging, remove_staging, stage, staging_root
+from .stage import DEADLINE_FILE, Staging, remove_staging, stage, staging_root
 from .verify import PVISOR_DONE, go_ahead, pvisor_exit_code, read_verification
 
 
@@ -111,13 +112,15 @@ def _run(
     cspec: sandbox.ContainerSpec | None = None
     info: ContainerInfo | None = None
     try:
+        secrets = launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env})
+        state.secret_names = sorted(secrets)
         staging = stage(
             staging_root(out),
             trajectory=prepared.trajectory.path,
             trajectory_sha256=prepared.trajectory.sha256,
             workspace_source=prepared.spec.workspace_dir,
             user=prepared.user,
-            env=launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env}),
+            env=secrets,
             workspace_seed=_image_seed(client, ownership, prepared, seeds),
             fill=fill,
             verify=prepared.spec.verify,
@@ -232,6 +235,7 @@ def _run_container(
         verifying = state.outcome.running
         if verifying:  # pvisor has ended and the sandbox waits: its exit code is the marker's
             state.outcome = sandbox.WaitOutcome(exit_code=pvisor_exit_code(pvisor_done))
+        state.self_deadline = self_deadline(staging.logs_dir / DEADLINE_FILE, prepared)
         state.logs_truncated, tail = collect_logs(staging.logs_dir, out / "logs")
         _parse(state, tail)
         budget = Budget(spec.collect_limit)
@@ -256,6 +260,24 @@ def _run_container(
             state.verification = read_verification(spec.verify, staging, out, budget, verified, seconds)
             state.phase("verify", clock)
         warn_if_cut(budget, spec.collect_limit)
+
+
+def self_deadline(marker: Path, prepared: PreparedReplay) -> str | None:
+    """What the sandbox's own deadline ended, in words (None: it did not end itself)."""
+    handle, size = open_log(marker)
+    with handle:
+        raw = handle.read(256)
+    if size == 0:
+        return None
+    try:
+        what = json.loads(raw).get("what")
+    except (ValueError, AttributeError):
+        what = None
+    if what == "verifier":
+        bound = f"--verify-timeout {format_duration(prepared.spec.verify_timeout)}"
+    else:
+        bound = f"--timeout {format_duration(prepared.spec.timeout)}"
+    return f"the {what or 'replay'} ran past {bound} and the {launch.SELF_GRACE}s grace with no host to end it"
 
 
 def _parse(state: AttemptState, stdout_tail: bytes) -> None:

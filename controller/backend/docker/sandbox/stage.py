@@ -39,6 +39,8 @@ RUN_MOUNT = "/pvisor-host/run"
 LOGS_MOUNT = "/pvisor-host/logs"
 #: The streams entry.sh writes to, in the logs directory.
 LOG_FILES = ("stdout.log", "stderr.log")
+#: What entry.sh writes in the logs directory when the sandbox ends itself at its own deadline (empty: it did not).
+DEADLINE_FILE = "deadline.json"
 #: With ``--verify``: the verifier's script (in the input directory), and what entry.sh writes: the verifier's
 #: output, pvisor's exit code once it has ended (see :mod:`.verify`).
 VERIFY_SCRIPT = "verify.sh"
@@ -163,7 +165,7 @@ def stage(
     if owner_uid is not None:
         os.chown(run_dir, owner_uid, owner_gid or owner_uid)
     layout.logs_dir.mkdir(mode=0o755)
-    for name in (*LOG_FILES, *(VERIFY_FILES if verify is not None else ())):
+    for name in (*LOG_FILES, DEADLINE_FILE, *(VERIFY_FILES if verify is not None else ())):
         (layout.logs_dir / name).touch(mode=0o600)
         (layout.logs_dir / name).chmod(0o622)  # the sandbox user may write (it is not us, as root); only we read
     verifier = None
