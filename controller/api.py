@@ -36,7 +36,7 @@ from .backend.docker.mirrors import Mirrors
 from .errors import UsageError
 from .fanout.manifest import BatchItem, batch_items, by_image, image_specs
 from .fanout.results import load_results
-from .fanout.scheduler import BatchOptions, BatchRun, default_workers
+from .fanout.scheduler import BatchOptions, BatchRun, default_workers, fit_workers
 from .models.batch import BatchSummary, ItemResult
 from .models.housekeeping import GcReport
 from .models.image import BuildOptions, BuildPlan, ImageRef
@@ -154,9 +154,7 @@ class Batch:
 
     def _results(self) -> Generator[ItemResult, None, None]:
         with self._backend(self._options.workers + 8) as backend:
-            capacity = backend.capacity()
-            if self._fit_workers and capacity is not None:  # as many sandboxes at a time as the cluster has slots
-                self._options = self._options.model_copy(update={"workers": capacity})
+            self._options = fit_workers(self._options, backend, given=not self._fit_workers)
             items, task_images = by_image(self._items)
             run = BatchRun(
                 items,

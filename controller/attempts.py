@@ -26,7 +26,15 @@ from .files.atomic import write_atomic
 from .files.space import full_disk_raises
 from .models.gateway import MODEL_CASSETTE
 from .models.observations import match_observations
-from .models.record import AttemptSummary, BatchInfo, ReplayRecord, add_totals, load_record, save_record
+from .models.record import (
+    START_TIMEOUT,
+    AttemptSummary,
+    BatchInfo,
+    ReplayRecord,
+    add_totals,
+    load_record,
+    save_record,
+)
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
 from .preflight.checks import release_out_dir, runtime_floor_warning
@@ -63,6 +71,8 @@ class RetryPolicy(BaseModel):
         nor a full disk (another attempt would find it as full)."""
         if record.failure is not None and record.failure.disk_full:
             return False
+        if record.failure is not None and record.failure.category == START_TIMEOUT:
+            return record.attempt == 1  # a runtime that hung once: once more in a fresh sandbox, not again
         if record.failure is not None and record.failure.retryable:
             return True
         return (self.infra and record.status == "infra_error") or (self.oom and record.status == "oom")

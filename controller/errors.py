@@ -13,6 +13,7 @@ with that code; nothing else in the package decides exit codes.
     │   ├── ImageBuildError
     │   ├── RegistryError                 a registry stayed unreachable or failing past the retries
     │   ├── ResultProtocolError           pvisor printed something that is not a v3 result
+    │   ├── EngineUnresponsive            the engine stopped answering (a batch stops starting items)
     │   └── DiskFull                      the filesystem of the run directory is full
     └── Interrupted                       (exit 130) Ctrl-C or SIGTERM, after cleanup
 
@@ -127,6 +128,10 @@ class DiskFull(InfrastructureError):
         super().__init__(message)
         self.mount = mount
         self.free = free
+
+
+class EngineUnresponsive(InfrastructureError):
+    """The engine stopped answering: waiting on it would wait for good (a batch ends with what it has)."""
 
 
 class ResultProtocolError(InfrastructureError):

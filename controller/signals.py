@@ -1,13 +1,19 @@
-"""Interrupt handling: SIGTERM (and SIGHUP) behave like Ctrl-C, and cleanup cannot be interrupted.
+"""Interrupt handling: SIGTERM (and SIGHUP) behave like Ctrl-C, and cleanup cannot be interrupted, within reason.
 
 While :func:`deferred_interrupts` is active, SIGINT and SIGTERM are only noted; the block (removing a
 container, say) always finishes. If an interrupt arrived and no exception was already on its way out,
 ``KeyboardInterrupt`` is raised when the block ends, so the user's request is never lost.
+
+An engine that stops answering would hold such a block for good. So a second interrupt insists: where the
+process asked for it (the CLI: :func:`give_up_when_insisted`), it exits with 130 at most :data:`GIVE_UP_AFTER`
+seconds later whatever the cleanup is waiting for, naming what it could not remove (:func:`cleaning` notes
+what is being removed); the next run into the same ``--out``, or ``pvisor-host gc``, removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -15,9 +21,76 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds a second interrupt leaves the cleanup before the process exits anyway.
+GIVE_UP_AFTER = 8.0
+
+
+class _Insisting:
+    """How many interrupts the process got, what its cleanup is removing now, and whether to give up."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.interrupts = 0
+        self.enabled = False
+        self.timer: threading.Timer | None = None
+        self.cleaning: dict[int, str] = {}
+        self.next = 0
+
+    def interrupted(self) -> None:
+        with self.lock:
+            self.interrupts += 1
+            if not self.enabled or self.interrupts < 2 or self.timer is not None:
+                return
+            self.timer = threading.Timer(GIVE_UP_AFTER, self.give_up)
+            self.timer.daemon = True
+            self.timer.start()
+        _say(f"pvisor-host: interrupted again: waiting at most {GIVE_UP_AFTER:.0f} s more for the cleanup")
+
+    def give_up(self) -> None:
+        with self.lock:
+            left = sorted(set(self.cleaning.values()))
+        if left:
+            _say(
+                f"pvisor-host: gave up waiting for the engine; not removed: {', '.join(left)} (the next run into "
+                "the same --out, or pvisor-host gc, removes them)"
+            )
+        else:
+            _say("pvisor-host: gave up waiting for the cleanup")
+        os._exit(130)
+
+
+_INSISTING = _Insisting()
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def give_up_when_insisted() -> None:
+    """Exit with 130 within :data:`GIVE_UP_AFTER` seconds of a second interrupt, whatever the cleanup waits for
+    (the CLI asks for this; a library embedding pvisor-host decides for itself)."""
+    _INSISTING.enabled = True
+
+
+@contextlib.contextmanager
+def cleaning(what: str) -> Iterator[None]:
+    """Note that ``what`` (``container NAME``) is being removed while the block runs, for the line a process that
+    gives up says (any thread)."""
+    with _INSISTING.lock:
+        key = _INSISTING.next
+        _INSISTING.next += 1
+        _INSISTING.cleaning[key] = what
+    try:
+        yield
+    finally:
+        with _INSISTING.lock:
+            _INSISTING.cleaning.pop(key, None)
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    _INSISTING.interrupted()
     raise KeyboardInterrupt
 
 
@@ -28,6 +101,8 @@ def install_sigterm_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
         if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
             signal.signal(signal.SIGHUP, _raise_interrupt)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # counted (an ignored one stays so)
+            signal.signal(signal.SIGINT, _raise_interrupt)
 
 
 def ignore_interrupts() -> None:
@@ -50,6 +125,7 @@ def deferred_interrupts(*, reraise: bool = True, hurry: Callable[[], None] | Non
 
     def note(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
+        _INSISTING.interrupted()
         if hurry is not None:
             hurry()
 

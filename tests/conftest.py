@@ -13,6 +13,7 @@ with SIGINT ignored, and children would inherit that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -190,10 +191,20 @@ def build_image(backend, agent: str) -> str:
     return built.tag
 
 
+#: A tag of the user's own on our claude-code image, as a user who pushes it to a registry of theirs gives it: the
+#: suite runs on an engine where our images carry others' tags too (they are still named by ours).
+USER_TAG = "pvh-user/claude:mine"
+
+
 @pytest.fixture(scope="session")
-def claude_image(backend) -> str:
-    """The verified Claude Code 2.1.220 sandbox image (built once per machine)."""
-    return build_image(backend, "claude-code")
+def claude_image(backend, docker_client) -> Iterator[str]:
+    """The verified Claude Code 2.1.220 sandbox image (built once per machine), tagged by a user too."""
+    tag = build_image(backend, "claude-code")
+    repository, _, name = USER_TAG.partition(":")
+    docker_client.images.get(tag).tag(repository, name)
+    yield tag
+    with contextlib.suppress(Exception):
+        docker_client.images.remove(USER_TAG)
 
 
 @pytest.fixture(scope="session")
@@ -345,3 +356,16 @@ def chromium() -> str:
             pytest.fail("chromium is not installed; `make test` installs it (apt-get install chromium)")
         pytest.skip("chromium is not installed (apt-get install chromium)")
     return path
+
+
+@pytest.fixture
+def caplog_lines():
+    """The lines pvisor-host logs meanwhile (a callable: the lines so far)."""
+    from pvisor_host._log import logger
+
+    lines: list[str] = []
+    logger.enable("pvisor_host")
+    sink = logger.add(lambda message: lines.append(str(message)), level="INFO", format="{message}")
+    yield lambda: lines
+    logger.remove(sink)
+    logger.disable("pvisor_host")

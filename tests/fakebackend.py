@@ -153,6 +153,8 @@ class FakeBackend:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.running = 0
+        self.others = 0
+        """Sandboxes another batch runs on the fake's engine."""
         self.most_running = 0
         self.finished = 0
         self.attempts: dict[str, list[str]] = {}
@@ -188,6 +190,9 @@ class FakeBackend:
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         return ImagePreview(image=image_ref(plan.profile.agent), exists=True)
+
+    def running_sandboxes(self) -> int:
+        return self.others
 
     def capacity(self) -> int | None:
         return None

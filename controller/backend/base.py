@@ -176,6 +176,10 @@ class Backend(Protocol[GatewayT]):
         """Sandboxes it can run at once now (a cluster: its engines' free and busy slots together), or None
         when it has no such number (one engine: the batch's ``--workers`` decides)."""
 
+    def running_sandboxes(self) -> int:
+        """Replay sandboxes of pvisor-host running on its engine now, whoever started them (a cluster: 0, its
+        :meth:`capacity` counts the free slots)."""
+
     def open_gateway(self, upstream: ModelUpstream, *, user: str) -> GatewayT:
         """Start a gateway to ``upstream`` for sandboxes running as ``user`` (close it when done). The real key
         is read from ``upstream.api_key_env`` and never enters a sandbox unless ``network`` is pass-through."""

@@ -17,7 +17,7 @@ import typer
 from typer.exceptions import TyperException
 
 from ..errors import ExitCode, PvisorHostError
-from ..signals import ignore_interrupts, install_sigterm_as_interrupt
+from ..signals import give_up_when_insisted, ignore_interrupts, install_sigterm_as_interrupt
 from .app import app, say
 
 
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = _debugging(args)
     install_sigterm_as_interrupt()
+    give_up_when_insisted()
     code: int
     try:
         result = app(args=args, prog_name="pvisor-host", standalone_mode=False)

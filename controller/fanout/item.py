@@ -25,7 +25,7 @@ from typing import Any
 from .._log import logger
 from ..attempts import RetryPolicy, run_attempts
 from ..backend.base import AnyBackend, ModelGateway
-from ..errors import DiskFull, InfrastructureError, Interrupted, PvisorHostError
+from ..errors import DiskFull, EngineUnresponsive, InfrastructureError, Interrupted, PvisorHostError
 from ..files.digest import tree_sha256
 from ..files.space import disk_full, full_disk_raises
 from ..models.batch import ItemResult
@@ -68,8 +68,9 @@ class BatchContext:
         """The task images, pulled just in time (None: the batch names none)."""
         self.cancel = threading.Event()
         self.started = time.monotonic()
-        self.full: DiskFull | None = None
-        """Set when an item found the run directory's filesystem full: no further item starts."""
+        self.stopped: DiskFull | EngineUnresponsive | None = None
+        """Set when an item found the run directory's filesystem full, or the engine stopped answering: no further
+        item starts."""
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._images: Memo[ResolvedImage] = Memo()
@@ -225,8 +226,8 @@ def interrupted_result(item: BatchItem, message: str, *, out: Path | None = None
 def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> ItemResult:
     if batch.cancel.is_set():
         return interrupted_result(item, "not started")
-    if batch.full is not None:
-        return base_result(item, "not_run", message=f"not started: {batch.full.message}")
+    if batch.stopped is not None:
+        return base_result(item, "not_run", message=f"not started: {batch.stopped.message}")
     remaining = batch.remaining()
     if remaining is not None and remaining <= 0:
         return base_result(item, "not_run", message="the batch deadline passed before it started")
@@ -277,8 +278,11 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
     except Interrupted as exc:
         return interrupted_result(item, exc.one_line(), out=batch.out)
     except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
-        batch.full = batch.full or exc
+        batch.stopped = batch.stopped or exc
         return base_result(item, "infra_error", out=batch.out, category=DISK_FULL, message=exc.one_line())
+    except EngineUnresponsive as exc:
+        batch.stopped = batch.stopped or exc
+        return base_result(item, "infra_error", out=batch.out, category="engine_unresponsive", message=exc.one_line())
     except PvisorHostError as exc:
         status = "infra_error" if isinstance(exc, InfrastructureError) else "rejected"
         return base_result(item, status, out=batch.out, category=exc.category, message=exc.one_line())
@@ -286,7 +290,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
         return base_result(item, "infra_error", out=batch.out, category="internal", message=repr(exc))
     if record.failure is not None and record.failure.disk_full:
-        batch.full = batch.full or disk_full(run_dir)
+        batch.stopped = batch.stopped or disk_full(run_dir)
     return ItemResult.from_record(record, item.keys, path=item.id)
 
 

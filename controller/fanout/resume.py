@@ -27,7 +27,9 @@ from ..models.spec import ReplaySpec
 
 #: Options that do not change an item's outcome, so changing them does not rerun it.
 NOT_OUTCOME: dict[str, bool | set[str]] = {
-    **dict.fromkeys(("trajectory", "out", "run_id", "workspace_dir", "attempts", "retry_backoff"), True),
+    **dict.fromkeys(
+        ("trajectory", "out", "run_id", "workspace_dir", "attempts", "retry_backoff", "start_timeout"), True
+    ),
     "upstream": {"body_limit"},
 }
 

@@ -94,6 +94,27 @@ def default_workers(memory: int) -> int:
     return host_slots(2, memory, most=32)
 
 
+def fit_workers(options: BatchOptions, backend: AnyBackend, *, given: bool) -> BatchOptions:
+    """The sandboxes a batch runs at a time, decided here for the CLI and the library alike: ``--workers`` when
+    given; otherwise a cluster's engine slots, or on one engine the default less the sandboxes other batches run
+    there now, said in one line (a second batch beside a first fits in what the host has left)."""
+    if given:
+        return options
+    capacity = backend.capacity()
+    if capacity is not None:
+        return options.model_copy(update={"workers": capacity})
+    running = backend.running_sandboxes()
+    if not running:
+        return options
+    workers = max(1, options.workers - running)
+    logger.warning(
+        "{} sandboxes of another batch run on this engine: this one runs at most {} at a time (--workers sets it)",
+        running,
+        workers,
+    )
+    return options.model_copy(update={"workers": workers})
+
+
 class _Cancelled(Exception):
     """Raised inside the fan-out when :meth:`BatchRun.cancel` was called."""
 
@@ -206,8 +227,11 @@ class BatchRun:
                 if pulls is not None:
                     _on_nodes(pulls, self._batch.backend.node_pulls(), options.image_budget)
                 summary.images = pulls
-                if self._batch.full is not None:
-                    summary.stopped = _disk_full_line(self._batch.full, options.out, self.results)
+                stopped = self._batch.stopped
+                if isinstance(stopped, DiskFull):
+                    summary.stopped = _disk_full_line(stopped, options.out, self.results)
+                elif stopped is not None:
+                    summary.stopped = f"{stopped.one_line()}; run the same command again once it answers to finish"
                 if any(r.repeat_of for r in self.results):
                     summary.flaky = run_flaky(options.out, self.results)
                 try:
@@ -259,9 +283,10 @@ class BatchRun:
                 if batch.window is not None:
                     batch.window.start()
                 for item in self._items:
-                    if batch.full is not None:
+                    if batch.stopped is not None:
                         batch.skip_image(item.spec)
-                        yield self._done(base_result(item, "not_run", message=f"not started: {batch.full.message}"))
+                        message = f"not started: {batch.stopped.message}"
+                        yield self._done(base_result(item, "not_run", message=message))
                         continue
                     remaining = batch.remaining()
                     if remaining is not None and remaining <= 0:

@@ -12,7 +12,9 @@ For each connection the proxy decides on the host:
 2. the run's caps must have room (:class:`~pvisor_host.models.egress.EgressLimit`);
 3. the name is resolved here, and only public addresses are used, unless an address is listed itself.
    The proxy connects to exactly the address it checked, so a name that answers differently the next time
-   (DNS rebinding) gains nothing.
+   (DNS rebinding) gains nothing. One name is the host's own: ``host.pvisor.internal`` (listed with its port)
+   is the host's loopback, where a local package index, say, listens; the sandbox's own ``127.0.0.1`` is the
+   sandbox, so loopback addresses and ``localhost`` cannot be listed (the one line says to use the name).
 
 A refusal is ``403`` with one line saying why (``pvisor-host egress: refused evil.example:443: not in
 --egress``), which is what ``curl``, ``pip`` or ``git`` print. Every connection, allowed or not, is journaled
@@ -66,6 +68,8 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 _EMBEDDING = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96", "::ffff:0:0:0/96"))
 #: The longest host name DNS allows.
 MAX_HOST = 253
+#: Where a connection to :data:`~pvisor_host.models.egress.HOST_ALIAS` goes: the host's own loopback.
+HOST_LOOPBACK = "127.0.0.1"
 
 
 class Refusal(Exception):
@@ -279,7 +283,8 @@ class EgressProxy:
     async def _decide(self, run: EgressRun, host: str, port: int) -> str:
         """The address to connect to for ``host:port``, or :class:`Refusal` with the reason."""
         info = run.info
-        if run.policy.allows(host, port) is None:
+        rule = run.policy.allows(host, port)
+        if rule is None:
             raise Refusal("not in --egress" if run.policy.rules else "--egress allows no host")
         if run.bytes_left <= 0:
             info.limited = "bytes"
@@ -291,6 +296,8 @@ class EgressProxy:
             literal: Address | None = ipaddress.ip_address(host)
         except ValueError:
             literal = None
+        if rule.host_loopback:  # listed by the host's own name for its loopback: the one way there
+            return HOST_LOOPBACK
         try:
             found = [str(literal)] if literal is not None else await self._resolve(host, port)
         except (OSError, ValueError) as exc:  # UnicodeError too: a label IDNA cannot encode

@@ -28,6 +28,11 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 #: Ports an entry without one allows.
 DEFAULT_PORTS = (80, 443)
+#: The name a sandbox's tools reach the host's own loopback by, through the proxy (``allow:HOST_ALIAS:PORT``): the
+#: sandbox's 127.0.0.1 is its own, so a service on the host (a local package index) needs a name of its own.
+HOST_ALIAS = "host.pvisor.internal"
+#: What a sandbox's tools mean by loopback: itself, never the host.
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
 #: The most journal events a record keeps (the counts cover every one).
 EVENTS_KEPT = 1000
 
@@ -47,6 +52,11 @@ class EgressRule(BaseModel):
     @property
     def wildcard(self) -> bool:
         return self.host.startswith("*.")
+
+    @property
+    def host_loopback(self) -> bool:
+        """The rule names the host's own loopback (:data:`HOST_ALIAS`)."""
+        return self.host == HOST_ALIAS
 
     @property
     def address(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -96,6 +106,19 @@ class Egress(BaseModel):
         """The first rule that allows ``host:port``, or None."""
         host = host.lower().rstrip(".")
         return next((rule for rule in self.rules if rule.matches(host, port)), None)
+
+    def loopback_refusal(self) -> str | None:
+        """Why a rule naming loopback (``127.0.0.1``, ``localhost``, ``::1``) cannot do what a sandbox's user means
+        by it, and what does (:data:`HOST_ALIAS`); None: no such rule."""
+        for rule in self.rules:
+            if rule.host in _LOOPBACK_NAMES or (rule.address is not None and rule.address.is_loopback):
+                port = f":{rule.ports[0]}" if rule.ports != DEFAULT_PORTS else ""
+                return (
+                    f"allow:{rule}: {rule.host} in the sandbox is the sandbox itself, so its tools never reach the "
+                    f"host's by it; to reach a service on the host's loopback, list allow:{HOST_ALIAS}{port} and "
+                    f"call it by that name (http://{HOST_ALIAS}{port}/)"
+                )
+        return None
 
     def lists_address(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> bool:
         """Whether ``address`` itself is listed (for ``port``): only then may a non-public address be reached."""

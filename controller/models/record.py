@@ -130,6 +130,8 @@ class Collection(BaseModel):
 
 #: The failure category of an attempt that found the run directory's filesystem full (the host's fault).
 DISK_FULL: Final = "disk_full"
+#: The failure category of an attempt whose sandbox the engine did not start in time (its runtime hung).
+START_TIMEOUT: Final = "start_timeout"
 
 
 class Failure(BaseModel):

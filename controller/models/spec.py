@@ -258,7 +258,11 @@ class ReplaySpec(BaseModel):
     out: Path | None = None
     """Run directory on the host; default ``./pvisor-runs/<run-id>``. Must be new or empty."""
     timeout: Seconds = 7200.0
-    """Wall-clock limit for the container; past it the container is killed and the status is ``timeout``."""
+    """Wall-clock limit for the container; past it the container is killed and the status is ``timeout``. The
+    sandbox also ends itself 30 s after it, should nobody be there to end it (a controller killed with kill -9)."""
+    start_timeout: Seconds = 60.0
+    """How long the engine may take to start a sandbox; past it the attempt is an ``infra_error`` naming the runtime
+    step that hung (``runc create``, say), retried once in a fresh sandbox."""
     memory: Annotated[
         int, BeforeValidator(memory_value), Field(gt=0), WithJsonSchema(SIZE_JSON_SCHEMA, mode="validation")
     ] = 4 * 1024**3
@@ -403,6 +407,9 @@ class ReplaySpec(BaseModel):
             raise ValueError(f"--no-workspace and --collect {self.collect} disagree; pass one")
         if self.verify is not None and not self.verify.strip():
             raise ValueError("--verify: an empty command")
+        refusal = self.egress.loopback_refusal() if self.egress is not None else None
+        if refusal is not None:
+            raise ValueError(f"--egress {refusal}")
         if self.egress is not None and self.network != "none":
             raise ValueError(f"--egress with --network {self.network}: the bridge reaches every host; keep "
                              "--network none and list the hosts with --egress")  # fmt: skip

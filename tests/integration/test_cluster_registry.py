@@ -33,7 +33,7 @@ def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(docker_client, t
         assert summary(tmp_path / "out")["counts"] == {"ok": 4}
         pushed = registry.digests(repository)
         assert len(pushed) == 1  # pushed once, under its content-hash tag
-        assert docker_client.images.get(image_id).tags == [claude_image]  # the driver's engine keeps its own name
+        assert claude_image in docker_client.images.get(image_id).tags  # the driver's engine keeps its own name
         for name in cluster.nodes:  # each node pulled exactly that digest (a load sets none) and has the tag
             done = docker_client.containers.get(name).exec_run(
                 ["docker", "image", "inspect", "--format", "{{.Id}} {{json .RepoDigests}} {{json .RepoTags}}", image_id]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from pvisor_host.backend.docker.gateway import network_gateway
+from pvisor_host.models.egress import HOST_ALIAS
 
 from browser import Browser
 from conftest import CliResult, default_signals
@@ -86,7 +87,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def upstreams(docker_client, tmp_path_factory):
-    """(address, HTTP port, HTTPS port, an unlisted port): servers on the bridge's host address."""
+    """(address, HTTP port, HTTPS port, an unlisted port, a port on the host's loopback): servers on the bridge's
+    host address, and one on the host's own 127.0.0.1."""
     address = network_gateway(docker_client.networks.get("bridge").attrs)
     folder = tmp_path_factory.mktemp("tls")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pvh-test", "-days", "1",
@@ -98,10 +100,17 @@ def upstreams(docker_client, tmp_path_factory):
     context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
     secure.socket = context.wrap_socket(secure.socket, server_side=True)
     unlisted = http.server.ThreadingHTTPServer((address, 0), _Handler)
-    servers = (plain, secure, unlisted)
+    local = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)  # a package index on the host's loopback
+    servers = (plain, secure, unlisted, local)
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield address, plain.server_address[1], secure.server_address[1], unlisted.server_address[1]
+    yield (
+        address,
+        plain.server_address[1],
+        secure.server_address[1],
+        unlisted.server_address[1],
+        local.server_address[1],
+    )
     for server in servers:
         server.shutdown()
         server.server_close()
@@ -135,29 +144,50 @@ def session(tmp_path: Path, name: str, commands: list[str]) -> Path:
     return write_jsonl(tmp_path / f"{name}.jsonl", claude_session("Fetch.", [Turn([c]) for c in calls]))
 
 
-def pip_install(address: str, port: int) -> str:
-    return (f"/opt/pvisor/bin/pip install --quiet --no-cache-dir --disable-pip-version-check --target /tmp/pkgs "
+def pip_install(address: str, port: int, target: str = "/tmp/pkgs") -> str:
+    return (f"/opt/pvisor/bin/pip install --quiet --no-cache-dir --disable-pip-version-check --target {target} "
             f"--index-url http://{address}:{port}/simple/ --trusted-host {address} {PACKAGE} 2>&1 | tail -n 3; "
-            f"python3 -c \"import sys; sys.path.insert(0, '/tmp/pkgs'); import {PACKAGE}; print({PACKAGE}.VALUE)\" "
+            f"python3 -c \"import sys; sys.path.insert(0, '{target}'); import {PACKAGE}; print({PACKAGE}.VALUE)\" "
             "2>&1 | tail -n 1")  # fmt: skip
 
 
 def test_a_replay_reaches_the_listed_hosts_and_is_refused_the_rest_each_call_journaled(
     tmp_path, claude_image, upstreams, docker_client
 ):
-    address, port, tls, unlisted = upstreams
+    address, port, tls, unlisted, local = upstreams
     trajectory = session(tmp_path, "egress", [
         FETCH + f"http://{address}:{port}/allowed",
         FETCH + f"http://{address}:{unlisted}/unlisted",
         FETCH + f"http://{NAME}:{unlisted}/private",
         FETCH + f"https://{address}:{tls}/secure",
         pip_install(address, port),
+        pip_install(HOST_ALIAS, local, "/tmp/local"),  # the host's own loopback, by the name for it
     ])  # fmt: skip
     out = tmp_path / "run"
     # the name is listed, the address it resolves to is not (for that port): refused
-    egress = f"allow:{address}:{port},allow:{address}:{tls},allow:{NAME}:{unlisted}"
+    egress = f"allow:{address}:{port},allow:{address}:{tls},allow:{NAME}:{unlisted},allow:{HOST_ALIAS}:{local}"
+    loopback = pvisor_host(
+        tmp_path,
+        address,
+        "replay",
+        "--agent",
+        "claude-code",
+        "--trajectory",
+        trajectory,
+        "--after-step",
+        "6",
+        "--mode",
+        "replay-only",
+        "--egress",
+        f"allow:127.0.0.1:{local}",
+    )
+    assert (loopback.code, loopback.stderr) == (2, (
+        f"pvisor-host: error: --egress allow:127.0.0.1:{local}: 127.0.0.1 in the sandbox is the sandbox itself, so "
+        f"its tools never reach the host's by it; to reach a service on the host's loopback, list allow:{HOST_ALIAS}:"
+        f"{local} and call it by that name (http://{HOST_ALIAS}:{local}/)\n"
+    ))  # fmt: skip
     done = pvisor_host(tmp_path, address, "replay", "--agent", "claude-code", "--trajectory", trajectory,
-                       "--after-step", "5", "--mode", "replay-only", "--out", out, "--egress", egress,
+                       "--after-step", "6", "--mode", "replay-only", "--out", out, "--egress", egress,
                        "--json")  # fmt: skip
     assert done.code == 0, done.stderr
     record = json.loads(done.stdout)
@@ -172,9 +202,10 @@ def test_a_replay_reaches_the_listed_hosts_and_is_refused_the_rest_each_call_jou
     )
     assert seen["toolu_04a"] == "egress ok /secure\n"  # through a CONNECT tunnel
     assert seen["toolu_05a"] == "from the local index\n"
+    assert seen["toolu_06a"] == "from the local index\n"  # pip through the proxy to the host's 127.0.0.1
     journal = record["egress"]
     assert journal["allowed"] == egress
-    assert journal["hosts"] == [f"{address}:{port}", f"{address}:{tls}"]
+    assert journal["hosts"] == [f"{address}:{port}", f"{address}:{tls}", f"{HOST_ALIAS}:{local}"]
     assert journal["refused_hosts"] == [f"{address}:{unlisted}", f"{NAME}:{unlisted}"]
     assert (journal["refused"], journal["limited"], journal["dropped"]) == (2, None, 0)
     by_call: dict[str, list[tuple[str, str, str]]] = {}
@@ -188,6 +219,7 @@ def test_a_replay_reaches_the_listed_hosts_and_is_refused_the_rest_each_call_jou
     assert {e for e in by_call["toolu_05a"]} == {("GET", f"{address}:{port}", "allowed")}  # the index, the wheel
     wheel = next(e for e in journal["events"] if e["path"] == f"/packages/{_Handler.wheel[0]}")
     assert wheel["received"] == len(_Handler.wheel[1]) and wheel["status"] == 200
+    assert {e["address"] for e in journal["events"] if e["call"] == "toolu_06a"} == {"127.0.0.1"}
     assert journal["connections"] == len(journal["events"]) - 2
     assert docker_client.containers.list(all=True, filters={"label": f"pvisor-host.run={record['run_id']}"}) == []
 

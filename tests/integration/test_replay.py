@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -315,7 +317,10 @@ def test_each_relaxation_has_its_flag(tmp_path, claude_image):
 
 def test_only_named_env_enters_and_never_the_container_config(tmp_path, claude_image, docker_client):
     secret = "s3cret-value-for-the-test"
-    command = 'echo "$PVISOR_HOST_TEST_VALUE" > value.txt; env | cut -d= -f1 | sort > names.txt; sleep 4'
+    command = (
+        'echo "$PVISOR_HOST_TEST_VALUE" > value.txt; env | cut -d= -f1 | sort > names.txt; '
+        "python3 -c 'print(hash(\"abc\"))' > hash.txt; sleep 4"
+    )
     trajectory = write_jsonl(tmp_path / "env.jsonl", _probe_session(command))
     out = tmp_path / "run"
     process = start_cli(
@@ -342,6 +347,16 @@ def test_only_named_env_enters_and_never_the_container_config(tmp_path, claude_i
     assert secret not in (out / "record.json").read_text()
     assert secret not in stdout + stderr
     assert record_of(out)["inputs"]["env_names"] == ["PVISOR_HOST_TEST_VALUE"]
+    # The environment is pinned, so a Python tool's hash order is the same every run (the value PYTHONHASHSEED=0
+    # gives the same Python here), and the record lists what the replay ran with, a secret by its name only.
+    pinned = subprocess.run([sys.executable, "-c", "print(hash('abc'))"], env={"PYTHONHASHSEED": "0"},
+                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert (out / "workspace" / "hash.txt").read_text() == pinned
+    environment = record_of(out)["inputs"]["environment"]
+    assert {k: environment[k] for k in ("PYTHONHASHSEED", "TZ", "LANG")} == {
+        "PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8",
+    }  # fmt: skip
+    assert environment["PVISOR_HOST_TEST_VALUE"] is None
 
 
 def test_timeout_kills_and_keeps_partial_artifacts(tmp_path, claude_image):

@@ -36,15 +36,17 @@ def test_doctor_reports_an_agent_whose_base_is_not_there_yet():
     }
     assert checks["image claude-code"]["status"] == "warn"
     assert checks["image claude-code"]["detail"].endswith(" not built yet")
-    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:7] == [
+    assert [c["name"] for c in json.loads(result.stdout)["checks"]][:8] == [
         "engine",
         "pvisor on the host",
         "architecture",
         "disk",
         "runtimes",
         "runtime floor",
+        "runtime starts",
         "registry",
     ]
+    assert checks["runtime starts"]["detail"].startswith("runc 1.1.5 has been seen to hang in `runc init`")
     assert checks["runtimes"]["detail"].startswith("runc (default)")
     # Debian 12's runc: named, with its CVEs and the remedy.
     assert checks["runtime floor"] == {

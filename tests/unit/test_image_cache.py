@@ -31,19 +31,6 @@ def cache_for(tmp_path, engine, clock, owner: str | None = None, session: str = 
 
 
 @pytest.fixture
-def caplog_lines():
-    """The lines pvisor-host logs meanwhile."""
-    from pvisor_host._log import logger
-
-    lines: list[str] = []
-    logger.enable("pvisor_host")
-    sink = logger.add(lambda message: lines.append(str(message)), level="INFO", format="{message}")
-    yield lambda: lines
-    logger.remove(sink)
-    logger.disable("pvisor_host")
-
-
-@pytest.fixture
 def cache(tmp_path, engine, clock) -> ImageCache:
     return cache_for(tmp_path, engine, clock)
 

@@ -183,6 +183,9 @@ def test_a_rerun_skips_finished_items_without_pulling_their_images(tmp_path):
 class NodesPull(FakeBackend):
     """A backend whose nodes pull (a cluster): as many images open at once as it has slots."""
 
+    def running_sandboxes(self) -> int:
+        return 0
+
     def capacity(self) -> int | None:
         return 8
 

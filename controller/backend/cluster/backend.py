@@ -160,6 +160,10 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.capacity`: the ``docker_engine`` slots of the alive nodes."""
         return int(sum(n["Resources"][ENGINE_RESOURCE] for n in engine_nodes(self.ray)))
 
+    def running_sandboxes(self) -> int:
+        """See :meth:`pvisor_host.backend.base.Backend.running_sandboxes`: 0, the slots already count them."""
+        return 0
+
     def _check_nodes(self) -> None:
         engines = engine_nodes(self.ray)
         if not engines:

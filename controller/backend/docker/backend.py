@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 from docker.errors import NotFound
 
 from ..._log import logger
-from ...errors import ImageUnavailable, PvisorHostError
+from ...errors import EngineUnresponsive, ImageUnavailable, PvisorHostError
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
+from ...units import format_size
 from . import labels as L
 from . import runtimes
 from .build.files import ImageFiles
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from .mirrors import Mirrors
     from .pull import Puller
     from .registry import Registries
+    from .sandbox.starts import StartSlots
 
 
 class DockerBackend:
@@ -95,6 +97,7 @@ class DockerBackend:
         self._cache: ImageCache | None = None
         self._lock = threading.Lock()
         self._seeds = Seeds()
+        self._starts: StartSlots | None = None
 
     @classmethod
     def connect(
@@ -279,9 +282,18 @@ class DockerBackend:
     def image_budget(self, given: int | None = None) -> int | None:
         """See :meth:`pvisor_host.backend.base.Backend.image_budget`: by default half of what the engine's data
         root has free plus what the image cache holds (so the default does not shrink as the cache fills), when
-        that directory is on this machine."""
-        if given is not None:
-            return given
+        that directory is on this machine; never more than another batch on the engine keeps to (the cache is
+        one, and stays within one budget), which is said in one line."""
+        budget = given if given is not None else self._default_budget()
+        kept, others = self.image_cache.share_budget(budget)
+        if others is not None:
+            logger.warning(
+                "another batch on this engine keeps its image cache within {}; this one keeps to it too",
+                format_size(others),
+            )
+        return kept
+
+    def _default_budget(self) -> int | None:
         with engine_errors("read the engine's information"):
             root = self.client.info().get("DockerRootDir")
         try:
@@ -340,7 +352,7 @@ class DockerBackend:
         from .sandbox import run
 
         self._remove_leftovers()
-        return run.run_attempt(
+        record = run.run_attempt(
             self.client,
             self._ownership,
             prepared,
@@ -350,7 +362,36 @@ class DockerBackend:
             leftovers=self._leftovers,
             seeds=self._seeds,
             files=self._files,
+            starts=self.start_slots,
         )
+        if record.status == "infra_error" and not self.answers():
+            raise EngineUnresponsive(
+                f"the engine stopped answering (its /_ping got no answer within {PING_TIMEOUT} s after: "
+                f"{record.failure.message if record.failure else 'an engine error'})"
+            )
+        return record
+
+    @property
+    def start_slots(self) -> StartSlots:
+        """How many sandboxes start at once on this engine, shared by every process (:mod:`.sandbox.starts`)."""
+        with self._lock:
+            if self._starts is None:
+                from .cleanup.usage import state_dir
+                from .sandbox.starts import start_slots
+
+                with engine_errors("read the engine's information"):
+                    engine_id = str(self.client.info().get("ID") or "engine")
+                self._starts = start_slots(state_dir(), engine_id)
+            return self._starts
+
+    def answers(self) -> bool:
+        """Whether the engine answers a ping within :data:`PING_TIMEOUT` seconds."""
+        api = self.client.api
+        try:
+            api._raise_for_status(api._get(api._url("/_ping"), timeout=PING_TIMEOUT))
+        except ENGINE_ERRORS:
+            return False
+        return True
 
     def cancel(self, *, run_id: str | None = None) -> None:
         """Kill (in parallel) every running replay container of this session (only those of ``run_id``, when
@@ -422,8 +463,8 @@ class DockerBackend:
         while True:
             failed: dict[str, str] = {}
             for container_id in self._leftovers.take():
-                try:
-                    remove_container(self.client.containers.get(container_id))
+                try:  # by id, not inspected first: the engine may be stuck on it, and inspecting waits as removing
+                    remove_container(self.client.containers.prepare_model({"Id": container_id}), LEFTOVER_TIMEOUT)
                     logger.info("removed container {} (left while the engine was away)", container_id[:12])
                 except NotFound:
                     continue
@@ -433,7 +474,7 @@ class DockerBackend:
                 return
             for container_id in failed:
                 self._leftovers.add(container_id)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or set(failed) <= self._leftovers.stuck:  # nobody waits on a stuck one
                 if not final:
                     return
                 for container_id, reason in failed.items():
@@ -444,6 +485,12 @@ class DockerBackend:
                     )
                 return
             time.sleep(1.0)
+
+
+#: Seconds one try at removing a leftover may take (the engine was stuck on it before).
+LEFTOVER_TIMEOUT = 5.0
+#: Seconds a ping may take before the engine counts as not answering.
+PING_TIMEOUT = 10
 
 
 def _kill_quietly(container: Container) -> None:

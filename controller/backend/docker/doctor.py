@@ -37,8 +37,30 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
     default, known = registered(client)
-    floor = _escape_fixes(known.get(default) or Runtime(name=default))
-    return [engine, _architecture(info), _disk(info), _runtimes(info), floor, *_images(client)]
+    runtime = known.get(default) or Runtime(name=default)
+    checks = [engine, _architecture(info), _disk(info), _runtimes(info), _escape_fixes(runtime)]
+    return [*checks, *_start_hangs(runtime), *_images(client)]
+
+
+#: runc versions seen to hang a container's start in ``runc init`` (for 20 minutes and more, the engine answering
+#: nothing about it meanwhile) when many sandboxes start at once on a host with hybrid cgroups: ours, 2026-12.
+HANGS_IN_INIT = ("1.1.5",)
+
+
+def _start_hangs(runtime: Runtime) -> list[Check]:
+    """A runtime known to hang starting containers: named, with what bounds it."""
+    if runtime.name != "runc" or runtime.version is None or runtime.version.lstrip("v") not in HANGS_IN_INIT:
+        return []
+    return [
+        Check(
+            name="runtime starts",
+            status="warn",
+            detail=f"runc {runtime.version} has been seen to hang in `runc init` when many sandboxes start at once "
+            "(each start is bounded by --start-timeout, and retried once in a fresh sandbox)",
+            fix="upgrade runc (1.2.8 / 1.3.3 or later), or run sandboxes under gVisor (--runtime runsc)",
+            required=False,
+        )
+    ]
 
 
 def _escape_fixes(runtime: Runtime) -> Check:

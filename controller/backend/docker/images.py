@@ -83,10 +83,11 @@ class ImageStore:
         return True
 
     def ours(self) -> list[str]:
-        """The tags of the agent images pvisor-host built that the engine holds, sorted."""
+        """The tags of the agent images pvisor-host built that the engine holds, sorted (ours only: the tags a user
+        gave them for a registry of theirs are not names we list them by)."""
         with engine_errors("list pvisor-host's images"):
             images = self._client.images.list(filters={"label": L.AGENT})
-        return sorted(tag for image in images for tag in image.tags)
+        return sorted(tag for image in images for tag in image.tags if tag.startswith(L.OUR_TAGS))
 
     def save(self, image_id: str, *, name: str | None, chunk: int) -> Iterator[bytes]:
         """``docker save`` of the image, in pieces of about ``chunk`` bytes; with ``name`` (one of its tags)

@@ -23,6 +23,16 @@ VERSION = PREFIX + "version"
 ROLE = PREFIX + "role"
 OUT = PREFIX + "out"
 
+#: The repositories pvisor-host tags its own images in (``pvisor-host/claude-code:...``, ``pvisor-host/base:...``).
+OUR_TAGS = "pvisor-host/"
+
+
+def our_tags(tags: list[str]) -> list[str]:
+    """Of an image's tags, ours first, then the others (a user may tag one of our images for a registry of theirs:
+    it is still named by ours wherever we list it)."""
+    return sorted(tags, key=lambda tag: not tag.startswith(OUR_TAGS))
+
+
 # Image labels written at build time (the record of what was verified inside the image).
 AGENT = PREFIX + "agent"
 AGENT_VERSION = PREFIX + "agent-version"

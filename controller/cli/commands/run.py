@@ -212,7 +212,7 @@ def batch(
     from ...backend import check_cluster_options
     from ...backend.docker.mirrors import Mirrors
     from ...fanout.manifest import BatchInput
-    from ...fanout.scheduler import BatchOptions, default_workers
+    from ...fanout.scheduler import BatchOptions, default_workers, fit_workers
     from ...fanout.summary import allowed_failures, exit_code
     from ...models.image import BuildOptions
     from ...units import parse_duration, parse_size
@@ -255,9 +255,8 @@ def batch(
         image_rewrites=image_rewrite,
         out=batch_options.out,
     ) as backend:
-        capacity = backend.capacity()
-        if workers is None and capacity is not None:  # a cluster: as many at a time as it has engine slots
-            batch_options = batch_options.model_copy(update={"workers": capacity})
+        if not plan:
+            batch_options = fit_workers(batch_options, backend, given=workers is not None)
         if plan:
             return _plan(
                 source, checked, backend, batch_options, json_output=json_output, verbose=verbose,

@@ -288,11 +288,25 @@ class ImageCache:
                 entry.holds.pop(hold.token, None)
                 entry.used = self._clock()
 
+    def share_budget(self, budget: int | None) -> tuple[int | None, int | None]:
+        """This process's batch keeps the cache within ``budget``: noted for every other batch on the engine, which
+        keeps to the smallest of the live batches' budgets, as this one does. Returns the budget to keep to, and
+        the other batches' smallest when it is what this one keeps to (None: its own is)."""
+        with self._ledger.changing() as state:
+            others = [b for process, b in state.budgets.items() if process != self._me]
+            if budget is not None:
+                state.budgets[self._me] = budget
+        smallest = min(others, default=None)
+        if smallest is not None and (budget is None or smallest < budget):
+            return smallest, smallest
+        return budget, None
+
     def finish(self, *, keep: bool = False) -> list[str]:
         """This process's batch has ended: remove the images it pulled that nobody holds (with ``keep``, give
         them up to the user instead); an image another batch holds becomes that batch's to remove. Returns the
         references removed."""
         with self._ledger.changing() as state:
+            state.budgets.pop(self._me, None)
             going = []
             for key, entry in state.images.items():
                 if entry.owner != self._me:

@@ -82,6 +82,9 @@ class CacheState(BaseModel):
     """The session that used the cache last."""
     budget: int | None = None
     """The budget the latest pull kept to."""
+    budgets: dict[str, int] = {}
+    """Process → the image budget of the batch it runs now: every batch on the engine keeps to the smallest, so
+    the cache stays within one budget however many batches share it."""
 
     def used(self) -> int:
         """Bytes the cache's images take (or will, once their pulls end), each layer once."""
@@ -152,6 +155,7 @@ class Ledger:
             return CacheState()
         for image in state.images.values():  # the dead hold nothing
             image.holds = {token: hold for token, hold in image.holds.items() if self.alive(hold.process)}
+        state.budgets = {process: budget for process, budget in state.budgets.items() if self.alive(process)}
         return state
 
 

@@ -70,12 +70,12 @@ def _ours(resource: dict[str, Any]) -> bool:
     if not isinstance(labels, dict) or labels.get(L.MANAGED) != "true":
         return False
     tags = [t for t in (resource.get("RepoTags") or []) if t != "<none>:<none>"]
-    return not tags or any(tag.startswith("pvisor-host/") for tag in tags)
+    return not tags or any(tag.startswith(L.OUR_TAGS) for tag in tags)
 
 
 def _image_entry(image: dict[str, Any], uses: dict[str, datetime], used: set[str | None]) -> CatalogEntry:
     labels: dict[str, str] = dict(image.get("Labels") or {})
-    tags = [t for t in (image.get("RepoTags") or []) if t != "<none>:<none>"]
+    tags = L.our_tags([t for t in (image.get("RepoTags") or []) if t != "<none>:<none>"])
     image_id = str(image["Id"])
     return CatalogEntry(
         kind="image",

@@ -24,30 +24,36 @@ from typing import Any
 import docker
 import requests
 from docker.api import APIClient
-from docker.errors import APIError, ImageNotFound, NotFound
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import LogConfig, Mount
 from pydantic import BaseModel, ConfigDict
 
 from ...._log import logger
-from ....errors import UsageError
+from ....errors import InfrastructureError, UsageError
 from ....models.ownership import Ownership
+from ....models.record import START_TIMEOUT
 from ....models.spec import default_user
-from ....signals import deferred_interrupts
+from ....signals import cleaning, deferred_interrupts
+from ....units import format_duration
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
 
 
 class Leftovers:
-    """Containers the engine could not remove (it was away), to be removed once it answers again."""
+    """Containers the engine could not remove (it was away, or stuck on them), to be removed once it can."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids: set[str] = set()
+        self.stuck: set[str] = set()
+        """Those whose start hung: the engine may stay stuck on them for long, so nobody waits for them."""
 
-    def add(self, container_id: str) -> None:
+    def add(self, container_id: str, *, stuck: bool = False) -> None:
         with self._lock:
             self._ids.add(container_id)
+            if stuck:
+                self.stuck.add(container_id)
 
     def take(self) -> set[str]:
         """Every id noted so far (the caller removes them, or adds back those it could not)."""
@@ -188,13 +194,36 @@ def _find_own(client: docker.DockerClient, spec: ContainerSpec) -> Container | N
     return found if own else None
 
 
+#: Seconds one removal of a sandbox may take: an engine stuck on it (a runtime that hangs) does not hold the
+#: batch, or a Ctrl-C, any longer; what it could not remove is removed later (``Leftovers``, ``gc``).
+REMOVE_TIMEOUT = 30.0
+#: The same for a sandbox whose start hung: the engine is stuck on it; a later try (``Leftovers``) removes it.
+HUNG_REMOVE_TIMEOUT = 3.0
+
+
 @retrying()
-def remove_container(container: Container) -> None:
-    """Force-remove ``container`` (and its anonymous volumes); a missing container is fine."""
+def remove_container(container: Container, timeout: float | None = REMOVE_TIMEOUT) -> None:
+    """Force-remove ``container`` (and its anonymous volumes) within ``timeout`` seconds a try; a missing container
+    is fine.
+
+    Raises:
+        EngineTimeout: the engine did not answer in time (not retried: it would not answer the next try either).
+    """
     try:
-        container.remove(force=True, v=True)
+        if timeout is None:
+            container.remove(force=True, v=True)
+        else:
+            _within(container, "delete", "/containers/{0}", timeout, v=True, force=True)
     except NotFound:
         return
+    except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
+        if _timed_out(exc):
+            raise EngineTimeout(f"the engine did not remove it within {format_duration(timeout or 0)}") from exc
+        raise
+
+
+class EngineTimeout(DockerException):  # type: ignore[misc]
+    """An engine request that ran out of its own time (mapped as any engine error, never retried)."""
 
 
 @contextlib.contextmanager
@@ -209,29 +238,100 @@ def sandbox_container(
         except ImageNotFound as exc:
             raise UsageError(f"image {spec.image} does not exist", hint="build it with pvisor-host build") from exc
     logger.debug("created container {} ({})", container.short_id, spec.name)
-    try:
-        yield container
-    finally:
-        with deferred_interrupts():
-            try:
-                remove_container(container)
-                logger.debug("removed container {}", container.short_id)
-            except ENGINE_ERRORS as exc:
-                if leftovers is not None:
-                    leftovers.add(container.id)
-                    logger.warning("could not remove container {} yet ({})", container.short_id, describe(exc))
-                else:
-                    logger.error(
-                        "could not remove container {} ({}); remove it with `pvisor-host gc` or docker rm -f",
-                        container.short_id,
-                        describe(exc),
-                    )
+    hung = False
+    with cleaning(f"container {spec.name}"):  # until it is removed: named should the process give up first
+        try:
+            yield container
+        except StartHung:
+            hung = True
+            raise
+        finally:
+            _remove_at_the_end(container, leftovers, hung=hung)
 
 
-def start(container: Container) -> None:
-    """Start the container."""
+def _remove_at_the_end(container: Container, leftovers: Leftovers | None, *, hung: bool) -> None:
+    with deferred_interrupts():
+        try:
+            remove_container(container, HUNG_REMOVE_TIMEOUT if hung else REMOVE_TIMEOUT)
+            logger.debug("removed container {}", container.short_id)
+        except ENGINE_ERRORS as exc:
+            if leftovers is not None:
+                leftovers.add(container.id, stuck=hung)
+                logger.warning("could not remove container {} yet ({})", container.short_id, describe(exc))
+            else:
+                logger.error(
+                    "could not remove container {} ({}); remove it with `pvisor-host gc` or docker rm -f",
+                    container.short_id,
+                    describe(exc),
+                )
+
+
+def start(container: Container, timeout: float | None = None) -> None:
+    """Start the container; one the engine has not started within ``timeout`` seconds is a :class:`StartHung`
+    naming the step that hangs (see :func:`hung_step`): a runtime that never returns from ``create`` holds the
+    engine's answer, and a batch waiting on it waits for good."""
     with engine_errors(f"start container {container.short_id}"):
-        container.start()
+        if timeout is None:
+            container.start()
+            return
+        try:
+            _within(container, "post", "/containers/{0}/start", timeout)
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
+            if not _timed_out(exc):
+                raise
+            raise StartHung(
+                f"the engine did not start the sandbox within {format_duration(timeout)}: {hung_step(container.id)}",
+                hint="--start-timeout gives it longer; `pvisor-host doctor` names runtimes known to hang",
+            ) from None
+
+
+class StartHung(InfrastructureError):
+    """The engine did not start a sandbox in time (its runtime hangs)."""
+
+    @property
+    def category(self) -> str:
+        return START_TIMEOUT
+
+
+def _within(container: Container, method: str, path: str, seconds: float, **params: object) -> None:
+    """One engine request about ``container`` that may take ``seconds`` at most: docker-py's own methods take no
+    timeout of their own (they use the client's), so the request is made as they make it, with one."""
+    api = container.client.api
+    url = api._url(path, container.id)
+    answer = getattr(api, f"_{method}")(url, params=params or None, timeout=seconds)
+    api._raise_for_status(answer)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A read that ran out of time (docker-py's transport may wrap it in a ConnectionError)."""
+    return isinstance(exc, requests.exceptions.ReadTimeout) or "timed out" in str(exc).lower()
+
+
+def hung_step(container_id: str) -> str:
+    """Which step of starting the container hangs, read from this host's processes: the runtime's command that
+    names the container (``runc create``), and whether its child is still in ``runc init``; the engine itself when
+    no such process runs here (or the engine is not on this host)."""
+    found = None
+    children: dict[int, list[str]] = {}
+    shells = ("sh", "bash", "dash", "python3", "python")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(" ".join(Path(argv[0]).name.split() + argv[1:2]))
+        if found is None and container_id in argv and Path(argv[0]).name != "containerd-shim-runc-v2":
+            program = Path(argv[1] if Path(argv[0]).name in shells and len(argv) > 1 else argv[0]).name
+            verbs = [arg for arg in argv[1:] if arg in ("create", "start", "run", "delete", "kill")]
+            found = (int(entry.name), f"{program} {verbs[0] if verbs else ''}".strip())
+    if found is None:
+        return "the engine itself did not answer (no runtime process for it runs on this host)"
+    pid, command = found
+    inner = [child for child in children.get(pid, []) if child.endswith(" init")]
+    return f"`{command}` hangs" + (f" (its `{inner[0]}` has not returned)" if inner else "")
 
 
 def wait(container: Container, timeout: float | None, *, until: Callable[[], bool] | None = None) -> WaitOutcome:

@@ -21,6 +21,7 @@ from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
 from ....models.record import (
     DISK_FULL,
+    START_TIMEOUT,
     Artifact,
     Collection,
     ContainerInfo,
@@ -68,6 +69,8 @@ class AttemptState:
         self.used_gateway = False
         self.egress_journal: list[EgressInfo] = []
         """With ``--egress``: the run's journal, once the proxy has let the run go."""
+        self.infra_category: str | None = None
+        """The category of an ``infra_error`` that has one of its own (``start_timeout``)."""
         self.self_deadline: str | None = None
         """What the sandbox ended itself at its own deadline (entry.sh's ``deadline.json``), when it did."""
         self.secret_names: list[str] = []
@@ -91,6 +94,7 @@ def classify(
     memory: int,
     gvisor: bool = False,
     self_deadline: str | None = None,
+    infra_category: str | None = None,
 ) -> tuple[ReplayStatus, Failure | None]:
     """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
 
@@ -113,6 +117,8 @@ def classify(
     if infra_error and _NO_SPACE.search(infra_error):  # a write of ours found the host's disk full: never retried
         return "infra_error", Failure(category=DISK_FULL, message=f"the run directory's filesystem is full: "
                                       f"{infra_error}")  # fmt: skip
+    if infra_error and infra_category == START_TIMEOUT:  # the runtime hung: a fresh sandbox is worth one more try
+        return "infra_error", Failure(category=START_TIMEOUT, message=infra_error, retryable=True)
     if infra_error:
         return "infra_error", Failure(category="infra_error", message=infra_error)
     if result is None:
@@ -162,6 +168,7 @@ def build_record(
         memory=prepared.spec.memory,
         gvisor=prepared.runtime.gvisor,
         self_deadline=state.self_deadline,
+        infra_category=state.infra_category,
     )
     if failure is not None and RUN_MOUNT in failure.message:  # pvisor names its files where the sandbox saw them
         failure = failure.model_copy(

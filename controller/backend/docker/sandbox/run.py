@@ -45,6 +45,7 @@ from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
 from .stage import DEADLINE_FILE, Staging, remove_staging, stage, staging_root
+from .starts import StartSlots
 from .verify import PVISOR_DONE, go_ahead, pvisor_exit_code, read_verification
 
 
@@ -59,6 +60,7 @@ def run_attempt(
     leftovers: Leftovers | None = None,
     seeds: Seeds | None = None,
     files: ImageFiles | None = None,
+    starts: StartSlots | None = None,
 ) -> ReplayRecord:
     """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
 
@@ -75,7 +77,7 @@ def run_attempt(
     try:
         with full_disk_raises(attempt.run_dir):
             fill = _config_fill(prepared, files or ImageFiles(client, ownership))
-            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds(), fill)
+            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds(), fill, starts)
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
@@ -102,6 +104,7 @@ def _run(
     leftovers: Leftovers | None,
     seeds: Seeds,
     fill: Callable[[bytes], tuple[bytes, list[str]]] | None,
+    starts: StartSlots | None,
 ) -> ReplayRecord:
     state = AttemptState(prepared, attempt)
     state.used_gateway = model is not None
@@ -135,11 +138,12 @@ def _run(
                 ))  # fmt: skip
             cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model, egress=egress)
             info = ContainerInfo(name=cspec.name, command=cspec.command)
-            _run_container(client, state, cspec, info, staging, cancel, clock, leftovers)
+            _run_container(client, state, cspec, info, staging, cancel, clock, leftovers, starts)
     except KeyboardInterrupt:
         state.interrupted = True
     except InfrastructureError as exc:
         state.infra_error = exc.one_line()
+        state.infra_category = exc.category if isinstance(exc, sandbox.StartHung) else None
     except UsageError:
         if staging is None:  # the staging itself was refused (e.g. --image-workspace): nothing ran
             remove_staging(staging_root(out))
@@ -204,6 +208,7 @@ def _run_container(
     cancel: threading.Event | None,
     clock: float,
     leftovers: Leftovers | None,
+    starts: StartSlots | None,
 ) -> None:
     prepared = state.prepared
     spec = prepared.spec
@@ -213,7 +218,8 @@ def _run_container(
         built = prepared.built
         usage.record_use(prepared.image.id, prepared.image.runtime_volume, built.id if built else None)
         clock = state.phase("create", clock)
-        sandbox.start(box)
+        with starts.holding(cancel) if starts is not None else contextlib.nullcontext():
+            sandbox.start(box, spec.start_timeout)
         logger.info(
             "running {} {} (after step {}) in container {} [{}]",
             prepared.profile.agent,

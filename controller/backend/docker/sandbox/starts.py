@@ -1,0 +1,68 @@
+"""How many sandboxes start at once on one engine, counted across every pvisor-host process that uses it.
+
+A start (the engine's start of a created container: the runtime's ``create`` and ``start``) holds one of a few
+slots: lock files in the state directory, one
+folder per engine, taken with ``flock`` so that a process that dies lets go of its slot with its last file
+descriptor. More starts at once than the runtime can take only queue inside it, and worse: runc 1.1.5 was seen
+here to hang in ``runc init`` when a dozen started together on 2 cores, with two batches side by side each
+starting what its own workers allowed. So the number is the engine's host's, not each batch's: two batches
+beside each other share it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from ....errors import Interrupted
+
+#: Sandboxes starting at once on one engine, whatever the number of processes starting them.
+START_SLOTS = max(2, os.cpu_count() or 2)
+#: How often a start that found every slot taken looks again (seconds).
+_POLL = 0.05
+
+
+class StartSlots:
+    """The start slots of one engine (see the module docstring)."""
+
+    def __init__(self, folder: Path, slots: int = START_SLOTS) -> None:
+        self.folder = folder
+        self.slots = slots
+
+    @contextlib.contextmanager
+    def holding(self, cancel: threading.Event | None = None) -> Iterator[None]:
+        """Hold a slot for the block, waiting for one while they are all taken (a ``cancel`` ends the wait with
+        :class:`Interrupted`)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        handle = self._take(cancel)
+        try:
+            yield
+        finally:
+            handle.close()  # and with it the lock
+
+    def _take(self, cancel: threading.Event | None) -> IO[str]:
+        while True:
+            for number in range(self.slots):
+                handle = (self.folder / f"slot-{number}.lock").open("a")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.close()
+                    continue
+                return handle
+            if cancel is None:
+                time.sleep(_POLL)
+            elif cancel.wait(_POLL):
+                raise Interrupted("cancelled while waiting to start a sandbox")
+
+
+def start_slots(state_dir: Path, engine_id: str) -> StartSlots:
+    """The start slots of the engine ``engine_id``."""
+    safe = "".join(c for c in engine_id if c.isalnum())[:24] or "engine"
+    return StartSlots(state_dir / f"starts-{safe}")
