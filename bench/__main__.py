@@ -12,6 +12,7 @@ module each, whose docstring says what it measures:
 * ``startup`` (``startup.py``) ``pvisor-host --help`` and ``replay --help`` against ``import typer``.
 * ``dataset`` (``dataset.py``) task images in a real registry: against a shell loop and pulling every image first.
 * ``swe``     (``dataset.py``) the SWE-shaped dataset, the same way; then ``--plan`` of 2,000 items.
+* ``shared``  (``shared.py``) two batches of task images started side by side on one engine, against one batch.
 * ``collect`` (``collect.py``) the bytes an item writes with ``--collect changes`` and with ``full``.
 * ``report``  (``report.py``) ``report.html`` of 2,000 and of 100,000 items: size, memory, time to first rows.
 * ``gateway`` (``gateway.py``) the model gateway's added latency and peak RSS. No engine needed.
@@ -46,23 +47,28 @@ from bench.machine import machine
 from bench.plan import plan
 from bench.report import report
 from bench.scale import scale
+from bench.shared import shared
 from bench.single import single
 from bench.startup import startup
 from bench.table import table
 
+#: The sections of a default run.
+DEFAULT = ("single", "batch", "scale", "plan", "cache", "startup", "dataset", "swe", "shared", "collect", "report",
+           "gateway")  # fmt: skip
+#: The sections that need the engine.
+ENGINE = {"single", "batch", "scale", "plan", "cache", "dataset", "swe", "shared", "cluster", "cluster-tasks"}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default="single,batch,scale,plan,cache,startup,dataset,swe,collect,report,gateway")
+    parser.add_argument("--only", default=",".join(DEFAULT))
     parser.add_argument("--results", default=str(ROOT / "bench-results.json"))
     args = parser.parse_args()
     sections = args.only.split(",")
     results: dict[str, Any] = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="pvh-bench-") as scratch:
         work = Path(scratch)
-        engine = {"single", "batch", "scale", "plan", "cache", "dataset", "swe", "cluster", "cluster-tasks"} & set(
-            sections
-        )
+        engine = ENGINE & set(sections)
         tag, entrypoint = image() if engine else ("", "")
         if "startup" in sections:
             results["startup"] = startup()
@@ -85,6 +91,9 @@ def main() -> int:
         if "swe" in sections:
             (work / "swe").mkdir()
             results["swe"] = swe(work / "swe")
+        if "shared" in sections:
+            (work / "shared").mkdir()
+            results["shared"] = shared(work / "shared")
         if "collect" in sections:
             (work / "collect").mkdir()
             results["collect"] = collect(work / "collect")

@@ -36,6 +36,13 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"cached build vs a docker-py tag lookup: {c['ratio']['median']}x ({c['median_seconds']})")
     if "startup" in results:
         lines.append(f"start-up (s): {results['startup']['median_seconds']}")
+    if "shared" in results:
+        h = results["shared"]
+        lines.append(
+            f"two batches side by side ({h['items']} items, {h['images']} task images): {h['pair_vs_one']['median']}x "
+            f"one batch (spread {h['pair_vs_one']['spread']}); peak images {h['peak_image_bytes_sampled']} B within "
+            f"{h['budget_bytes']} B: {h['peak_within_budget']}; both ok: {h['both_ok']}; left: {h['left']}"
+        )
     if "dataset" in results:
         d = results["dataset"]
         lines.append(

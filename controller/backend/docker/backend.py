@@ -400,7 +400,7 @@ class DockerBackend:
         if run_id is not None:
             filters["label"].append(f"{L.RUN}={run_id}")
         try:
-            containers = self.client.containers.list(filters=filters)
+            containers = self.client.containers.list(filters=filters, sparse=True)  # no inspect: it may hang
         except ENGINE_ERRORS as exc:
             logger.warning("could not list this session's containers ({}); each worker removes its own", describe(exc))
             return

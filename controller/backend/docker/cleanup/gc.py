@@ -28,8 +28,11 @@ def labelled_resources(client: docker.DockerClient) -> list[Resource]:
     """Every container (running or not), network and volume carrying a ``pvisor-host.owner`` label."""
     filters = {"label": L.OWNER}
     found: list[Resource] = []
-    for container in client.containers.list(all=True, filters=filters):
-        found.append(_resource("container", container.id, container.name, container.labels))
+    # sparse: the list's own fields, no inspect of each (the engine makes an inspect wait on a container whose
+    # start hangs in the runtime, and the listing with it)
+    for container in client.containers.list(all=True, filters=filters, sparse=True):
+        name = (container.attrs.get("Names") or [container.id])[0].lstrip("/")
+        found.append(_resource("container", container.id, name, container.attrs.get("Labels") or {}))
     for network in client.networks.list(filters=filters):
         found.append(_resource("network", network.id, network.name, network.attrs.get("Labels") or {}))
     for volume in client.volumes.list(filters=filters):
