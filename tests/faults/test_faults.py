@@ -17,9 +17,13 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from pvisor_host.errors import ExitCode
+from pvisor_host.signals import GIVE_UP_AFTER
 
 from conftest import IN_CI, ROOT, run_cli, start_cli
 from modelserver import StubServer
@@ -263,6 +267,157 @@ def test_a_tool_that_ignores_sigterm_and_forks_is_still_killed_at_the_timeout(tm
     record = json.loads((out / "record.json").read_text())
     assert record["status"] == "timeout" and record["limits"]["pids"] == 128
     assert docker_client.containers.list(all=True, filters={"name": record["container"]["name"]}) == []
+
+
+# -- no sandbox outlives its purpose ---------------------------------------------------------------------------
+
+
+def require_our_engine() -> int:
+    """The pid of the dockerd scripts/ensure-engine.sh started (these tests pause or reconfigure only that one)."""
+    if not engine_is_ours():
+        message = "the engine was not started by scripts/ensure-engine.sh; this test changes only its own"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return int(PIDFILE.read_text())
+
+
+def sandboxes_of(client, out: Path, *, running: bool = True) -> list:
+    return client.containers.list(all=not running, filters={"label": f"pvisor-host.out={out}"}, sparse=True)
+
+
+def until(condition, seconds: float, what: str, process: subprocess.Popen[str] | None = None) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"{what}: the batch exited {process.returncode} first: {process.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:.0f} s"
+        time.sleep(0.2)
+
+
+def test_a_killed_controllers_sandboxes_end_themselves_and_the_rerun_removes_them(tmp_path, docker_client):
+    path = manifest(tmp_path / "data", 2, command="sleep 300")
+    out = tmp_path / "out"
+    args = ("batch", path, "--agent", "claude-code", "--mode", "replay-only", "--out", out, "--workers", "2",
+            "--timeout", "10s")  # fmt: skip
+    process = start_cli(*args)
+    until(lambda: len(sandboxes_of(docker_client, out)) == 2, 120, "two sandboxes running", process)
+    process.kill()  # kill -9: nothing of the controller runs on
+    process.communicate()
+    killed = time.monotonic()
+    # Each ends itself at its --timeout plus 30 s, counted from its own start: no gc, nobody else.
+    until(lambda: not sandboxes_of(docker_client, out), 10 + 30 + 15, "the sandboxes stopped themselves")
+    assert time.monotonic() - killed > 15  # they did run on past the kill, to their own deadline
+    stopped = sandboxes_of(docker_client, out, running=False)
+    assert len(stopped) == 2
+    assert {docker_client.containers.get(c.id).attrs["State"]["ExitCode"] for c in stopped} == {124}
+    rerun = run_cli(*args)
+    assert f"removed what a dead earlier run into {out} left: 2 containers" in rerun.stderr, rerun.stderr
+    assert json.loads((out / "summary.json").read_text())["counts"] == {"timeout": 2}
+    assert sandboxes_of(docker_client, out, running=False) == []
+
+
+class HangingRuntime:
+    """A runtime registered with the engine whose ``create`` never returns (a wrapper of runc that sleeps): the
+    stand-in for runc 1.1.5 hanging in ``runc init``."""
+
+    name = "pvh-hang"
+    script = Path("/usr/local/bin/pvh-hang-runtime")
+
+    def release(self) -> None:
+        """End the wrappers' sleeps: the hung creates return, failed, and the engine can remove the sandboxes."""
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if str(self.script) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    subprocess.run(["pkill", "-KILL", "-P", entry.name], check=False)
+
+
+DAEMON_JSON = Path("/etc/docker/daemon.json")
+HANG_SCRIPT = """#!/bin/sh
+# create never returns
+for arg in "$@"; do
+    if [ "$arg" = create ]; then sleep 3600; exit 1; fi
+done
+exec runc "$@"
+"""
+
+
+@pytest.fixture
+def hanging_runtime(docker_client) -> Iterator[HangingRuntime]:
+    """:class:`HangingRuntime`, registered for the test (daemon.json and SIGHUP), then released and unregistered."""
+    pid = require_our_engine()
+    runtime = HangingRuntime()
+    runtime.script.write_text(HANG_SCRIPT)
+    runtime.script.chmod(0o755)
+    before = DAEMON_JSON.read_text() if DAEMON_JSON.exists() else None
+    config = json.loads(before or "{}")
+    config.setdefault("runtimes", {})[runtime.name] = {"path": str(runtime.script)}
+
+    def registered() -> bool:
+        return runtime.name in docker_client.info()["Runtimes"]
+
+    DAEMON_JSON.write_text(json.dumps(config))
+    os.kill(pid, signal.SIGHUP)
+    until(registered, 30, "the engine knows the runtime")
+    try:
+        yield runtime
+    finally:
+        runtime.release()
+        if before is None:
+            DAEMON_JSON.unlink()
+        else:
+            DAEMON_JSON.write_text(before)
+        os.kill(pid, signal.SIGHUP)
+        until(lambda: not registered(), 30, "the engine forgot the runtime")
+
+
+def test_a_start_that_hangs_in_the_runtime_is_an_infra_error_within_its_bound_and_the_batch_finishes(
+    tmp_path, docker_client, hanging_runtime
+):
+    before = {c.id for c in ours(docker_client)}
+    out = tmp_path / "out"
+    result = batch(manifest(tmp_path / "data", 2), out, "--runtime", hanging_runtime.name, "--start-timeout", "5s",
+                   "--workers", "2", "--retry-backoff", "1s", timeout=300)  # fmt: skip
+    assert result.code == ExitCode.INFRASTRUCTURE, result.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["category"], r["attempts"]) for r in rows] == [("infra_error", "start_timeout", 2)] * 2
+    hung = "the engine did not start the sandbox within 5.0s: `pvh-hang-runtime create` hangs"
+    assert [row["message"] for row in rows] == [hung, hung]
+    # what the engine could not remove while its runtime hung is named, then gc's once the runtime returns
+    assert "could not be removed" in result.stderr or "pvisor-host gc" in result.stderr, result.stderr
+    hanging_runtime.release()
+    until(lambda: not run_cli("gc").code and not (set(c.id for c in ours(docker_client)) - before), 60,
+          "gc removed the hung sandboxes")  # fmt: skip
+
+
+def test_a_second_ctrl_c_ends_the_batch_within_its_bound_while_the_engine_is_paused(tmp_path, docker_client):
+    pid = require_our_engine()
+    path = manifest(tmp_path / "data", 2, command="sleep 300")
+    out = tmp_path / "out"
+    process = start_cli("batch", path, "--agent", "claude-code", "--mode", "replay-only", "--out", out,
+                        "--workers", "2")  # fmt: skip
+    until(lambda: len(sandboxes_of(docker_client, out)) == 2, 120, "two sandboxes running", process)
+    names = sorted(c.attrs["Names"][0].lstrip("/") for c in sandboxes_of(docker_client, out))
+    os.kill(pid, signal.SIGSTOP)  # the engine answers nothing from now on
+    try:
+        process.send_signal(signal.SIGINT)
+        time.sleep(1)
+        process.send_signal(signal.SIGINT)
+        try:
+            _, stderr = process.communicate(timeout=GIVE_UP_AFTER + 4)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"still running {GIVE_UP_AFTER + 4:.0f} s after the second Ctrl-C: {process.communicate()[1]}")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert process.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (
+        f"pvisor-host: gave up waiting for the engine; not removed: container {names[0]}, container {names[1]} "
+        "(the next run into the same --out, or pvisor-host gc, removes them)"
+    ), stderr
+    cleaned = run_cli("gc")
+    assert cleaned.code == 0, cleaned.stderr
+    assert sandboxes_of(docker_client, out, running=False) == []
 
 
 # -- two batches at once -------------------------------------------------------------------------------------

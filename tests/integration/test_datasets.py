@@ -286,17 +286,20 @@ def test_two_batches_on_one_engine_keep_one_budget_and_never_remove_what_the_oth
     absent(docker_client, first[0])
     budget = one + 6 * 2**20  # the shared base once, and room for three of the images' own 2 MB
     args = ("--agent", "claude-code", "--inject", "--image-workspace", "--workspace-path", "/app", "--mode",
-            "replay-only", "--json", "--workers", "2", "--image-budget", str(budget))  # fmt: skip
-    running = [
-        start_cli("batch", manifest(tmp_path / name, refs, 2), "--out", tmp_path / f"{name}-out", *args)
-        for name, refs in (("a", first), ("b", second))
-    ]
+            "replay-only", "--json", "--workers", "2")  # fmt: skip
+    running = [  # the second asks for twice the room: it keeps to the first's all the same
+        start_cli("batch", manifest(tmp_path / name, refs, 2), "--out", tmp_path / f"{name}-out", *args,
+                  "--image-budget", str(budget * times))
+        for name, refs, times in (("a", first, 1), ("b", second, 2))
+    ]  # fmt: skip
     outcomes = [process.communicate(timeout=300) for process in running]
     for process, (stdout, stderr) in zip(running, outcomes, strict=True):
         assert process.returncode == 0, stderr[-3000:]
         summary = json.loads(stdout)
         assert summary["counts"] == {"ok": 6}  # an image removed under a sandbox would fail its item
-        assert 0 < summary["images"]["peak"] <= budget  # both batches' images, each layer once
+        assert 0 < summary["images"]["peak"] <= budget  # both batches' images, each layer once, within the smaller
+    shared = "another batch on this engine keeps the image cache within"
+    assert [shared in stderr for _, stderr in outcomes] == [False, True], outcomes[1][1][-3000:]
     assert [ref for ref in first + second if present(docker_client, ref)] == []
 
 

@@ -280,6 +280,29 @@ def test_two_batches_share_one_budget_and_never_remove_what_the_other_holds(tmp_
     second.release(b)
 
 
+def test_a_batch_keeps_to_a_smaller_budget_another_batch_gave_after_it_started_and_says_so_once(
+    tmp_path, engine, clock, caplog_lines
+):
+    refs = swe(engine, 4, envs=4)
+    one = (50 + 250 + 20) * MB
+    first = cache_for(tmp_path, engine, clock, session="a")
+    second = cache_for(tmp_path, engine, clock, owner="otherhost/2/2", session="b")
+    first.share_budget(4 * one)  # the first batch started alone, with room for four images
+    for ref in refs[:2]:
+        first.release(take(first, ref, 4 * one))
+        clock.now += 1
+    second.share_budget(2 * one)  # a second batch beside it keeps to two
+    first.release(take(first, refs[2], 4 * one))
+    first.release(take(first, refs[3], 4 * one))
+    assert engine.removals == ["task0", "task1"]  # within the smaller budget, least recently used first
+    assert first.usage().bytes <= 2 * one
+    said = [line.strip() for line in caplog_lines() if "another batch on this engine" in line]
+    assert said == ["another batch on this engine keeps the image cache within 610.4 MiB; this one keeps to it too"]
+    second.finish()  # the second batch ends: its budget no longer binds
+    first.release(take(first, refs[0], 4 * one))
+    assert engine.removals == ["task0", "task1"]
+
+
 def test_a_batch_that_says_which_images_are_done_keeps_the_others_of_its_own(tmp_path, cache, engine, clock):
     refs = swe(engine, 4, envs=4)
     budget = 2 * (50 + 250 + 20) * MB

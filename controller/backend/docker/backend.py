@@ -32,7 +32,6 @@ from ..._log import logger
 from ...errors import EngineUnresponsive, ImageUnavailable, PvisorHostError
 from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
-from ...units import format_size
 from . import labels as L
 from . import runtimes
 from .build.files import ImageFiles
@@ -285,13 +284,8 @@ class DockerBackend:
         that directory is on this machine; never more than another batch on the engine keeps to (the cache is
         one, and stays within one budget), which is said in one line."""
         budget = given if given is not None else self._default_budget()
-        kept, others = self.image_cache.share_budget(budget)
-        if others is not None:
-            logger.warning(
-                "another batch on this engine keeps its image cache within {}; this one keeps to it too",
-                format_size(others),
-            )
-        return kept
+        self.image_cache.share_budget(budget)
+        return budget
 
     def _default_budget(self) -> int | None:
         with engine_errors("read the engine's information"):

@@ -120,6 +120,8 @@ class ImageCache:
         self._sleep = sleep
         self.budget: int | None = None
         """The budget of the latest hold (what ``cluster status`` shows)."""
+        self._said_shared = False
+        """Whether the line saying this batch keeps to another's budget was said."""
         self._filling: set[str] = set()
         """The holds whose pull runs now in this process (a hold let go before its pull ran leaves no note)."""
         self._lock = threading.Lock()
@@ -288,18 +290,25 @@ class ImageCache:
                 entry.holds.pop(hold.token, None)
                 entry.used = self._clock()
 
-    def share_budget(self, budget: int | None) -> tuple[int | None, int | None]:
-        """This process's batch keeps the cache within ``budget``: noted for every other batch on the engine, which
-        keeps to the smallest of the live batches' budgets, as this one does. Returns the budget to keep to, and
-        the other batches' smallest when it is what this one keeps to (None: its own is)."""
-        with self._ledger.changing() as state:
-            others = [b for process, b in state.budgets.items() if process != self._me]
-            if budget is not None:
+    def share_budget(self, budget: int | None) -> None:
+        """This process's batch keeps the cache within ``budget``: noted in the ledger, so that every batch on the
+        engine keeps to the smallest of the live batches' budgets at each pull (:meth:`_keep_to`), whichever
+        started first."""
+        if budget is not None:
+            with self._ledger.changing() as state:
                 state.budgets[self._me] = budget
-        smallest = min(others, default=None)
-        if smallest is not None and (budget is None or smallest < budget):
-            return smallest, smallest
-        return budget, None
+
+    def _keep_to(self, state: CacheState, budget: int | None) -> int | None:
+        """The budget to keep to now (``state``'s :meth:`~.ledger.CacheState.shared_budget`), said once in one line
+        when it is another batch's."""
+        kept = state.shared_budget(budget)
+        if kept != budget and not self._said_shared:
+            self._said_shared = True
+            logger.warning(
+                "another batch on this engine keeps the image cache within {}; this one keeps to it too",
+                format_size(kept or 0),
+            )
+        return kept
 
     def finish(self, *, keep: bool = False) -> list[str]:
         """This process's batch has ended: remove the images it pulled that nobody holds (with ``keep``, give
@@ -372,6 +381,7 @@ class ImageCache:
         holder needs no room."""
         if budget is not None:
             with self._ledger.changing() as state:
+                budget = self._keep_to(state, budget) or budget
                 going: list[str] = []
                 for image in sorted(state.images.values(), key=lambda i: i.used):
                     staying = [i.layers for i in state.images.values() if i.counts and i.key not in going]
@@ -445,6 +455,7 @@ class ImageCache:
                 hint="raise --image-budget, or run its items on a host with more room",
             )
         with self._ledger.changing() as state:
+            budget = self._keep_to(state, budget)
             if any(i.ref == ref and i.state != "present" for i in state.images.values()):
                 return "wait"  # another holder pulls it (or it is on its way out): this one finds it when it is here
             if layers is None:  # unpriced: as large as the largest image here, and pulled while no other is

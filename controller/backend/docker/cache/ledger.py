@@ -86,6 +86,11 @@ class CacheState(BaseModel):
     """Process → the image budget of the batch it runs now: every batch on the engine keeps to the smallest, so
     the cache stays within one budget however many batches share it."""
 
+    def shared_budget(self, budget: int | None) -> int | None:
+        """The budget a batch keeping to ``budget`` keeps to: the smallest of it and the live batches' (one cache,
+        within one budget, whichever batch started first)."""
+        return min((b for b in (budget, *self.budgets.values()) if b is not None), default=None)
+
     def used(self) -> int:
         """Bytes the cache's images take (or will, once their pulls end), each layer once."""
         return distinct_bytes(i.layers for i in self.images.values() if i.counts)
