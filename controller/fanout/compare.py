@@ -478,7 +478,7 @@ def item_state(row: ItemResult, record: ReplayRecord | None, run_dir: Path) -> I
         verified=row.verification_passed,
         verification=row.verification,
         egress=row.egress_hosts,
-        environment=record.inputs.environment if record is not None else {},
+        environment=record.inputs.tools_environment if record is not None else {},
     )
 
 

@@ -29,6 +29,10 @@ RECORD_SCHEMA: Final = "pvisor-host.record/v1"
 ReplayStatus = Literal["ok", "replay_failed", "timeout", "oom", "infra_error", "interrupted"]
 
 
+#: The prefix of the variables pvisor-host sets for the sandbox's entry script (deadlines, the relay's path).
+CONTROL_PREFIX = "PVISOR_HOST_"
+
+
 class TrajectoryRef(BaseModel):
     """The trajectory as it entered the sandbox."""
 
@@ -64,6 +68,13 @@ class Inputs(BaseModel):
     pinned unless the image or ``--env`` sets them), and the names of the values handed over secretly (``--env``,
     the model's key), whose values are null here."""
     trajectory: TrajectoryRef
+
+    @property
+    def tools_environment(self) -> dict[str, str | None]:
+        """:attr:`environment` without pvisor-host's own instructions to the sandbox's entry script
+        (``PVISOR_HOST_DEADLINE`` and the like, which follow from options recorded elsewhere): what two runs'
+        tools are compared by."""
+        return {name: value for name, value in self.environment.items() if not name.startswith(CONTROL_PREFIX)}
 
 
 class Limits(BaseModel):

@@ -354,14 +354,14 @@ def test_kill_9_then_gc_removes_only_orphans(tmp_path, docker_client, claude_ima
 def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_path, claude_image, monkeypatch):
     """In-process, so the engine calls can be made to fail: the first container create answers 503 (retried
     in place), the first container start fails (a fresh sandbox, attempt 2); a broken trajectory is refused."""
+    import docker.api.client as client
     import docker.api.container as api
-    import docker.models.containers as containers
     from docker.errors import APIError
 
     from pvisor_host import cli
 
     failures = {"create": 1, "start": 1}
-    real_create, real_start = api.ContainerApiMixin.create_container, containers.Container.start
+    real_create, real_post = api.ContainerApiMixin.create_container, client.APIClient._post
 
     def create(self, *args, **kwargs):
         if failures["create"]:
@@ -369,14 +369,14 @@ def test_transient_engine_errors_are_retried_and_trajectory_errors_are_not(tmp_p
             raise APIError("injected", explanation="service unavailable (injected)", response=_Response(503))
         return real_create(self, *args, **kwargs)
 
-    def start(self, *args, **kwargs):
-        if failures["start"]:
+    def post(self, url, *args, **kwargs):  # the start request, however it is made (with a timeout of its own)
+        if url.endswith("/start") and "/containers/" in url and failures["start"]:
             failures["start"] -= 1
             raise APIError("injected", explanation="cannot start container (injected)", response=_Response(500))
-        return real_start(self, *args, **kwargs)
+        return real_post(self, url, *args, **kwargs)
 
     monkeypatch.setattr(api.ContainerApiMixin, "create_container", create)
-    monkeypatch.setattr(containers.Container, "start", start)
+    monkeypatch.setattr(client.APIClient, "_post", post)
     root = tmp_path / "data"
     root.mkdir()
     write_jsonl(root / "good.jsonl", claude_files_session())

@@ -260,8 +260,8 @@ def test_ctrl_c_on_a_cluster_batch_leaves_no_container_on_any_node(cluster, tmp_
 def test_without_a_token_or_a_node_the_batch_says_so_in_one_line(cluster, tmp_path):
     manifest = slow_manifest(tmp_path / "data", 1, 0)
     no_token = run_cli(
-        "batch", manifest, "--agent", "claude-code", "--out", tmp_path / "a", "--cluster", cluster.address,
-        env={"RAY_AUTH_TOKEN": ""},
+        "batch", manifest, "--agent", "claude-code", "--mode", "replay-only", "--out", tmp_path / "a", "--cluster",
+        cluster.address, env={"RAY_AUTH_TOKEN": ""},
     )  # fmt: skip
     assert (no_token.code, len(no_token.error_lines)) == (2, 1)
     assert no_token.error_lines[0].startswith(

@@ -227,7 +227,7 @@ def test_a_replay_reaches_the_listed_hosts_and_is_refused_the_rest_each_call_jou
 def test_a_batch_journals_an_unlisted_index_and_a_cut_download_and_the_report_shows_both(
     tmp_path, claude_image, upstreams, chromium
 ):
-    address, port, tls, _ = upstreams
+    address, port, tls, *_ = upstreams
     index = session(tmp_path, "index", [pip_install(address, port)])
     download = session(tmp_path, "download", [FETCH + f"http://{address}:{port}/big/3000000 | wc -c"])
     manifest = tmp_path / "m.jsonl"

@@ -139,6 +139,7 @@ def base_env(root: Path) -> dict[str, str]:
     """A runner's environment: no model key, a Docker config of its own (pip's cache is the machine's, as a
     runner's cache action would keep it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PVH_", "GITHUB_", "CI_"))}
+    env.pop("PYTHONPATH", None)  # a runner's Python finds only what the recipe installs
     env["DOCKER_CONFIG"] = str(root / "docker-config")
     return env
 

@@ -33,6 +33,7 @@ def item(
     directory: Path | None = None,
     repeat_of: str | None = None,
     egress: list[str] | None = None,
+    environment: dict[str, str | None] | None = None,
 ):
     """One item's directory: its record, and pvisor's observation comparison (``diverge``: the calls that differ).
     ``digest``: the registry digest of its image. ``files``: what the replay added to the workspace (path →
@@ -52,6 +53,8 @@ def item(
     record["status"] = status
     record["failure"] = None if status == "ok" else {"category": category or status, "message": "it failed"}
     record["inputs"]["after_step"] = step
+    if environment is not None:
+        record["inputs"]["environment"] = environment
     single = directory != run / item_id
     record["batch"] = None if single else {"item_id": item_id, "line": 1, "content_key": "k", "repeat_of": repeat_of}
     (directory / "record.json").write_text(json.dumps(record))
@@ -119,6 +122,14 @@ def test_an_item_whose_image_digest_changed_is_flagged_with_or_without_another_c
         "image 127.0.0.1:5000/task/t1@sha256:aaaaaaaaaaaa → 127.0.0.1:5000/task/t1@sha256:bbbbbbbbbbbb"
     )
     assert (result.matched, result.unchanged) == (3, 1)
+
+
+def test_the_tools_environment_is_compared_and_pvisor_hosts_own_instructions_are_not(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    for run, tz, deadline in ((old, "UTC", "7230"), (new, "Europe/Paris", "38")):
+        item(run, "a", environment={"TZ": tz, "PVISOR_HOST_DEADLINE": deadline, "KEY": None})
+        item(run, "b", environment={"TZ": tz, "PVISOR_HOST_DEADLINE": deadline})
+    assert compare_runs(old, new).environment == ["TZ: 'UTC' → 'Europe/Paris' (2 items)"]
 
 
 def test_every_kind_of_change_regressions_first(runs):
