@@ -10,7 +10,8 @@ They come in two kinds, and both are functions of values read once:
   survey for a batch), the step budget fits the prefix, and the workspace path.
 
 :func:`check_inputs` runs both in that order, once the agent is known (from ``--agent``, the trajectory's format,
-or later from the image's label: :func:`with_agent`). Any failure is a one-line
+or later from the image's label: :func:`with_agent`), and returns what they found as one value,
+:class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
 :class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ..errors import PreflightRejected, UsageError
+from ..errors import UsageError
 from ..models.image import ImageRef
 from ..models.profiles import AgentProfile, UnavailableInstall, get_profile
 from ..models.replay import (
@@ -41,8 +42,8 @@ from ..models.replay import (
 )
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, known_user, parse_user
 from .hostpvisor import prepare_only
-from .survey import prefix_model_turns, survey
-from .trajectory import check_agent, detect_agent, read_trajectory
+from .survey import survey_plan
+from .trajectory import agent_of, check_agent, read_trajectory
 
 DEFAULT_WORKSPACE = "/workspace"
 _GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
@@ -96,7 +97,7 @@ def check_inputs(
 ) -> CheckedInputs:
     """Every check that needs no engine (see the module docstring), the agent's included when it is known: from
     ``--agent``, else from the trajectory's format (with ``--image`` alone and a format no profile knows, the
-    image's label names it later: :func:`with_agent`).
+    image's label names it later: :func:`with_agent`). The agent's profile is looked up once, here.
 
     ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox;
     ``per_file=True`` answers them from one survey of the trajectory for all its boundaries (a batch:
@@ -109,26 +110,27 @@ def check_inputs(
     """
     started = time.monotonic()
     trajectory = read_trajectory(spec.trajectory)
-    spec = _with_agent(spec, trajectory)
+    if spec.agent is None:  # with --image (not injected) the image's label may name it
+        spec = spec.model_copy(update={"agent": agent_of(trajectory, required=spec.image is None or spec.inject)})
     profile = get_profile(spec.agent) if spec.agent is not None else None
     check_options(spec, profile)
     run_id = run_id or spec.run_id or new_run_id()
     out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
     _tape(spec, out_dir.name)
-    checked = CheckedInputs(
+    agent = None
+    if profile is not None:
+        agent = _trajectory_checks(spec, trajectory, profile, run_id, host_pvisor=host_pvisor, per_file=per_file)
+    return CheckedInputs(
         spec=spec,
         trajectory=trajectory,
         run_id=run_id,
         out_dir=out_dir,
         user=spec.user or default_user(),
+        agent=agent,
         host_pvisor=host_pvisor,
         per_file=per_file,
-        seconds=0.0,
+        seconds=time.monotonic() - started,
     )
-    if profile is not None:
-        checked.agent = _trajectory_checks(checked, profile)
-    checked.seconds = time.monotonic() - started
-    return checked
 
 
 def check_options(spec: ReplaySpec, profile: AgentProfile | None) -> None:
@@ -152,7 +154,14 @@ def with_agent(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
     if checked.agent is not None:
         return checked.agent
     _agent_options(checked.spec, profile)
-    return _trajectory_checks(checked, profile)
+    return _trajectory_checks(
+        checked.spec,
+        checked.trajectory,
+        profile,
+        checked.run_id,
+        host_pvisor=checked.host_pvisor,
+        per_file=checked.per_file,
+    )
 
 
 def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
@@ -169,57 +178,34 @@ def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
         )
 
 
-def _trajectory_checks(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
-    """The checks of the trajectory as ``profile``'s: its format, pvisor's own pre-flight, the step budget and the
-    workspace path."""
-    spec, trajectory = checked.spec, checked.trajectory
+def _trajectory_checks(
+    spec: ReplaySpec,
+    trajectory: TrajectoryInfo,
+    profile: AgentProfile,
+    run_id: str,
+    *,
+    host_pvisor: bool,
+    per_file: bool,
+) -> AgentChecks:
+    """The checks of the trajectory as ``profile``'s: its format, pvisor's own pre-flight (from the trajectory's
+    survey with ``per_file``, else a pvisor run at the boundary), the step budget and the workspace path."""
     check_agent(trajectory, profile)
     plan = None
-    if checked.host_pvisor and checked.per_file:
-        plan = _surveyed(spec, profile.agent, trajectory)
-        _budget(spec, plan)
-    elif checked.host_pvisor:
+    if host_pvisor and per_file:
+        budgeted = spec.max_steps is not None and spec.mode != "prepare-only"  # its turns counted for _budget
+        plan = survey_plan(profile.agent, trajectory, spec.after_step, count_turns=budgeted)
+    elif host_pvisor:
         _, plan = prepare_only(
             agent=profile.agent,
             trajectory=trajectory.path,
             after_step=spec.after_step,
-            run_id=checked.run_id,
+            run_id=run_id,
             session_id=spec.session_id,
             boundary_user_prompt=spec.boundary_user_prompt,
         )
+    if plan is not None:
         _budget(spec, plan)
     return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, trajectory, profile), plan=plan)
-
-
-def _with_agent(spec: ReplaySpec, trajectory: TrajectoryInfo) -> ReplaySpec:
-    """``spec`` with its agent detected from the trajectory when it names none (with ``--image`` and a format
-    no profile knows, it stays unnamed: the image's label may name it)."""
-    if spec.agent is not None:
-        return spec
-    try:
-        agent = detect_agent(trajectory)
-    except UsageError:
-        if spec.image is not None and not spec.inject:
-            return spec
-        raise
-    return spec.model_copy(update={"agent": agent})
-
-
-def _surveyed(spec: ReplaySpec, agent: str, trajectory: TrajectoryInfo) -> PvisorPlan:
-    """pvisor's verdict on the boundary from the trajectory's survey (one pre-flight for all its boundaries).
-
-    Raises:
-        PreflightRejected: pvisor refuses the boundary (its category and message).
-    """
-    found = survey(agent, trajectory)
-    refusal = found.verdict(spec.after_step)
-    if refusal is not None:
-        raise PreflightRejected(refusal.category, refusal.message)
-    turns = spec.after_step
-    if spec.max_steps is not None and spec.mode != "prepare-only":
-        turns = prefix_model_turns(agent, trajectory, spec.after_step)
-    calls = sum(len(batch) for batch in (found.batches or [])[: spec.after_step])
-    return PvisorPlan(after_step=spec.after_step, prefix_model_turns=turns, tool_calls=calls)
 
 
 # -- the run directory -------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ Not vouched for by any prepare-only call: Claude's stale tools (``--allow-stale-
 checks only when it runs tools, and the ``--max-steps`` budget, which pvisor counts in model turns: where
 those are not the boundary itself (Codex, OpenCode, Pi, mini-swe-agent), a budget is checked with a call at
 that boundary (:func:`prefix_model_turns`).
+
+:func:`survey_plan` answers one boundary from the survey as :func:`~.hostpvisor.prepare_only` answers it with a
+pvisor run of its own: refused, or the plan of its prefix.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from .._version import PVISOR_VERSION
-from ..models.replay import TrajectoryInfo
+from ..errors import PreflightRejected
+from ..models.replay import PvisorPlan, TrajectoryInfo
 from ..models.result import ResultFailure
 from .hostpvisor import Probe, probe
 
@@ -195,6 +199,14 @@ def _refused_below(survey: Survey, run: Callable[[int], Probe], refused: Probe) 
     survey.refused_below, survey.below = high, failure
 
 
+def _turns(survey: Survey, path: Path, after_step: int) -> int:
+    """The model turns of the prefix up to ``after_step``, kept in ``survey`` (pvisor asked the first time)."""
+    if after_step not in survey.prefix_model_turns:
+        probed = probe(survey.agent, path, after_step)
+        survey.prefix_model_turns[after_step] = probed.prefix_model_turns or after_step
+    return survey.prefix_model_turns[after_step]
+
+
 # -- one survey per trajectory ------------------------------------------------------------------------------
 
 
@@ -212,13 +224,7 @@ class _Cache:
         return self._with(agent, trajectory, lambda found: found)
 
     def turns(self, agent: str, trajectory: TrajectoryInfo, after_step: int) -> int:
-        def counted(found: Survey) -> int:
-            if after_step not in found.prefix_model_turns:
-                probed = probe(agent, trajectory.path, after_step)
-                found.prefix_model_turns[after_step] = probed.prefix_model_turns or after_step
-            return found.prefix_model_turns[after_step]
-
-        return self._with(agent, trajectory, counted)
+        return self._with(agent, trajectory, lambda found: _turns(found, trajectory.path, after_step))
 
     def _with(self, agent: str, trajectory: TrajectoryInfo, then: Callable[[Survey], T]) -> T:
         key = (agent, trajectory.sha256)
@@ -264,3 +270,19 @@ def prefix_model_turns(agent: str, trajectory: TrajectoryInfo, after_step: int) 
     if agent in TURNS_ARE_BATCHES:
         return after_step
     return _CACHE.turns(agent, trajectory, after_step)
+
+
+def survey_plan(agent: str, trajectory: TrajectoryInfo, after_step: int, *, count_turns: bool) -> PvisorPlan:
+    """pvisor's verdict on ``after_step`` from the trajectory's survey: the plan of its prefix, whose model turns are
+    pvisor's own count only with ``count_turns`` (a step budget to check against them), else the boundary.
+
+    Raises:
+        PreflightRejected: pvisor refuses the boundary (its category and message).
+    """
+    found = survey(agent, trajectory)
+    refusal = found.verdict(after_step)
+    if refusal is not None:
+        raise PreflightRejected(refusal.category, refusal.message)
+    turns = prefix_model_turns(agent, trajectory, after_step) if count_turns else after_step
+    calls = sum(len(batch) for batch in (found.batches or [])[:after_step])
+    return PvisorPlan(after_step=after_step, prefix_model_turns=turns, tool_calls=calls)

@@ -354,6 +354,21 @@ def detect_agent(trajectory: TrajectoryInfo) -> str:
     )
 
 
+def agent_of(trajectory: TrajectoryInfo, *, required: bool) -> str | None:
+    """:func:`detect_agent`'s answer; where the agent is not ``required`` (an image's label may name it), None
+    when the trajectory cannot tell (no profile's format, or several).
+
+    Raises:
+        UsageError: as :func:`detect_agent`, when ``required``.
+    """
+    try:
+        return detect_agent(trajectory)
+    except UsageError:
+        if required:
+            raise
+        return None
+
+
 def check_agent(trajectory: TrajectoryInfo, profile: AgentProfile) -> None:
     """Refuse a trajectory that is recognisably another agent's format."""
     found = sorted(trajectory.agents)
