@@ -24,6 +24,7 @@ from .backend.base import AnyBackend, ModelGateway
 from .errors import Interrupted
 from .files.atomic import write_atomic
 from .files.space import full_disk_raises
+from .files.trees import remove_if_empty
 from .models.gateway import MODEL_CASSETTE
 from .models.observations import match_observations
 from .models.record import (
@@ -37,7 +38,7 @@ from .models.record import (
 )
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
-from .preflight.checks import release_out_dir, runtime_floor_warning
+from .preflight.prepare import runtime_floor_warning
 from .units import format_duration
 
 
@@ -142,7 +143,7 @@ def run_attempts(
             _finish(out, records, batch, prepared.trajectory.path)
         else:
             shutil.rmtree(out / "attempts", ignore_errors=True)
-            release_out_dir(out)
+            remove_if_empty(out)
         raise
     with full_disk_raises(out):
         final = _finish(out, records, batch, prepared.trajectory.path)

@@ -34,8 +34,8 @@ from ..models.profiles import get_profile
 from ..models.record import DISK_FULL, BatchInfo
 from ..models.replay import TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec
-from ..preflight.checks import CheckedInputs, check_inputs, runtime_floor_warning
-from ..preflight.prepare import image_request, prepare, prepare_image
+from ..preflight.checks import CheckedInputs, check_inputs
+from ..preflight.prepare import image_request, prepare, prepare_image, runtime_floor_warning
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem

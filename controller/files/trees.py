@@ -1,7 +1,8 @@
-"""Snapshots of directory trees, copying one without following links, and the difference of two."""
+"""Snapshots of directory trees, copying one without following links, the difference of two, and removing one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -123,3 +124,9 @@ def remove_tree(root: Path) -> None:
             if not os.path.islink(path):
                 os.chmod(path, 0o700)
     shutil.rmtree(root)
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove the directory ``path`` again if nothing was put in it (a run directory nothing ran in)."""
+    with contextlib.suppress(OSError):
+        path.rmdir()

@@ -12,12 +12,12 @@ They come in two kinds, and both are functions of values read once:
 :func:`check_inputs` runs both in that order, once the agent is known (from ``--agent``, the trajectory's format,
 or later from the image's label: :func:`with_agent`), and returns what they found as one value,
 :class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
-:class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created.
+:class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created. The checks
+that need the engine (the runtime, the image's user) are :mod:`.prepare`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import tempfile
@@ -28,19 +28,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ..errors import UsageError
-from ..models.image import ImageRef
 from ..models.profiles import AgentProfile, UnavailableInstall, get_profile
-from ..models.replay import (
-    ESCAPE_CVES,
-    RUNC_FIXED,
-    RUNTIME_REMEDY,
-    PreparedReplay,
-    PvisorPlan,
-    Runtime,
-    SandboxProfile,
-    TrajectoryInfo,
-)
-from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, known_user, parse_user
+from ..models.replay import PvisorPlan, TrajectoryInfo
+from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
 from .hostpvisor import prepare_only
 from .survey import survey_plan
 from .trajectory import agent_of, check_agent, read_trajectory
@@ -214,7 +204,7 @@ def _trajectory_checks(
 def check_out_dir(out: Path | None, run_id: str) -> Path:
     """The run directory: ``--out`` or ``./pvisor-runs/<run-id>``; it must be new or empty, and writable.
 
-    Nothing is created here (see :func:`create_out_dir`).
+    Nothing is created here: :func:`~.prepare.prepare` creates it once the engine's checks have passed too.
     """
     path = (out or Path("pvisor-runs") / run_id).expanduser().absolute()
     if path.exists() or path.is_symlink():
@@ -234,24 +224,6 @@ def check_out_dir(out: Path | None, run_id: str) -> Path:
     except OSError as exc:
         raise UsageError(f"--out {path} is not writable ({existing}: {exc.strerror})") from None
     return path
-
-
-def create_out_dir(path: Path) -> None:
-    """Create the run directory (checked by :func:`check_out_dir`) and prove it takes a file."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".pvisor-host-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        release_out_dir(path)
-        raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None
-
-
-def release_out_dir(path: Path) -> None:
-    """Remove the run directory again if it is still empty (pre-flight failed after creating it)."""
-    with contextlib.suppress(OSError):
-        path.rmdir()
 
 
 # -- the individual checks ---------------------------------------------------------------------------------
@@ -335,46 +307,13 @@ def _workspace_dir(spec: ReplaySpec) -> None:
 
 def _user(spec: ReplaySpec) -> None:
     user = spec.user or default_user()
-    _own_uid(parse_user(user)[0], f"--user {user}: as a non-root user")
+    check_own_uid(parse_user(user)[0], f"--user {user}: as a non-root user")
 
 
-def _own_uid(uid: int, what: str, hint: str | None = None) -> None:
+def check_own_uid(uid: int, what: str, hint: str | None = None) -> None:
     """A non-root pvisor-host can only run sandboxes as its own uid."""
     if os.geteuid() != 0 and uid != os.geteuid():
         raise UsageError(f"{what} pvisor-host can only run sandboxes as your own uid {os.geteuid()}", hint=hint)
-
-
-def sandbox_profile(spec: ReplaySpec, image: ImageRef) -> SandboxProfile:
-    """``task-image`` for a task image (run as the image says), unless ``--strict``; ``strict`` for the
-    product's own agent images."""
-    return "task-image" if image.task_image and not spec.strict else "strict"
-
-
-def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfile) -> str:
-    """``uid:gid`` the sandbox runs as: ``--user``; else a task image's own user (``task-image``); else the
-    strict default (a non-root uid).
-
-    Raises:
-        UsageError: a task image whose user pvisor-host cannot run a sandbox as: a name the engine could not
-            resolve here (a cluster's driver does not hold the image), or, for a non-root pvisor-host, a uid
-            other than its own.
-    """
-    if checked.spec.user is not None or profile == "strict":
-        return checked.user
-    user = known_user(image.user or "")
-    if user is None:  # a local engine read the image's /etc/passwd already; a cluster's driver has no image
-        raise UsageError(
-            f"task image {image.ref} runs as user {image.user!r}, which only the image's /etc/passwd can say, "
-            "and no node has the image yet",
-            hint="pass --user UID[:GID] (or --strict)",
-        )
-    uid, _ = parse_user(user)
-    _own_uid(
-        uid,
-        f"task image {image.ref} runs as uid {uid}; as a non-root user",
-        hint=f"run pvisor-host as root, or pass --strict (or --user {os.geteuid()})",
-    )
-    return user
 
 
 def _workspace_path(spec: ReplaySpec, trajectory: TrajectoryInfo, profile: AgentProfile) -> str:
@@ -401,36 +340,4 @@ def _budget(spec: ReplaySpec, plan: PvisorPlan) -> None:
         raise UsageError(
             f"--max-steps {spec.max_steps} leaves no live step after the selected replay prefix of {prefix} steps",
             hint=f"use at least {prefix + 1}",
-        )
-
-
-def runtime_floor_warning(prepared: PreparedReplay) -> str | None:
-    """A warning for a root sandbox under a runc without the fixes for the 2025 container escapes (None: no
-    root sandbox, or a runtime with the fixes or of unknown version; ``doctor`` reports those)."""
-    runtime = prepared.runtime
-    if parse_user(prepared.user)[0] != 0 or runtime.escape_fixed is not False:
-        return None
-    return (
-        f"the sandbox runs as root under runc {runtime.version}, which is older than the fixes for {ESCAPE_CVES} "
-        f"(runc {RUNC_FIXED}): a malicious task image or tool call could escape; {RUNTIME_REMEDY}"
-    )
-
-
-def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:
-    """Refuse options the runtime cannot honour: a runtime registered with ``--network=none`` (gVisor as
-    ``make test`` registers it) gives its sandboxes loopback only."""
-    if not runtime.networkless:
-        return
-    if spec.network != "none":
-        raise UsageError(
-            f"--network {spec.network}: runtime {runtime.name} is registered with --network=none, "
-            "so its sandboxes have no network",
-            hint="drop --network, or register a runtime without --network=none",
-        )
-    upstream = spec.continuation
-    if upstream is not None and upstream.network != "unix":
-        raise UsageError(
-            f"--model-network {upstream.network}: runtime {runtime.name} is registered with --network=none; "
-            "its sandboxes reach the gateway through its unix socket only",
-            hint="drop --model-network",
         )

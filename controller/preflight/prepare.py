@@ -1,34 +1,37 @@
-"""The end of pre-flight: the image, asked of the backend once the host checks have passed.
+"""The end of pre-flight: the checks that need the engine, and the image, asked of the backend once the host
+checks have passed.
 
 ``--agent`` alone is known before the engine is asked; with ``--image`` alone the agent comes from the
-image's label, and its checks (pvisor's own pre-flight included) run before anything is built or probed.
-Only then is the run directory created and the image made ready.
+image's label, and its checks (pvisor's own pre-flight included) run before anything is built or probed, as do
+the runtime's (:func:`check_before_image`). Only then is the run directory created and the image made ready;
+the sandbox's profile and user follow from the image (:func:`assemble`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from ..backend.base import AnyBackend
+from ..errors import UsageError
+from ..files.trees import remove_if_empty
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
 from ..models.profiles import AgentProfile, get_profile
-from ..models.replay import PreparedReplay, Runtime
-from ..models.spec import ReplaySpec
-from .checks import (
-    AgentChecks,
-    CheckedInputs,
-    create_out_dir,
-    release_out_dir,
-    runtime_checks,
-    sandbox_profile,
-    sandbox_user,
-    with_agent,
-)
+from ..models.replay import ESCAPE_CVES, RUNC_FIXED, RUNTIME_REMEDY, PreparedReplay, Runtime, SandboxProfile
+from ..models.spec import ReplaySpec, known_user, parse_user
+from .checks import AgentChecks, CheckedInputs, check_own_uid, with_agent
 
 
 def image_request(spec: ReplaySpec) -> ImageRequest:
-    """The image a replay asks for (its agent's profile resolved, when it names one): the one place that says it."""
-    profile = get_profile(spec.agent) if spec.agent is not None else None
+    """The image a replay asks for before its checks (a batch groups its items by it): its agent's profile looked
+    up, when it names one."""
+    return _request(spec, get_profile(spec.agent) if spec.agent is not None else None)
+
+
+def _request(spec: ReplaySpec, profile: AgentProfile | None) -> ImageRequest:
+    """The image a replay of ``profile``'s agent (None: the image's label names it) asks for: the one place that
+    says it."""
     return ImageRequest(image=spec.image, profile=profile, inject=spec.inject, pvisor_only=spec.mode == "prepare-only")
 
 
@@ -46,7 +49,8 @@ def prepare(
 ) -> PreparedReplay:
     """Finish pre-flight with the backend (see the module docstring) and make the image ready.
 
-    ``image`` is an image already made ready (a batch does that once for every item that shares it).
+    ``image`` is an image already made ready (a batch does that once for every item that shares it). When this
+    fails after the run directory was created, it is removed again (it is still empty).
 
     Raises:
         UsageError: the request is wrong (one line says what and how to fix it).
@@ -54,11 +58,12 @@ def prepare(
         ImageBuildError: the image had to be built and the build failed.
     """
     started = time.monotonic()
-    source: ImagePlan | ResolvedImage = image if image is not None else backend.plan_image(image_request(checked.spec))
+    source: ImagePlan | ResolvedImage
+    source = image if image is not None else backend.plan_image(_request(checked.spec, checked.profile))
     agent, runtime = check_before_image(checked, backend, source.profile)
-    create_out_dir(checked.out_dir)
-    checked_at = time.monotonic()
     try:
+        _create_out_dir(checked.out_dir)
+        checked_at = time.monotonic()
         if isinstance(source, ResolvedImage):
             resolved = source
         else:
@@ -71,7 +76,7 @@ def prepare(
         backend.describe_sandbox(prepared)  # what the sandbox cannot be (a workspace the image lacks), as the plan
         return prepared
     except BaseException:
-        release_out_dir(checked.out_dir)
+        remove_if_empty(checked.out_dir)
         raise
 
 
@@ -114,3 +119,83 @@ def assemble(
         plan=agent.plan,
         timings=timings or {},
     )
+
+
+# -- the checks that need the engine ------------------------------------------------------------------------
+
+
+def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:
+    """Refuse options the runtime cannot honour: a runtime registered with ``--network=none`` (gVisor as
+    ``make test`` registers it) gives its sandboxes loopback only."""
+    if not runtime.networkless:
+        return
+    if spec.network != "none":
+        raise UsageError(
+            f"--network {spec.network}: runtime {runtime.name} is registered with --network=none, "
+            "so its sandboxes have no network",
+            hint="drop --network, or register a runtime without --network=none",
+        )
+    upstream = spec.continuation
+    if upstream is not None and upstream.network != "unix":
+        raise UsageError(
+            f"--model-network {upstream.network}: runtime {runtime.name} is registered with --network=none; "
+            "its sandboxes reach the gateway through its unix socket only",
+            hint="drop --model-network",
+        )
+
+
+def sandbox_profile(spec: ReplaySpec, image: ImageRef) -> SandboxProfile:
+    """``task-image`` for a task image (run as the image says), unless ``--strict``; ``strict`` for the
+    product's own agent images."""
+    return "task-image" if image.task_image and not spec.strict else "strict"
+
+
+def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfile) -> str:
+    """``uid:gid`` the sandbox runs as: ``--user``; else a task image's own user (``task-image``); else the
+    strict default (a non-root uid).
+
+    Raises:
+        UsageError: a task image whose user pvisor-host cannot run a sandbox as: a name the engine could not
+            resolve here (a cluster's driver does not hold the image), or, for a non-root pvisor-host, a uid
+            other than its own.
+    """
+    if checked.spec.user is not None or profile == "strict":
+        return checked.user
+    user = known_user(image.user or "")
+    if user is None:  # a local engine read the image's /etc/passwd already; a cluster's driver has no image
+        raise UsageError(
+            f"task image {image.ref} runs as user {image.user!r}, which only the image's /etc/passwd can say, "
+            "and no node has the image yet",
+            hint="pass --user UID[:GID] (or --strict)",
+        )
+    uid, _ = parse_user(user)
+    check_own_uid(
+        uid,
+        f"task image {image.ref} runs as uid {uid}; as a non-root user",
+        hint=f"run pvisor-host as root, or pass --strict (or --user {os.geteuid()})",
+    )
+    return user
+
+
+def runtime_floor_warning(prepared: PreparedReplay) -> str | None:
+    """A warning for a root sandbox under a runc without the fixes for the 2025 container escapes (None: no
+    root sandbox, or a runtime with the fixes or of unknown version; ``doctor`` reports those)."""
+    runtime = prepared.runtime
+    if parse_user(prepared.user)[0] != 0 or runtime.escape_fixed is not False:
+        return None
+    return (
+        f"the sandbox runs as root under runc {runtime.version}, which is older than the fixes for {ESCAPE_CVES} "
+        f"(runc {RUNC_FIXED}): a malicious task image or tool call could escape; {RUNTIME_REMEDY}"
+    )
+
+
+def _create_out_dir(path: Path) -> None:
+    """Create the run directory (checked by :func:`~.checks.check_out_dir`) and prove it takes a file (the caller
+    removes it again when this fails)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".pvisor-host-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None
