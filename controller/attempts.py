@@ -14,7 +14,6 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
@@ -86,11 +85,12 @@ class RetryPolicy(BaseModel):
 
 def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
     """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
+    policy = RetryPolicy.for_spec(prepared.spec)
     warning = runtime_floor_warning(prepared)
     if warning is not None:
         logger.warning(warning)
     with model_gateway(prepared, backend) as gateway:
-        return run_attempts(prepared, backend, gateway=gateway, policy=RetryPolicy.for_spec(prepared.spec))
+        return run_attempts(prepared, backend, gateway=gateway, policy=policy)
 
 
 def run_attempts(
@@ -140,15 +140,13 @@ def run_attempts(
         if attempted.exists():  # the interrupted attempt ran: its record says so
             records.append(load_record(attempted))
         if records:
-            _finish(out, records, batch, prepared.trajectory.path)
+            _finish(prepared, records, batch, keep_tape=False)
         else:
             shutil.rmtree(out / "attempts", ignore_errors=True)
             remove_if_empty(out)
         raise
     with full_disk_raises(out):
-        final = _finish(out, records, batch, prepared.trajectory.path)
-        _keep_tape(prepared)
-        return final
+        return _finish(prepared, records, batch, keep_tape=True)
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -163,18 +161,14 @@ def _log_retry(state: RetryCallState) -> None:
     )
 
 
-def _keep_tape(prepared: PreparedReplay) -> None:
-    """With ``--model-cassette record DIR``: the final attempt's tape goes to DIR, named after the run."""
-    upstream = prepared.spec.continuation
-    tape = prepared.out_dir / MODEL_CASSETTE
-    if upstream is None or upstream.cassette is None or upstream.cassette.replaying or not tape.is_file():
-        return
-    write_atomic(upstream.cassette.tape(prepared.name), tape.read_bytes())
-
-
-def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None, trajectory: Path) -> ReplayRecord:
-    """Move the last attempt up to ``out`` and write the top-level record listing every attempt, with how its
-    replayed calls' observations matched the ``trajectory``'s."""
+def _finish(
+    prepared: PreparedReplay, records: list[ReplayRecord], batch: BatchInfo | None, *, keep_tape: bool
+) -> ReplayRecord:
+    """Move the last attempt up to the run directory and write the top-level record listing every attempt, with
+    how its replayed calls' observations matched the trajectory's. With ``keep_tape`` (the replay was not
+    interrupted) and ``--model-cassette record DIR``, the final attempt's tape then goes to DIR, named after the
+    run."""
+    out = prepared.out_dir
     last = records[-1]
     last_dir = out / "attempts" / str(last.attempt)
     for entry in last_dir.iterdir():
@@ -198,7 +192,7 @@ def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None, tra
     ]
     observations = match_observations(
         last.artifact_json(out, "observation_comparison"),
-        trajectory,
+        prepared.trajectory.path,
         last.artifact_path(out, "reconstructed_native_trajectory"),
     )
     failure = last.failure
@@ -216,4 +210,9 @@ def _finish(out: Path, records: list[ReplayRecord], batch: BatchInfo | None, tra
         every = add_totals([r.model.totals for r in records if r.model is not None and r.model.totals is not None])
         final = final.model_copy(update={"model": final.model.model_copy(update={"totals": every})})
     save_record(final, out)
+    upstream = prepared.spec.continuation
+    cassette = upstream.cassette if upstream is not None else None
+    tape = out / MODEL_CASSETTE
+    if keep_tape and cassette is not None and not cassette.replaying and tape.is_file():
+        write_atomic(cassette.tape(prepared.name), tape.read_bytes())
     return final
