@@ -60,6 +60,9 @@ class _Handler(BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
         engine.requests.append((self.command, self.path))
+        if engine.silent.is_set():  # a stuck engine: it takes the request and never answers
+            engine.released.wait()
+            return
         bare = self.path.split("?", 1)[0]
         if bare.endswith("/_ping"):
             self._send(200, b"OK", "text/plain")
@@ -92,6 +95,9 @@ class FakeEngine:
     def __init__(self, answer: Answer = failing) -> None:
         self.answer = answer
         self.requests: list[tuple[str, str]] = []
+        self.silent = threading.Event()
+        """Set: every request is taken and never answered (until ``released``)."""
+        self.released = threading.Event()
         self._dir = Path(tempfile.mkdtemp(prefix="pvh-fake-engine-"))
         self.socket = self._dir / "docker.sock"
         self._server = _Server(str(self.socket), _Handler)
@@ -106,6 +112,7 @@ class FakeEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.released.set()
         self._server.shutdown()
         self._server.server_close()
         self.socket.unlink(missing_ok=True)

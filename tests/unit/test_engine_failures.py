@@ -88,3 +88,18 @@ def test_a_digest_base_is_pulled_as_docker_parses_it(tmp_path):
     assert len(pulls) == 4  # the one retry policy for idempotent engine calls: 4 attempts
     queries = [parse_qs(urlsplit(path).query) for path in pulls]
     assert all(query == {"fromImage": ["debian"], "tag": [digest]} for query in queries), pulls
+
+
+def test_an_engine_that_takes_a_ping_and_never_answers_hangs_and_one_that_is_away_does_not(monkeypatch):
+    """After an attempt's engine error the batch asks whether the engine hangs (it then ends with what it has)
+    or is away (a restart: the retries wait for it)."""
+    from pvisor_host.backend.docker import backend as docker_backend
+    from pvisor_host.models.ownership import Ownership
+
+    monkeypatch.setattr(docker_backend, "PING_TIMEOUT", 0.3)
+    with FakeEngine() as engine:
+        backend = docker_backend.DockerBackend.connect(Ownership.current(), docker_host=engine.env["DOCKER_HOST"])
+        assert backend.hangs() is False  # it answers
+        engine.silent.set()
+        assert backend.hangs() is True
+    assert backend.hangs() is False  # its socket is gone: away, not stuck

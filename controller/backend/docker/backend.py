@@ -37,7 +37,7 @@ from . import runtimes
 from .build.files import ImageFiles
 from .build.inject import Injector
 from .build.users import ImageUsers
-from .engine import ENGINE_ERRORS, connect, describe, engine_errors
+from .engine import ENGINE_ERRORS, connect, describe, engine_errors, timed_out
 from .images import ImageStore, Reference
 from .sandbox.container import Leftovers
 from .sandbox.seed import Seeds
@@ -358,7 +358,7 @@ class DockerBackend:
             files=self._files,
             starts=self.start_slots,
         )
-        if record.status == "infra_error" and not self.answers():
+        if record.status == "infra_error" and self.hangs():
             raise EngineUnresponsive(
                 f"the engine stopped answering (its /_ping got no answer within {PING_TIMEOUT} s after: "
                 f"{record.failure.message if record.failure else 'an engine error'})"
@@ -378,14 +378,16 @@ class DockerBackend:
                 self._starts = start_slots(state_dir(), engine_id)
             return self._starts
 
-    def answers(self) -> bool:
-        """Whether the engine answers a ping within :data:`PING_TIMEOUT` seconds."""
+    def hangs(self) -> bool:
+        """Whether the engine takes a ping and gives no answer within :data:`PING_TIMEOUT` seconds: it is stuck
+        (a runtime that never returns holds it), and waiting on it ends nowhere. An engine that is away (its
+        socket gone or refusing: a restart) does not hang: the attempts' retries wait for it to come back."""
         api = self.client.api
         try:
             api._raise_for_status(api._get(api._url("/_ping"), timeout=PING_TIMEOUT))
-        except ENGINE_ERRORS:
-            return False
-        return True
+        except ENGINE_ERRORS as exc:
+            return timed_out(exc)
+        return False
 
     def cancel(self, *, run_id: str | None = None) -> None:
         """Kill (in parallel) every running replay container of this session (only those of ``run_id``, when

@@ -72,6 +72,12 @@ def is_transient(exc: BaseException) -> bool:
 _QUERY = re.compile(r"(\bhttps?://[^\s\"'?]+)\?[^\s\"']*", re.IGNORECASE)
 
 
+def timed_out(exc: BaseException) -> bool:
+    """A request that ran out of its time (docker-py's transport may wrap the read timeout in a ConnectionError):
+    the engine took it and did not answer, unlike one refused or with no socket to reach."""
+    return isinstance(exc, requests.exceptions.ReadTimeout) or "timed out" in str(exc).lower()
+
+
 def scrub(text: str) -> str:
     """``text`` without the queries of the URLs it quotes: a registry's error may quote a signed blob URL, whose
     signature must not reach a log line or a record."""

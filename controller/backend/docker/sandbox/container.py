@@ -37,7 +37,7 @@ from ....models.spec import default_user
 from ....signals import cleaning, deferred_interrupts
 from ....units import format_duration
 from .. import labels as L
-from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
+from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying, timed_out
 
 
 class Leftovers:
@@ -217,7 +217,7 @@ def remove_container(container: Container, timeout: float | None = REMOVE_TIMEOU
     except NotFound:
         return
     except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
-        if _timed_out(exc):
+        if timed_out(exc):
             raise EngineTimeout(f"the engine did not remove it within {format_duration(timeout or 0)}") from exc
         raise
 
@@ -277,7 +277,7 @@ def start(container: Container, timeout: float | None = None) -> None:
         try:
             _within(container, "post", "/containers/{0}/start", timeout)
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             raise StartHung(
                 f"the engine did not start the sandbox within {format_duration(timeout)}: {hung_step(container.id)}",
@@ -300,11 +300,6 @@ def _within(container: Container, method: str, path: str, seconds: float, **para
     url = api._url(path, container.id)
     answer = getattr(api, f"_{method}")(url, params=params or None, timeout=seconds)
     api._raise_for_status(answer)
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """A read that ran out of time (docker-py's transport may wrap it in a ConnectionError)."""
-    return isinstance(exc, requests.exceptions.ReadTimeout) or "timed out" in str(exc).lower()
 
 
 def hung_step(container_id: str) -> str:
