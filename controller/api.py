@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Generator, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from .attempts import run_replay
-from .backend import AnyBackend, check_cluster_options, open_backend
-from .backend.docker.mirrors import Mirrors
+from .backend import AnyBackend, open_backend
 from .errors import UsageError
-from .fanout.manifest import BatchItem, batch_items, by_image, image_specs
+from .fanout.manifest import BatchItem, ManifestCheck
+from .fanout.options import BatchRequest
 from .fanout.results import load_results
-from .fanout.scheduler import BatchOptions, BatchRun, default_workers, fit_workers
+from .fanout.scheduler import BatchRun
 from .models.batch import BatchSummary, ItemResult
 from .models.housekeeping import GcReport
 from .models.image import BuildOptions, BuildPlan, ImageRef
@@ -47,7 +46,6 @@ from .preflight.checks import check_inputs
 from .preflight.inspect import TrajectoryReport, inspect_files
 from .preflight.prepare import prepare
 from .report import write_report
-from .units import parse_duration, parse_size
 
 Entry = ReplaySpec | Mapping[str, Any]
 """A batch item: a spec, or a mapping of a manifest line's fields (``id`` included)."""
@@ -62,15 +60,6 @@ def _engine(docker_host: str | None, *, pool_size: int = 10, **where: Any) -> It
         yield backend
     finally:
         backend.close()
-
-
-def _pooled_engine(
-    docker_host: str | None, pool_size: int, *, lent: AnyBackend | None, **where: Any
-) -> contextlib.AbstractContextManager[AnyBackend]:
-    """The backend a batch runs on: the one lent by the caller (left open), else one opened for it."""
-    if lent is not None:
-        return contextlib.nullcontext(lent)
-    return _engine(docker_host, pool_size=pool_size, **where)
 
 
 def replay(
@@ -107,32 +96,25 @@ class Batch:
     """A batch of replays: iterate it to run it (see the module docstring). Use it as a context manager, or
     call :meth:`close`, to end it deterministically when you stop iterating early and still hold it."""
 
-    def __init__(
-        self,
-        items: list[BatchItem],
-        options: BatchOptions,
-        *,
-        backend: Callable[[int], contextlib.AbstractContextManager[AnyBackend]],
-        fit_workers: bool = False,
-    ) -> None:
-        self._items = items
-        self._options = options
-        self._backend = backend
-        """Opens the backend for a pool of so many threads (and closes it, unless it was lent by the caller)."""
-        self._fit_workers = fit_workers
+    def __init__(self, request: BatchRequest, checked: ManifestCheck, *, backend: AnyBackend | None = None) -> None:
+        self._request = request
+        self._checked = checked
+        self._lent = backend
+        """The caller's backend, left open; else the batch opens one when it runs, and closes it."""
         self._run: BatchRun | None = None
         self._cancelled = False
         self._iterator: Generator[ItemResult, None, None] | None = None
 
     @property
     def items(self) -> list[BatchItem]:
-        """The validated items, with their ids (each item's run directory is ``out/<id>/``)."""
-        return list(self._items)
+        """The validated items, with their ids (each item's run directory is ``out/<id>/``), in the order they
+        run."""
+        return list(self._request.input.items())
 
     @property
     def out(self) -> Path:
         """The batch directory."""
-        return self._options.out
+        return self._request.options.out
 
     @property
     def summary(self) -> BatchSummary | None:
@@ -153,18 +135,13 @@ class Batch:
         return self._iterator
 
     def _results(self) -> Generator[ItemResult, None, None]:
-        with self._backend(self._options.workers + 8) as backend:
-            self._options = fit_workers(self._options, backend, given=not self._fit_workers)
-            items, task_images = by_image(self._items)
+        opened = contextlib.nullcontext(self._lent) if self._lent else contextlib.closing(self._request.open())
+        with opened as backend:
+            checked = self._checked
             run = BatchRun(
-                items,
-                backend,
-                self._options,
-                total=len(items),
-                images=image_specs(items),
-                task_images=task_images,
-                reports=(write_report,),
-            )
+                self._request.input.items(), backend, self._request.fitted(backend), total=checked.items,
+                images=checked.image_specs, task_images=checked.image_counts, reports=(write_report,),
+            )  # fmt: skip
             self._run = run
             if self._cancelled:
                 run.cancel()
@@ -196,79 +173,41 @@ def batch(
     items: Iterable[Entry],
     *,
     out: Path | str,
-    workers: int | None = None,
     defaults: Mapping[str, Any] | None = None,
-    deadline: float | str | None = None,
-    rerun_failed: bool = False,
-    retry_oom: bool = False,
-    build: BuildOptions | None = None,
-    pull_workers: int = 2,
-    image_budget: int | str | None = None,
-    keep_images: bool = False,
-    repeat: int = 1,
-    docker_host: str | None = None,
-    cluster: str | None = None,
-    registry: str | None = None,
-    registry_mirror: str | None = None,
-    image_rewrites: list[str] | None = None,
     backend: AnyBackend | None = None,
+    **options: Any,
 ) -> Batch:
     """A batch of replays, validated now and run as you iterate it (see the module docstring).
 
     Args:
-        items: specs, or mappings of manifest-line fields (``id`` included); read once, now.
+        items: specs, or mappings of manifest-line fields (``id`` included); read now, and again as they run.
         out: the batch directory (``<out>/<id>/`` per item, ``summary.json``, ``junit.xml``); running into it
             again resumes: items that finished with the same inputs are not run again.
-        workers: sandboxes at a time (default: two per CPU, within memory).
         defaults: fields every item gets unless it sets them (the ``batch`` command's replay options).
-        deadline: seconds (or ``"6h"``) for the whole batch: no item starts after it, running ones are cut.
-        rerun_failed: also rerun items that finished with a failure.
-        retry_oom: retry attempts killed for memory.
-        build: how an agent image that must be built is built.
-        pull_workers: task images (``image``) pulled at once, ahead of their items (0: all of them first).
-        image_budget: bytes (or ``"200g"``) the engine's image cache may take: the distinct layers of the task
-            images pulled for batches, shared by every batch on the engine; images nobody uses are removed first
-            (default: half of the engine storage's free space plus what the cache holds).
-        keep_images: keep the task images the batch pulled when it ends (by default it removes them).
-        repeat: run every item this many times, under ids of their own (``<id>.r1`` …); the summary's
-            ``flaky`` lists the items whose repeats ended or left the workspace otherwise.
-        docker_host: the engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine
-            that makes the images.
-        cluster: ``HEAD:PORT`` of a Ray cluster of Docker hosts to run the items on (the ``ray`` extra; the
-            token comes from ``RAY_AUTH_TOKEN``, this process must run on a machine of the cluster, and
-            ``workers`` defaults to the cluster's engine slots); see docs/cluster.md.
-        registry: with ``cluster``, where nodes pull images from by digest (default
-            ``$PVISOR_HOST_REGISTRY``, else images travel through the cluster).
-        registry_mirror: ``HOST[:PORT]`` of a mirror to pull Docker Hub's task images through (they keep their
-            names).
-        image_rewrites: ``FROM=TO`` image name prefixes: task images named ``FROM...`` are pulled from ``TO...``
-            (the first match wins).
-        backend: an open backend to run on instead (``docker_host``, ``cluster``, ``registry`` and the mirrors
-            are then not used); it stays open afterwards: its caller closes it.
+        backend: an open backend to run on instead (the placement options are then not used); it stays open
+            afterwards: its caller closes it.
+        options: the ``batch`` command's options, by field name: :class:`~pvisor_host.fanout.options.BatchOptions`'
+            (``workers``, ``deadline`` as seconds or ``"6h"``, ``image_budget`` as bytes or ``"200g"``, ...),
+            :class:`~pvisor_host.fanout.manifest.BatchInput`'s (``repeat``, ``limit``, ``sample``, ``select``,
+            ...), :class:`~pvisor_host.backend.Placement`'s (``docker_host``, ``cluster``, ``registry``,
+            ``registry_mirror``, ``image_rewrites``), and the build's (``base``, ``ca_bundle``); any other is a
+            replay option every item starts from, as ``defaults``. With ``cluster``, this process must run on a
+            machine of the cluster, the token comes from ``RAY_AUTH_TOKEN`` and ``workers`` defaults to the
+            cluster's engine slots (docs/cluster.md).
 
     Raises:
-        UsageError: an item is wrong (the first, by position, and how many more), or an option is.
+        UsageError: an item is wrong (the first, by position, and how many more), or an option is, or one
+            reason refuses every item.
         PrerequisiteError: (when iterated) no engine answers, or the cluster is missing something it needs.
     """
-    checked = batch_items(items, defaults, repeat=repeat)
-    check_cluster_options(cluster, registry)  # now rather than when iterated; the backend checks again
-    Mirrors.parse(registry_mirror, image_rewrites)
-    options = BatchOptions.checked(
-        out=Path(out).absolute(),
-        workers=workers or default_workers(checked[0].spec.memory),
-        deadline=parse_duration(deadline, flag="deadline") if isinstance(deadline, str) else deadline,
-        rerun_failed=rerun_failed,
-        retry_oom=retry_oom,
-        build=build or BuildOptions(),
-        pull_workers=pull_workers,
-        image_budget=parse_size(image_budget, flag="image_budget") if isinstance(image_budget, str) else image_budget,
-        keep_images=keep_images,
-    )
-    opener = functools.partial(
-        _pooled_engine, docker_host, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
-        image_rewrites=image_rewrites, lent=backend, out=options.out,
-    )  # fmt: skip
-    return Batch(checked, options, backend=opener, fit_workers=workers is None)
+    entries = [i.model_dump(exclude_unset=True) if isinstance(i, ReplaySpec) else dict(i) for i in items]
+    request = BatchRequest.from_options({**options, "out": Path(out).absolute()}, entries=entries, defaults=defaults)
+    checked = request.input.check()
+    if checked.problems:
+        first, more = checked.problems[0], len(checked.problems) - 1
+        raise UsageError(f"item {first.line}: {first.message}" + (f" (and {more} more)" if more else ""))
+    checked.refuse_if_none_can_run()
+    return Batch(request, checked, backend=backend)
 
 
 _END = object()

@@ -8,6 +8,8 @@ import ast
 import inspect
 import sys
 import textwrap
+import types
+import typing
 from pathlib import Path
 
 import pvisor_host
@@ -45,6 +47,24 @@ def field_docs(cls: type) -> dict[str, str]:
     return found
 
 
+def type_name(annotation: object) -> str:
+    """A field's type as one reads it: ``Annotated`` metadata (validators, constraints) left out."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(arg) for arg in args)
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(repr(arg) for arg in args)}]"
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(arg) for arg in args)}]"
+    if annotation is type(None):
+        return "None"
+    if annotation is Ellipsis:
+        return "..."
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
 def model(name: str, cls: type) -> list[str]:
     lines = [f"### `{name}`", "", doc(cls), ""]
     fields = getattr(cls, "model_fields", {})
@@ -52,8 +72,7 @@ def model(name: str, cls: type) -> list[str]:
         notes = field_docs(cls)
         lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
         for field, info in fields.items():
-            kind = str(info.annotation).replace("typing.", "").replace("pvisor_host.", "").replace("|", "\\|")
-            kind = kind.replace("<class '", "").replace("'>", "")
+            kind = type_name(info.annotation).replace("|", "\\|")
             default = "required" if info.is_required() else f"`{info.get_default(call_default_factory=True)!r}`"
             note = notes.get(field, "").replace("|", "\\|")
             lines.append(f"| `{field}` | `{kind}` | {default} | {note} |")
@@ -77,6 +96,22 @@ def function(name: str, obj: object) -> list[str]:
     return lines
 
 
+def batch_options() -> list[str]:
+    """The keyword arguments of ``batch`` and ``abatch``: the fields of the models a batch's options are (the
+    ``batch`` command's options are made from the same fields)."""
+    from pvisor_host.fanout.options import MODELS
+
+    lines = [
+        "`batch(items, out=..., **options)` and `abatch` take these as keywords, the `batch` command as options "
+        "(`image_budget` is `--image-budget`); any other keyword is a replay option every item starts from "
+        "(`ReplaySpec`'s fields), or the build's (`base`, `ca_bundle`).",
+        "",
+    ]
+    for cls in MODELS:
+        lines += model(cls.__name__, cls)
+    return lines
+
+
 def render() -> str:
     parts = [HEAD.format(intro=doc(pvisor_host))]
     sections = {"Functions": [], "Models": [], "Errors": []}  # type: dict[str, list[str]]
@@ -93,6 +128,7 @@ def render() -> str:
             sections["Errors"] += [f"### `{name}`", "", doc(obj), "", codes, ""]
         else:
             sections["Functions"] += function(name, obj)
+    sections["Batch options"] = batch_options()
     for title, lines in sections.items():
         parts.append(f"## {title}\n\n" + "\n".join(lines).strip() + "\n\n")
     return "".join(parts).rstrip() + "\n"

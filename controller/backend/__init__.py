@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import UsageError
 from .base import AnyBackend, Backend, ModelGateway
@@ -22,7 +24,9 @@ if TYPE_CHECKING:
 
     from ..models.ownership import Ownership
 
-__all__ = ["AnyBackend", "Backend", "ModelGateway", "check_cluster_options", "check_registry", "open_backend"]
+__all__ = [
+    "AnyBackend", "Backend", "ModelGateway", "Placement", "check_cluster_options", "check_registry", "open_backend",
+]  # fmt: skip
 
 #: Where a cluster's nodes pull images from when ``--registry`` is not given.
 REGISTRY_ENV = "PVISOR_HOST_REGISTRY"
@@ -58,6 +62,46 @@ def check_cluster_options(cluster: str | None, registry: str | None) -> str | No
     check_address(cluster)
     registry = registry or os.environ.get(REGISTRY_ENV)
     return check_registry(registry) if registry else None
+
+
+class Placement(BaseModel):
+    """Where a batch's sandboxes run and its task images come from: one engine (``docker_host``), or the Docker
+    hosts of a Ray cluster; mirrors and rewrites of the task images' names. Checked as far as the host can tell
+    when made (:func:`check_cluster_options`, the mirrors' forms), before any engine or cluster is asked."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    docker_host: Annotated[str | None, Field(json_schema_extra={"cli": False})] = None
+    """The engine (default ``DOCKER_HOST``, else the local socket); with ``cluster``, the engine that makes the
+    images."""
+    cluster: Annotated[str | None, Field(json_schema_extra={"metavar": "HEAD:PORT"})] = None
+    """Run the items on the Docker hosts of the Ray cluster at HEAD:PORT (needs the ray extra and RAY_AUTH_TOKEN);
+    images are built here and shipped to the nodes."""
+    registry: Annotated[str | None, Field(json_schema_extra={"metavar": "HOST[:PORT]"})] = None
+    """With --cluster: push each image here once and have the nodes pull it by digest (default:
+    $PVISOR_HOST_REGISTRY, else ship it through the cluster, docker save then docker load, once per node)."""
+    registry_mirror: Annotated[str | None, Field(json_schema_extra={"metavar": "HOST[:PORT]"})] = None
+    """Pull Docker Hub's task images through this mirror (a pull-through cache); they keep their names."""
+    image_rewrites: Annotated[
+        list[str], Field(json_schema_extra={"metavar": "FROM=TO", "flag": "--image-rewrite"})
+    ] = []
+    """Pull task images named FROM... from TO... instead (image name prefixes, e.g.
+    docker.io/swebench/=registry.internal:5000/swebench/); repeatable, the first match wins."""
+
+    @model_validator(mode="after")
+    def _checked(self) -> Placement:
+        from .docker.mirrors import Mirrors
+
+        check_cluster_options(self.cluster, self.registry)
+        Mirrors.parse(self.registry_mirror, self.image_rewrites)
+        return self
+
+    def open(self, *, pool_size: int = 10, out: Path | None = None, **more: Any) -> AnyBackend:
+        """:func:`open_backend` here (close it when done)."""
+        return open_backend(
+            pool_size=pool_size, docker_host=self.docker_host, cluster=self.cluster, registry=self.registry,
+            registry_mirror=self.registry_mirror, image_rewrites=self.image_rewrites, out=out, **more,
+        )  # fmt: skip
 
 
 def open_backend(

@@ -20,7 +20,7 @@ import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -49,12 +49,15 @@ class ModelOption:
     grouped: bool = False
     """A field of :class:`ModelUpstream` given as a flat ``--model-*`` option: the spec checks that the ones it
     needs come together, so none is required on its own."""
+    show_default: bool | None = None
+    """Whether the help shows the field's default (None: as the command says)."""
 
     @property
     def required(self) -> bool:
         return self.field.is_required() and not self.grouped
 
     def parameter(self, *, with_default: bool) -> inspect.Parameter:
+        with_default = with_default if self.show_default is None else self.show_default
         """The command parameter, keyword-only. ``with_default``: the field's default, in the CLI's words
         (``4g``, ``2h``), which the model reads back as the same value; else ``None`` when not given."""
         kind = _cli_type(self.field)
@@ -84,6 +87,34 @@ def replay_options(*, batch: bool = False) -> list[ModelOption]:
             found.append(ModelOption(name, field, _single_flag(name, field)))
     found += build_options(("base", "ca_bundle"))
     return sorted(found, key=lambda option: not option.required)  # stable: the rest keep the models' order
+
+
+def batch_options() -> list[ModelOption]:
+    """The options of ``batch``: the fields of the models a batch's options are
+    (:data:`~pvisor_host.fanout.options.MODELS`, their defaults shown), then the replay options every item starts
+    from (:func:`replay_options`, whose defaults are the items')."""
+    from ..fanout.options import MODELS
+
+    own = [
+        ModelOption(name, field, _flag(field) or _single_flag(name, field), show_default=True)
+        for model in MODELS
+        for name, field in model.model_fields.items()
+        if _offered(field)
+    ]
+    return own + [replace(option, show_default=False) for option in replay_options(batch=True)]
+
+
+def _flag(field: FieldInfo) -> str | None:
+    """The option's flag where it is not the field's name (``json_schema_extra={"flag": "--image-rewrite"}``)."""
+    extra = field.json_schema_extra
+    flag = extra.get("flag") if isinstance(extra, dict) else None
+    return flag if isinstance(flag, str) else None
+
+
+def _offered(field: FieldInfo) -> bool:
+    """Whether the CLI offers the field as an option (``json_schema_extra={"cli": False}``: the API's alone)."""
+    extra = field.json_schema_extra
+    return not isinstance(extra, dict) or extra.get("cli", True) is not False
 
 
 def build_options(names: Iterable[str], rename: dict[str, str] | None = None) -> list[ModelOption]:
@@ -195,7 +226,8 @@ def _unit(field: FieldInfo) -> Literal["size", "duration"] | None:
 
     from ..models.spec import duration_or_zero, duration_value, memory_value, size_value
 
-    for meta in field.metadata:
+    inner = [arg.__metadata__ for arg in typing.get_args(field.annotation) if hasattr(arg, "__metadata__")]
+    for meta in [*field.metadata, *(m for metadata in inner for m in metadata)]:  # an optional size's, too
         if isinstance(meta, BeforeValidator):
             if meta.func in (size_value, memory_value):
                 return "size"
@@ -227,7 +259,11 @@ def _cli_type(field: FieldInfo) -> Any:
 
 
 def _metavar(field: FieldInfo) -> str | None:
-    """What the help shows for the value of a model given as two values (``MODE DIR``); typer's own else."""
+    """What the help shows for the option's value: the field's own (``json_schema_extra={"metavar": "N"}``), that of
+    a model given as two values (``MODE DIR``); typer's own else."""
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("metavar"), str):
+        return str(extra["metavar"])
     annotation = next((a for a in typing.get_args(field.annotation) if a is not type(None)), field.annotation)
     return getattr(annotation, "cli_metavar", None)
 

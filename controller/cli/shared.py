@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from rich.console import Console
 
     from ..backend.base import AnyBackend
@@ -51,25 +49,11 @@ def say(line: str) -> None:
 
 
 @contextlib.contextmanager
-def open_engine(
-    *,
-    pool_size: int = 10,
-    timeout: float = 120,
-    cluster: str | None = None,
-    registry: str | None = None,
-    registry_mirror: str | None = None,
-    image_rewrites: list[str] | None = None,
-    out: Path | None = None,
-) -> Iterator[AnyBackend]:
-    """The local engine (or, with ``cluster``, the Ray cluster at that address, its nodes pulling images from
-    ``registry`` when given; task images through ``registry_mirror`` and ``image_rewrites``) for one command,
-    closed afterwards."""
+def open_engine(*, timeout: float = 120) -> Iterator[AnyBackend]:
+    """The local engine for one command, closed afterwards."""
     from ..backend import open_backend
 
-    backend = open_backend(
-        pool_size=pool_size, timeout=timeout, cluster=cluster, registry=registry, registry_mirror=registry_mirror,
-        image_rewrites=image_rewrites, out=out,
-    )  # fmt: skip
+    backend = open_backend(timeout=timeout)
     try:
         yield backend
     finally:

@@ -25,7 +25,7 @@ import heapq
 import os
 import re
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -217,67 +217,6 @@ def _host_checks(spec: ReplaySpec) -> None:
         raise UsageError(f"workspace_dir {spec.workspace_dir} is not a directory")
 
 
-def batch_items(
-    entries: Iterable[ReplaySpec | Mapping[str, Any]], defaults: Mapping[str, Any] | None = None, *, repeat: int = 1
-) -> list[BatchItem]:
-    """Items from specs, or from mappings of manifest-row fields (``id`` included), each expanded and validated
-    as a manifest row is (``after_step`` may be ``"all"``, a list, ...; ``agent`` may be left out; ``image``
-    and ``id`` may be templates), over ``defaults``; each ``repeat`` times (see :meth:`BatchItem.repeats`).
-    Relative paths are relative to the working directory.
-
-    Raises:
-        UsageError: the first bad entry, by its position (and how many more there are); or no entries.
-    """
-    if not 1 <= repeat <= MAX_REPEAT:
-        raise UsageError(f"repeat {repeat}: pass 1 to {MAX_REPEAT}")
-    defaults = dict(defaults or {})
-    rows = Rows(defaults=defaults, base=Path.cwd(), strict=True)
-    seen: dict[str, int] = {}
-    items: list[BatchItem] = []
-    problems: list[str] = []
-    numbered = (
-        (number, entry.model_dump(exclude_unset=True) if isinstance(entry, ReplaySpec) else dict(entry))
-        for number, entry in enumerate(entries, start=1)
-    )
-    for number, expanded in rows.expand_all(numbered):
-        try:
-            if isinstance(expanded, str):
-                raise UsageError(expanded)
-            items += _item(number, expanded, rows.item_defaults, seen).repeats(repeat)
-        except UsageError as exc:
-            problems.append(f"item {number}: {exc.one_line()}")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise UsageError(problems[0] + more)
-    if not items:
-        raise UsageError("the batch holds no items")
-    return items
-
-
-def by_image(items: list[BatchItem]) -> tuple[list[BatchItem], dict[str, int]]:
-    """The items with those of one ``image`` together (as :meth:`BatchInput.items` runs them), and how many
-    items each image has, in that order."""
-    first: dict[object, int] = {}
-    for position, item in enumerate(items):
-        first.setdefault(item.spec.image or ("item", position), position)
-    order = sorted(range(len(items)), key=lambda n: first[items[n].spec.image or ("item", n)])
-    counts: dict[str, int] = {}
-    for n in order:
-        image = items[n].spec.image
-        if image is not None:
-            counts[image] = counts.get(image, 0) + 1
-    return [items[n] for n in order], counts
-
-
-def image_specs(items: Iterable[BatchItem]) -> list[ReplaySpec]:
-    """One item's spec per distinct image (:attr:`~pvisor_host.models.image.ImageRequest.key`): what a batch's
-    images are made from."""
-    distinct: dict[object, ReplaySpec] = {}
-    for item in items:
-        distinct.setdefault(image_request(item.spec).key, item.spec)
-    return list(distinct.values())
-
-
 #: A numbered manifest entry: one item's fields, or what is wrong with its row.
 Entry = tuple[int, dict[str, Any] | str]
 #: Replay options that are per item, never batch-wide defaults (``after_step`` is a default for rows without one).
@@ -454,41 +393,53 @@ def _done(value: list[Entry]) -> futures.Future[list[Entry]]:
 
 
 class BatchInput(BaseModel):
-    """Where a batch's items come from: a manifest, or the ``--trajectories`` shorthand; plus the defaults."""
+    """Where a batch's items come from, and which of them: a manifest, the ``--trajectories`` shorthand, or (the
+    Python API) the items themselves; plus every item's defaults. The CLI's and the API's one way in: both read,
+    check and run the items through it (:meth:`check`, :meth:`items`)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     manifest: Path | None = None
+    """The dataset: JSONL, CSV or Parquet, one replay (or one per boundary) per row; fields: replay's options, plus
+    id."""
     trajectories: str | None = None
+    """Glob of trajectory files (one row per file; needs --after-step)."""
+    entries: Annotated[list[dict[str, Any]] | None, Field(json_schema_extra={"cli": False})] = None
+    """The items themselves (the Python API's): one mapping of a manifest row's fields each."""
     after_step: str | None = None
-    """Every row's boundaries unless it names its own: a number, ``all``, ``last``, a list or a range."""
-    id: str | None = None
-    """``--id TEMPLATE``: each item's id from its row (see :mod:`.templates`)."""
-    map: list[str] = []
-    """``--map FIELD=COLUMN``: a field read from a column named otherwise."""
-    defaults: dict[str, Any] = {}
-    """Replay options given on the command line; every item starts from them."""
-    repeat: Annotated[int, Field(ge=1, le=MAX_REPEAT)] = 1
-    """``--repeat K``: run every item K times, under ids of their own (``<id>.r1`` …), to see which are flaky."""
-    limit: Annotated[int | None, Field(ge=1)] = None
-    """``--limit N``: only the first N items (by line, then boundary), to try a dataset first."""
-    sample: Annotated[int | None, Field(ge=1)] = None
-    """``--sample N``: only N items drawn at random, the same N for the same ``seed``."""
-    seed: int = 0
-    """``--seed S``: what ``--sample`` draws with."""
-    select: list[str] = []
-    """``--select PATTERN``: only the items whose id matches one of these shell patterns (``django__*``)."""
-    keep: list[str] | None = None
-    """``--keep COLUMN,...``: the dataset's own columns each item's row keeps, to join the results back to it
-    (None: ``instance_id``, where the dataset has it; empty: none)."""
+    """Boundaries of every row that names none: N, all, last, a list (1,3) or a range (3-7)."""
+    id: Annotated[str | None, Field(json_schema_extra={"metavar": "TEMPLATE"})] = None
+    """Each item's id from its row, e.g. '{parent}-{stem}' (fields: the row's columns, stem, name, parent);
+    --image takes templates too, e.g. 'reg/{stem|lower}:v1' or the preset @swebench."""
+    map: Annotated[list[str], Field(json_schema_extra={"metavar": "FIELD=COLUMN"})] = []
+    """Read a field from a column named otherwise, e.g. id=instance_id."""
+    defaults: Annotated[dict[str, Any], Field(json_schema_extra={"cli": False})] = {}
+    """Replay options every item starts from (the command's own replay options)."""
+    repeat: Annotated[int, Field(ge=1, le=MAX_REPEAT, json_schema_extra={"metavar": "K"})] = 1
+    """Run every item K times, under ids of their own (<id>.r1 ...): the summary, the report and compare list the
+    items whose repeats end or change the workspace otherwise (flaky)."""
+    limit: Annotated[int | None, Field(ge=1, json_schema_extra={"metavar": "N"})] = None
+    """Only the first N items (by line, then boundary)."""
+    sample: Annotated[int | None, Field(ge=1, json_schema_extra={"metavar": "N"})] = None
+    """Only N items drawn at random (the same N for the same --seed)."""
+    seed: Annotated[int, Field(json_schema_extra={"metavar": "S"})] = 0
+    """What --sample draws with."""
+    select: Annotated[list[str], Field(json_schema_extra={"metavar": "PATTERN"})] = []
+    """Only the items whose id matches this shell pattern (repeatable)."""
+    keep: Annotated[list[str] | None, Field(json_schema_extra={"metavar": "COLUMN,..."})] = None
+    """The dataset's own columns each item's row keeps, to join the results back to it (default: instance_id,
+    where the dataset has one; --keep '' keeps none)."""
     _chosen: set[tuple[int, int]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _one_source(self) -> BatchInput:
-        if (self.manifest is None) == (self.trajectories is None):
+        sources = [self.manifest, self.trajectories, self.entries]
+        if sum(source is not None for source in sources) != 1:
             raise UsageError("pass a manifest (MANIFEST or --manifest FILE) or --trajectories GLOB (one of them)")
         if self.trajectories is not None and self.after_step is None:
             raise UsageError("--trajectories needs --after-step (a number, all, last, a list or a range)")
         if self.map and self.manifest is None:
-            raise UsageError("--map reads a manifest's columns; --trajectories has none")
+            raise UsageError(f"--map reads a manifest's columns; {self.name} has none")
         if self.limit is not None and self.sample is not None:
             raise UsageError("--limit takes the first items and --sample draws some at random; pass one")
         if self.keep is not None:
@@ -497,7 +448,7 @@ class BatchInput(BaseModel):
             if clash:
                 raise UsageError(f"--keep {clash[0]}: every row has a column of that name; keep another")
             if self.keep and self.manifest is None:
-                raise UsageError("--keep keeps a manifest's columns; --trajectories has none")
+                raise UsageError(f"--keep keeps a manifest's columns; {self.name} has none")
         if self.after_step is not None:
             parse_steps(self.after_step, name="--after-step")
             self.defaults = {**self.defaults, "after_step": self.after_step}
@@ -516,8 +467,11 @@ class BatchInput(BaseModel):
 
     @property
     def name(self) -> str:
-        """How problems name the source (``FILE:LINE``, or ``--trajectories:N`` for the shorthand's N-th file)."""
-        return str(self.manifest) if self.manifest is not None else "--trajectories"
+        """How problems name the source (``FILE:LINE``, ``--trajectories:N`` for the shorthand's N-th file, ``item
+        N`` for the API's N-th)."""
+        if self.manifest is not None:
+            return str(self.manifest)
+        return "--trajectories" if self.trajectories is not None else "the items"
 
     def spec_default(self, field: str) -> Any:
         """The value every item gets for ``field`` unless its line says otherwise."""
@@ -533,7 +487,7 @@ class BatchInput(BaseModel):
         return Rows(
             defaults=self.defaults,
             base=base,
-            strict=self.manifest is not None and not tables,
+            strict=(self.manifest is not None and not tables) or self.entries is not None,
             id_template=parse_template(self.id, flag="--id") if self.id is not None else None,
             columns=ColumnMap.parse(self.map, set(ROW_FIELDS)),
             tables=tables,
@@ -633,7 +587,12 @@ class BatchInput(BaseModel):
 
     def _entries(self) -> Iterator[Entry]:
         rows = self._rows_cached
-        source = _manifest_rows(self.manifest) if self.manifest is not None else _glob_rows(self.trajectories or "")
+        if self.entries is not None:
+            source: Iterable[Row] = enumerate((dict(entry) for entry in self.entries), start=1)
+        elif self.manifest is not None:
+            source = _manifest_rows(self.manifest)
+        else:
+            source = _glob_rows(self.trajectories or "")
         return rows.expand_all(source)
 
 

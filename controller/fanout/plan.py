@@ -36,8 +36,8 @@ from ..units import format_size
 from .item import check_item, finished_earlier
 from .manifest import BatchItem
 from .memo import Memo
+from .options import BatchOptions
 from .resume import ImageIdentity
-from .scheduler import BatchOptions
 
 
 class ItemPlan(BaseModel):

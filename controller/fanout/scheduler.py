@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -31,55 +30,16 @@ from ..backend.base import AnyBackend
 from ..errors import DiskFull, PvisorHostError, UsageError
 from ..files.space import disk_full, is_full, tree_bytes
 from ..models.batch import BatchSummary, ImageStats, ItemResult
-from ..models.image import BuildOptions, PullProgress
+from ..models.image import PullProgress
 from ..models.spec import ReplaySpec
 from ..signals import deferred_interrupts
-from ..units import format_size, host_slots
+from ..units import format_size
 from .compare import run_flaky
 from .images import ImageWindow
 from .item import BatchContext, base_result, interrupted_result, run_item
 from .manifest import BatchItem
+from .options import BatchOptions
 from .summary import BatchReport, summarize, write_reports
-
-
-class BatchOptions(BaseModel):
-    """How to run a batch (the ``batch`` command's own options)."""
-
-    out: Path
-    """The batch directory: ``<out>/<item id>/`` per item, ``summary.json``, ``junit.xml``."""
-    workers: int
-    """Items (sandboxes) at a time."""
-    deadline: float | None = None
-    """Seconds for the whole batch: no item starts after it, running ones are cut at it."""
-    rerun_failed: bool = False
-    """Rerun items that finished with a failure (by default only missing, incomplete or changed ones rerun)."""
-    retry_oom: bool = False
-    """Retry an attempt killed for memory (infrastructure errors and retryable results always are)."""
-    build: BuildOptions = BuildOptions()
-    """How agent images that must be built are built (``--base``, ``--ca-bundle``)."""
-    pull_workers: int = 2
-    """Task images pulled at once, ahead of their items (0: every image first, before any item, which no
-    ``image_budget`` can bound: the two are refused together)."""
-    image_budget: int | None = None
-    """Most bytes the task images this batch pulls may take at once (None: the backend's default, half the
-    free space of the engine's storage)."""
-    keep_images: bool = False
-    """Keep the task images this batch pulled when it ends (by default it removes them)."""
-
-    @classmethod
-    def checked(cls, **fields: Any) -> BatchOptions:
-        """The options, with what no field can say alone refused in one line (before any engine is asked).
-
-        Raises:
-            UsageError: ``pull_workers`` 0 (every image first) with an ``image_budget``, which cannot bound it.
-        """
-        options = cls(**fields)
-        if options.pull_workers == 0 and options.image_budget is not None:
-            raise UsageError(
-                "--image-budget cannot apply with --pull-workers 0: every image is pulled first, before any item",
-                hint="drop --pull-workers 0 to keep the images within the budget, or drop the budget",
-            )
-        return options
 
 
 class BatchOutcome(BaseModel):
@@ -87,32 +47,6 @@ class BatchOutcome(BaseModel):
 
     results: list[ItemResult]
     summary: BatchSummary
-
-
-def default_workers(memory: int) -> int:
-    """Sandboxes at a time: two per CPU, as many as the host's memory holds at ``memory`` each, at most 32."""
-    return host_slots(2, memory, most=32)
-
-
-def fit_workers(options: BatchOptions, backend: AnyBackend, *, given: bool) -> BatchOptions:
-    """The sandboxes a batch runs at a time, decided here for the CLI and the library alike: ``--workers`` when
-    given; otherwise a cluster's engine slots, or on one engine the default less the sandboxes other batches run
-    there now, said in one line (a second batch beside a first fits in what the host has left)."""
-    if given:
-        return options
-    capacity = backend.capacity()
-    if capacity is not None:
-        return options.model_copy(update={"workers": capacity})
-    running = backend.running_sandboxes()
-    if not running:
-        return options
-    workers = max(1, options.workers - running)
-    logger.warning(
-        "{} sandboxes of another batch run on this engine: this one runs at most {} at a time (--workers sets it)",
-        running,
-        workers,
-    )
-    return options.model_copy(update={"workers": workers})
 
 
 class _Cancelled(Exception):
@@ -144,6 +78,9 @@ class BatchRun:
         reports: Sequence[BatchReport] = (),
         on_pull: Callable[[PullProgress], None] | None = None,
     ) -> None:
+        if options.workers is None:
+            raise ValueError("a batch runs with its workers decided (fanout.options.fit_workers)")
+        self._workers = options.workers
         self._items = iter(items)
         self._waiting: BatchItem | None = None
         """An item taken from ``items`` and not yet submitted (it waits for a worker)."""
@@ -273,7 +210,7 @@ class BatchRun:
         """Make the images ready, then submit items as workers free up, yielding each result as it comes; on
         any way out before the end, stop everything this batch started."""
         batch = self._batch
-        workers = self._options.workers
+        workers = self._workers
         pending: Pending = {}
         with futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pvisor-host-item") as pool:
             try:

@@ -57,7 +57,10 @@ def test_a_bad_batch_item_is_refused_by_its_position_and_nothing_starts(tmp_path
     assert caught.value.one_line() == "item 2: after_step: is required (and 1 more)"
     assert not (tmp_path / "out").exists()
     specs = [pvisor_host.ReplaySpec(trajectory=good, after_step=n, agent="claude-code") for n in (1, 1, 2)]
-    run = pvisor_host.batch(specs, out=tmp_path / "out")
+    with pytest.raises(UsageError) as caught:  # a reason every item shares: one line, as the CLI says it
+        pvisor_host.batch(specs, out=tmp_path / "out")
+    assert caught.value.one_line().startswith("every item: --mode continue lets the agent call its model")
+    run = pvisor_host.batch(specs, out=tmp_path / "out", mode="replay-only")
     assert [item.id for item in run.items][:1] == ["t-after1"] and len({item.id for item in run.items}) == 3
     assert not (tmp_path / "out").exists()  # nothing happens until it is iterated
 
@@ -112,7 +115,7 @@ def test_logs_turned_on_stay_on_when_more_of_the_library_loads():
 def test_the_api_checks_cluster_options_as_the_cli_does_before_anything_connects(tmp_path, monkeypatch):
     good = write_jsonl(tmp_path / "t.jsonl", claude_files_session())
     items = [{"trajectory": good, "after_step": 1}]
-    defaults = {"agent": "claude-code"}
+    defaults = {"agent": "claude-code", "mode": "replay-only"}
     out = tmp_path / "out"
     with pytest.raises(UsageError) as caught:
         pvisor_host.batch(items, out=out, defaults=defaults, cluster="nowhere")

@@ -22,10 +22,10 @@ COMMAND = typer.main.get_command(app)
 #: Options of ``replay`` that are not about the replay itself but about its output.
 REPLAY_OWN = {"json_output"}
 #: Options of ``batch`` that are about the batch (or its input), not defaults for its items.
-BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out_dir", "workers", "deadline",
+BATCH_OWN = {"manifest_file", "manifest", "trajectories", "after_step", "out", "workers", "deadline",
              "rerun_failed", "retry_oom", "allow_failures", "plan", "baseline", "cluster", "registry", "quiet",
-             "json_output", "pull_workers", "image_budget", "keep_images", "item_id", "columns", "registry_mirror",
-             "image_rewrite", "fail_on", "repeat", "limit", "sample", "seed", "select", "verbose", "keep"}  # fmt: skip
+             "json_output", "pull_workers", "image_budget", "keep_images", "id", "map", "registry_mirror",
+             "image_rewrites", "fail_on", "repeat", "limit", "sample", "seed", "select", "verbose", "keep"}  # fmt: skip
 SPEC_OPTIONS = set(ReplaySpec.model_fields) - {"upstream"} | set(MODEL_OPTIONS) | {"no_model_bodies"}
 BUILD_OPTIONS = {"base", "ca_bundle"}
 PER_ITEM = {"trajectory", "after_step", "out", "run_id", "session_id"}

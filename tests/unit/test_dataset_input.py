@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pvisor_host.errors import ExitCode, UsageError
-from pvisor_host.fanout.manifest import BatchInput, batch_items
+from pvisor_host.fanout.manifest import BatchInput
 from pvisor_host.fanout.steps import parse_steps
 from pvisor_host.fanout.templates import parse_template, swebench_id
 
@@ -220,7 +220,10 @@ def test_rows_that_cannot_be_told_are_one_line_each(tmp_path):
 
 def test_the_python_api_expands_rows_as_a_manifest_does(tmp_path):
     trajectory = claude(tmp_path / "t.jsonl", 3)
-    items = batch_items([{"trajectory": trajectory, "after_step": "all", "id": "task"}], {"mode": "replay-only"})
+    source = BatchInput.parse(
+        entries=[{"trajectory": trajectory, "after_step": "all", "id": "task"}], defaults={"mode": "replay-only"}
+    )
+    items = list(source.items())
     assert [(i.id, i.spec.agent, i.spec.after_step) for i in items] == [
         ("task-after1", "claude-code", 1),
         ("task-after2", "claude-code", 2),
@@ -302,9 +305,9 @@ def test_repeat_runs_every_item_k_times_under_ids_of_their_own(tmp_path):
         ("t1-after3.r1", "t1-after3", 3),
         ("t1-after3.r2", "t1-after3", 3),
     ]
-    items = batch_items([{"trajectory": tmp_path / "t1.jsonl", "after_step": 1, "id": "x"}], repeat=3)
-    assert [(i.id, i.repeat_of) for i in items] == [("x.r1", "x"), ("x.r2", "x"), ("x.r3", "x")]
+    entries = BatchInput.parse(entries=[{"trajectory": tmp_path / "t1.jsonl", "after_step": 1, "id": "x"}], repeat=3)
+    assert [(i.id, i.repeat_of) for i in entries.items()] == [("x.r1", "x"), ("x.r2", "x"), ("x.r3", "x")]
     with pytest.raises(UsageError, match="repeat: Input should be greater than or equal to 1"):
         BatchInput.parse(trajectories=str(tmp_path / "*.jsonl"), after_step="2", repeat=0, defaults={})
-    with pytest.raises(UsageError, match="repeat 101: pass 1 to 100"):
-        batch_items([{"trajectory": tmp_path / "t1.jsonl", "after_step": 1}], repeat=101)
+    with pytest.raises(UsageError, match="repeat: Input should be less than or equal to 100"):
+        BatchInput.parse(entries=[{"trajectory": tmp_path / "t1.jsonl", "after_step": 1}], repeat=101)

@@ -12,7 +12,8 @@ import pytest
 
 from pvisor_host.errors import UsageError
 from pvisor_host.fanout.manifest import BatchInput, BatchItem
-from pvisor_host.fanout.scheduler import BatchOptions, BatchOutcome, BatchRun
+from pvisor_host.fanout.options import BatchOptions, checked_model
+from pvisor_host.fanout.scheduler import BatchOutcome, BatchRun
 
 from fakebackend import FakeBackend, FakeRegistry, trajectories
 
@@ -37,7 +38,8 @@ def run(backend: FakeBackend, root: Path, images: list[str], per_image: int, **o
     items, counts = dataset(root, images, per_image)
     workers = int(options.pop("workers", 2))  # type: ignore[call-overload]
     batch = BatchRun(
-        items, backend, BatchOptions.checked(out=root / "out", workers=workers, **options), total=len(items),
+        items, backend, checked_model(BatchOptions, {"out": root / "out", "workers": workers, **options}),
+        total=len(items),
         task_images=counts,
     )  # fmt: skip
     for _ in batch:

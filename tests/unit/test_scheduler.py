@@ -16,7 +16,8 @@ import pytest
 
 from pvisor_host.errors import ExitCode
 from pvisor_host.fanout.manifest import BatchInput, BatchItem
-from pvisor_host.fanout.scheduler import BatchOptions, BatchOutcome, fit_workers, run_batch
+from pvisor_host.fanout.options import BatchOptions, default_workers, fit_workers
+from pvisor_host.fanout.scheduler import BatchOutcome, run_batch
 from pvisor_host.fanout.summary import exit_code
 
 from fakebackend import FakeBackend, trajectories
@@ -243,16 +244,22 @@ def test_a_full_disk_stops_starting_items_and_a_rerun_redoes_what_it_cost(tmp_pa
     assert again.summary.counts == {"ok": 8}
 
 
-def test_a_second_batch_beside_a_first_runs_in_what_is_left_and_says_so(tmp_path, caplog_lines):
+def test_a_second_batch_beside_a_first_runs_in_what_is_left_and_says_so(tmp_path, caplog_lines, monkeypatch):
+    from pvisor_host.fanout import options as batch_options
+
+    monkeypatch.setattr(batch_options, "default_workers", lambda memory: 8)
     backend = FakeBackend()
+    asked = BatchOptions(out=tmp_path)
+    assert fit_workers(asked, backend, 2**30).workers == 8  # alone on the engine
     backend.others = 5
-    options = BatchOptions(out=tmp_path, workers=8)
-    assert fit_workers(options, backend, given=False).workers == 3
-    assert fit_workers(options, backend, given=True).workers == 8  # --workers is the user's word
+    assert fit_workers(asked, backend, 2**30).workers == 3
+    given = BatchOptions(out=tmp_path, workers=8)
+    assert fit_workers(given, backend, 2**30).workers == 8  # --workers is the user's word
     backend.others = 20
-    assert fit_workers(options, backend, given=False).workers == 1
+    assert fit_workers(asked, backend, 2**30).workers == 1
     said = [line.strip() for line in caplog_lines() if "sandboxes of another batch run on this engine" in line]
     assert said == [
         "5 sandboxes of another batch run on this engine: this one runs at most 3 at a time (--workers sets it)",
         "20 sandboxes of another batch run on this engine: this one runs at most 1 at a time (--workers sets it)",
     ]
+    assert default_workers(2**30) >= 1
