@@ -16,9 +16,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pvisor_host.backend.docker.cache import ImageCache, Ledger, Priced
-from pvisor_host.backend.docker.cache.layers import Layer
-from pvisor_host.backend.docker.registry import ManifestError
+from pvisor_host.backend.docker.image.cache import ImageCache, Ledger, Priced
+from pvisor_host.backend.docker.image.cache.layers import Layer
+from pvisor_host.backend.docker.image.registry import ManifestError
 from pvisor_host.errors import ImageUnavailable, Interrupted, UsageError
 from pvisor_host.models.housekeeping import AgentStatus, CatalogEntry, Check, GcReport, PruneResult
 from pvisor_host.models.image import (

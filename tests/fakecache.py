@@ -1,4 +1,4 @@
-"""A fake engine and registry for the image cache (:mod:`pvisor_host.backend.docker.cache`), and a clock whose
+"""A fake engine and registry for the image cache (:mod:`pvisor_host.backend.docker.image.cache`), and a clock whose
 time passes only when the cache waits: the cache's own logic tested without an engine and without sleeps. A
 test aid for our own logic only."""
 
@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pvisor_host.backend.docker.cache import Priced
-from pvisor_host.backend.docker.cache.layers import Layer, chain_ids
-from pvisor_host.backend.docker.registry import ManifestError
+from pvisor_host.backend.docker.image.cache import Priced
+from pvisor_host.backend.docker.image.cache.layers import Layer, chain_ids
+from pvisor_host.backend.docker.image.registry import ManifestError
 from pvisor_host.errors import Interrupted
 from pvisor_host.models.image import PulledImage
 

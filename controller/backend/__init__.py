@@ -90,7 +90,7 @@ class Placement(BaseModel):
 
     @model_validator(mode="after")
     def _checked(self) -> Placement:
-        from .docker.mirrors import Mirrors
+        from .docker.image.mirrors import Mirrors
 
         check_cluster_options(self.cluster, self.registry)
         Mirrors.parse(self.registry_mirror, self.image_rewrites)
@@ -133,7 +133,7 @@ def open_backend(
     """
     from ..models.ownership import Ownership
     from .docker import DockerBackend
-    from .docker.mirrors import Mirrors
+    from .docker.image.mirrors import Mirrors
 
     registry = check_cluster_options(cluster, registry)  # what the host can tell, before anything is asked
     mirrors = Mirrors.parse(registry_mirror, image_rewrites)

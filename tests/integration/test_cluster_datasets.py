@@ -19,7 +19,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from pvisor_host.backend.docker.pull import PATIENCE_ENV
+from pvisor_host.backend.docker.image.pull import PATIENCE_ENV
 
 from cluster import Cluster, Registry, records, remove_engines, summary
 from conftest import default_signals, run_cli

@@ -14,7 +14,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from pvisor_host.backend.docker.pull import PATIENCE_ENV
+from pvisor_host.backend.docker.image.pull import PATIENCE_ENV
 
 from cluster import Registry
 from conftest import DATA, run_cli, start_cli

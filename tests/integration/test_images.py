@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pvisor_host.backend.docker import labels as L
-from pvisor_host.backend.docker.build.base import find_image
+from pvisor_host.backend.docker.image.base import find_image
 from pvisor_host.errors import ImageBuildError
 from pvisor_host.models.image import BuildOptions, BuildPlan
 from pvisor_host.models.profiles import get_profile

@@ -179,7 +179,7 @@ def test_claude_injected_into_a_git_task_uses_the_image_repository_as_workspace(
 def test_the_runtime_volume_is_filled_once_and_refilled_when_incomplete(
     tmp_path, docker_client, task_images, codex_image
 ):
-    from pvisor_host.backend.docker.build.inject import Injector, runtime_volume_name
+    from pvisor_host.backend.docker.image.inject import Injector, runtime_volume_name
     from pvisor_host.models.ownership import Ownership
     from pvisor_host.models.profiles import get_profile
 

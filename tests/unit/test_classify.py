@@ -1,6 +1,6 @@
 import pytest
 
-from pvisor_host.backend.docker.sandbox.container import WaitOutcome
+from pvisor_host.backend.docker.container import WaitOutcome
 from pvisor_host.backend.docker.sandbox.outcome import classify
 from pvisor_host.errors import ExitCode, exit_code_for_status
 from pvisor_host.models.result import ReplayResult

@@ -17,7 +17,7 @@ import pytest
 from fakecache import MB, Clock, FakeEngine
 
 from pvisor_host.backend.cluster.node import tasks as node
-from pvisor_host.backend.docker.images import ImageStore
+from pvisor_host.backend.docker.image.images import ImageStore
 from pvisor_host.errors import ImageUnavailable, InfrastructureError, RegistryError
 from pvisor_host.files.archive import Budget, extract_tar, tar_stream
 
@@ -171,7 +171,7 @@ class TaskBackend:
     over a fake engine (:mod:`fakecache`), images named ``r/tN`` pulled by digest; injections recorded."""
 
     def __init__(self, tmp_path: Path, session: str = "s1", budget: int | None = None) -> None:
-        from pvisor_host.backend.docker.cache import ImageCache, Ledger
+        from pvisor_host.backend.docker.image.cache import ImageCache, Ledger
         from pvisor_host.models.ownership import Ownership
 
         self.engine = FakeEngine()

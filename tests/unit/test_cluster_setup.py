@@ -15,7 +15,7 @@ from pvisor_host.backend.cluster import connect
 from pvisor_host.backend.cluster.ledger import Ledger
 from pvisor_host.backend.cluster.node.join import join_command
 from pvisor_host.backend.cluster.ship import rechunk
-from pvisor_host.backend.docker.images import Reference, push_target
+from pvisor_host.backend.docker.image.images import Reference, push_target
 from pvisor_host.errors import PrerequisiteError, UsageError
 
 

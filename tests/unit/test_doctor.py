@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pvisor_host.backend.docker.build.base import recipe
+from pvisor_host.backend.docker.image.base import recipe
 
 from conftest import run_cli
 from fakeengine import FakeEngine

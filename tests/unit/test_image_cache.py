@@ -7,8 +7,8 @@ import threading
 import pytest
 from fakecache import MB, Clock, FakeEngine, swe
 
-from pvisor_host.backend.docker.cache import ImageCache, Ledger
-from pvisor_host.backend.docker.cache.layers import chain_ids, engine_layers
+from pvisor_host.backend.docker.image.cache import ImageCache, Ledger
+from pvisor_host.backend.docker.image.cache.layers import chain_ids, engine_layers
 from pvisor_host.errors import Interrupted, RegistryError, UsageError
 from pvisor_host.models.ownership import Ownership
 
@@ -321,7 +321,7 @@ def test_the_batchs_own_image_nobody_holds_goes_after_a_short_wait_whatever_the_
     """On a cluster the items still to run of an image may be on another node: one image fits each node's
     budget, each node keeps its image for those items, and each waits for the other's. Nobody holds the image
     here, so after :data:`SPARE_WAIT` it goes, and the pull keeps to the budget (not ten minutes, then over)."""
-    from pvisor_host.backend.docker.cache.cache import SPARE_WAIT
+    from pvisor_host.backend.docker.image.cache.cache import SPARE_WAIT
 
     refs = swe(engine, 2, envs=2)
     budget = (50 + 250 + 20) * MB
@@ -336,7 +336,7 @@ def test_the_batchs_own_image_is_spared_from_its_last_use_not_from_when_the_pull
     """A pull that has waited past :data:`SPARE_WAIT` for a holder still spares that image once it is let go: its
     items still to run may come next (removing it at once would pull it again); one unused that long goes at
     once."""
-    from pvisor_host.backend.docker.cache.cache import SPARE_WAIT
+    from pvisor_host.backend.docker.image.cache.cache import SPARE_WAIT
 
     refs = swe(engine, 3, envs=3)
     budget = (50 + 250 + 20) * MB

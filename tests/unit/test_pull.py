@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from pvisor_host.backend.docker.engine import scrub
-from pvisor_host.backend.docker.images import Reference
-from pvisor_host.backend.docker.pull import ATTEMPTS, Gates, Puller, _Events, _Passing, classify, registry_fault
-from pvisor_host.backend.docker.registry import ManifestError, Registries, parse_retry_after
+from pvisor_host.backend.docker.image.images import Reference
+from pvisor_host.backend.docker.image.pull import ATTEMPTS, Gates, Puller, _Events, _Passing, classify, registry_fault
+from pvisor_host.backend.docker.image.registry import ManifestError, Registries, parse_retry_after
 from pvisor_host.errors import ExitCode, ImageUnavailable, Interrupted, RegistryError
 
 REF = "127.0.0.1:5000/task/t1:v1"

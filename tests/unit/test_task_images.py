@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from pvisor_host.backend.cluster.task_images import TaskImages
-from pvisor_host.backend.docker.cache.layers import chain_ids
-from pvisor_host.backend.docker.mirrors import Mirrors
-from pvisor_host.backend.docker.pull import ATTEMPTS, PATIENCE_ENV, Puller
-from pvisor_host.backend.docker.registry import ManifestError, ManifestInfo
+from pvisor_host.backend.docker.image.cache.layers import chain_ids
+from pvisor_host.backend.docker.image.mirrors import Mirrors
+from pvisor_host.backend.docker.image.pull import ATTEMPTS, PATIENCE_ENV, Puller
+from pvisor_host.backend.docker.image.registry import ManifestError, ManifestInfo
 from pvisor_host.errors import ExitCode, ImageUnavailable, Interrupted, RegistryError
 from pvisor_host.models.image import PulledImage
 

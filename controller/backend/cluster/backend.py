@@ -199,7 +199,7 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.ensure_image`: built here, shipped to nodes when used; for
         a task image, only the agent image its runtime comes from (each node fills its own runtime volume)."""
         from ...models.image import BuildPlan, InjectPlan, ResolvedImage
-        from ..docker.build.resolve import injected_image
+        from ..docker.image.resolve import injected_image
 
         if not isinstance(plan, InjectPlan):
             return self.local.ensure_image(plan, build)

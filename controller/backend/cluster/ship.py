@@ -17,11 +17,11 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..._log import logger
-from ..docker.images import push_target
+from ..docker.image.images import push_target
 from .node.tasks import CHUNK
 
 if TYPE_CHECKING:
-    from ..docker.images import ImageStore
+    from ..docker.image.images import ImageStore
 
 
 class Shipper:

@@ -26,10 +26,10 @@ from typing import Any
 
 from ...errors import ImageUnavailable, UsageError
 from ...models.image import InjectPlan, PulledImage
-from ..docker.build.inject import inject_spec
-from ..docker.cache.layers import chain_ids
-from ..docker.images import Reference
-from ..docker.pull import Puller
+from ..docker.image.cache.layers import chain_ids
+from ..docker.image.images import Reference
+from ..docker.image.inject import inject_spec
+from ..docker.image.pull import Puller
 
 
 class TaskImages:

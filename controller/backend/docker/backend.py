@@ -34,12 +34,12 @@ from ...models.replay import Attempt, Runtime
 from ...models.spec import parse_user
 from . import labels as L
 from . import runtimes
-from .build.files import ImageFiles
-from .build.inject import Injector
-from .build.users import ImageUsers
+from .container import Leftovers
 from .engine import ENGINE_ERRORS, connect, describe, engine_errors, timed_out
-from .images import ImageStore, Reference
-from .sandbox.container import Leftovers
+from .image.files import ImageFiles
+from .image.images import ImageStore, Reference
+from .image.inject import Injector
+from .image.users import ImageUsers
 from .sandbox.seed import Seeds
 
 #: Seconds ``close`` waits for an engine that went away to answer again, to remove what it could not.
@@ -71,11 +71,11 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from ...models.replay import PreparedReplay, SandboxPlan
     from ...models.spec import ModelUpstream
     from ..base import Backend
-    from .cache import ImageCache
     from .gateway import Gateway
-    from .mirrors import Mirrors
-    from .pull import Puller
-    from .registry import Registries
+    from .image.cache import ImageCache
+    from .image.mirrors import Mirrors
+    from .image.pull import Puller
+    from .image.registry import Registries
     from .sandbox.starts import StartSlots
 
 
@@ -132,14 +132,14 @@ class DockerBackend:
 
     def plan_image(self, request: ImageRequest) -> ImagePlan:
         """See :meth:`pvisor_host.backend.base.Backend.plan_image`."""
-        from .build import resolve
+        from .image import resolve
 
         with engine_errors("inspect the image"):
             return resolve.plan_image(self.client, request)
 
     def ensure_image(self, plan: ImagePlan, build: BuildOptions) -> ResolvedImage:
         """See :meth:`pvisor_host.backend.base.Backend.ensure_image`."""
-        from .build import resolve
+        from .image import resolve
 
         with engine_errors("make the image ready"):
             return resolve.materialize(self.client, self._ownership, self._injector, self._users, plan, build)
@@ -169,7 +169,7 @@ class DockerBackend:
 
     def preview_image(self, plan: ImagePlan) -> ImagePreview:
         """See :meth:`pvisor_host.backend.base.Backend.preview_image`."""
-        from .build import resolve
+        from .image import resolve
 
         with engine_errors("look the image up"):
             return resolve.preview(self.client, self._users, plan)
@@ -186,7 +186,7 @@ class DockerBackend:
         """This backend's pulls and registry questions (:mod:`.pull`): one set of rate-limit gates for all."""
         with self._lock:
             if self._pulls is None:
-                from .pull import Puller
+                from .image.pull import Puller
 
                 self._pulls = Puller(self.client)
             return self._pulls
@@ -198,12 +198,12 @@ class DockerBackend:
     def image_cost(self, ref: str) -> ImageCost:
         """See :meth:`pvisor_host.backend.base.Backend.image_cost`."""
         from ...models.image import ImageCost
-        from .registry import ManifestError
+        from .image.registry import ManifestError
 
         found = self.puller.present(ref)
         if found is not None:
             return ImageCost(ref=ref, present=True, id=found.id, size=found.size, digest=found.digest)
-        from .pull import registry_fault
+        from .image.pull import registry_fault
 
         try:
             manifest = self.puller.registries.manifest(ref)
@@ -222,7 +222,7 @@ class DockerBackend:
         puller = self.puller
         with self._lock:
             if self._cache is None:
-                from .cache.engine import open_cache
+                from .image.cache.engine import open_cache
 
                 self._cache = open_cache(self.client, self._ownership, puller=puller, on_removed=self._seeds.drop)
             return self._cache
@@ -268,7 +268,7 @@ class DockerBackend:
 
     def push_image(self, ref: str, registry: str) -> str:
         """See :meth:`pvisor_host.backend.base.Backend.push_image`."""
-        from .images import push_target
+        from .image.images import push_target
 
         with engine_errors(f"inspect image {ref}"):
             image_id = str(self.client.images.get(ref).id)
@@ -370,8 +370,8 @@ class DockerBackend:
         """How many sandboxes start at once on this engine, shared by every process (:mod:`.sandbox.starts`)."""
         with self._lock:
             if self._starts is None:
-                from .cleanup.usage import state_dir
                 from .sandbox.starts import start_slots
+                from .state import state_dir
 
                 with engine_errors("read the engine's information"):
                     engine_id = str(self.client.info().get("ID") or "engine")
@@ -453,7 +453,7 @@ class DockerBackend:
         """Remove the containers the engine could not remove when their attempt ended; retry for ``patience``
         seconds while the engine does not answer. The ``final`` sweep says how to remove what is still there;
         an earlier one keeps it for the next."""
-        from .sandbox.container import remove_container
+        from .container import remove_container
 
         deadline = time.monotonic() + patience
         while True:

@@ -17,9 +17,9 @@ from ...models.housekeeping import Check
 from ...models.profiles import all_profiles
 from ...models.replay import ESCAPE_CVES, RUNC_FIXED, RUNTIME_REMEDY, Runtime
 from ...units import format_size
-from .build.base import default_base, find_image, resolve_base_offline
-from .build.recipe import expected_tag
 from .engine import engine_address, engine_errors
+from .image.base import default_base, find_image, resolve_base_offline
+from .image.recipe import expected_tag
 from .runtimes import registered, runsc_registration, shown
 
 _LOW_DISK = 10 * 1024**3

@@ -2,7 +2,7 @@
 runtime made ready once.
 
 A copy whose item runs in a task image (``--inject``) gets the image's digest from the driver and holds it in
-the node's image cache (:mod:`pvisor_host.backend.docker.cache`), the same cache a local batch uses, with the
+the node's image cache (:mod:`pvisor_host.backend.docker.image.cache`), the same cache a local batch uses, with the
 same budget arithmetic (distinct layers), the same pulls (retries, credentials) and the same ledger in the
 engine's state directory: so it survives ``node join`` (which empties the scratch folder) and a reboot, and
 two batches on one node share one budget. The copy holds the image from before its pull until its sandbox is
@@ -12,7 +12,7 @@ hold exactly the id the driver resolved. The runtime volume is filled under a lo
 What the node's copies pull is the cache's, not a batch's: it stays for the next batch within the budget
 (``--image-budget``, else half of what the engine's disk has free plus what the cache holds). Room is made
 least recently used first, sparing an image this batch's driver has not said it is done with
-(:meth:`.ledger.Ledger.image_done`) until :data:`~pvisor_host.backend.docker.cache.cache.SPARE_WAIT` after its
+(:meth:`.ledger.Ledger.image_done`) until :data:`~pvisor_host.backend.docker.image.cache.cache.SPARE_WAIT` after its
 last use (its items still to run may be waiting on another node); the driver is asked outside any lock, and
 only while its answer could spare an image.
 """

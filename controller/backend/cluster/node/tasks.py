@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING, Any
 from ...._version import __version__
 from ....errors import InfrastructureError, Interrupted, PvisorHostError
 from ....models.replay import Attempt, PreparedReplay
-from ...docker.images import Reference
+from ...docker.image.images import Reference
 from ..limits import RemoteLimits
 from .images import prepare_task
 from .images import status as task_status
 
 if TYPE_CHECKING:
     from ...docker import DockerBackend
-    from ...docker.images import ImageStore
+    from ...docker.image.images import ImageStore
 
 #: Bytes per chunk of a run directory or an image on its way between the driver and a node.
 CHUNK = 8 * 1024 * 1024

@@ -20,10 +20,11 @@ from ....models.housekeeping import AgentStatus, CatalogEntry, PruneResult
 from ....models.ownership import Ownership
 from ....models.profiles import all_profiles
 from .. import labels as L
-from ..build.base import find_image
-from ..build.recipe import expected_tag
+from .. import state as usage
 from ..engine import engine_errors, retrying
-from . import pulled, usage
+from ..image.base import find_image
+from ..image.recipe import expected_tag
+from . import pulled
 
 
 @engine_errors("list images and volumes")

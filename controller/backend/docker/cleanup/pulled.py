@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from ..cache.engine import open_cache
+from ..image.cache.engine import open_cache
 
 if TYPE_CHECKING:
     import docker
 
     from ....models.ownership import Ownership
-    from ..cache import ImageCache
+    from ..image.cache import ImageCache
 
 
 class PulledRecord(BaseModel):

@@ -8,12 +8,12 @@ from urllib.parse import urlsplit
 from ....models.ownership import Ownership
 from ....models.record import Limits
 from ....models.replay import Attempt, PreparedReplay, SandboxPlan
+from .. import container as sandbox
 from .. import labels as L
-from ..build.inject import RUNTIME_MOUNT
-from ..build.recipe import RELAY_PATH
 from ..egress import EGRESS_MOUNT, EgressAccess
 from ..gateway import SOCKET_MOUNT, ModelAccess
-from . import container as sandbox
+from ..image.inject import RUNTIME_MOUNT
+from ..image.recipe import RELAY_PATH
 from .stage import INPUT_MOUNT, LOGS_MOUNT, RUN_MOUNT, VERIFIER_MOUNT, Staging
 
 GVISOR_PIDS = (

@@ -37,7 +37,7 @@ from ....models.record import (
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import ReplayResult
 from ....units import format_duration, format_size
-from . import container as sandbox
+from .. import container as sandbox
 from .collect import PATCH_NAME, Collected
 from .launch import limits, sandbox_environment
 from .stage import RUN_MOUNT, Staging

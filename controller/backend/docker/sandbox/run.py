@@ -33,14 +33,14 @@ from ....models.result import parse_result
 from ....models.spec import parse_user
 from ....signals import deferred_interrupts
 from ....units import format_duration
-from ..build.files import ImageFiles
-from ..cleanup import usage
+from .. import container as sandbox
+from .. import state as usage
+from ..container import Leftovers
 from ..egress import egress_access
 from ..gateway import Gateway, ModelAccess
-from . import container as sandbox
+from ..image.files import ImageFiles
 from . import launch
 from .collect import collect_logs, collect_trees, collect_workspace, open_log, warn_if_cut
-from .container import Leftovers
 from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds

@@ -29,8 +29,8 @@ from ....errors import UsageError
 from ....files.archive import Budget, extract_tar, tar_stream
 from ....files.trees import Entry, copy_tree, remove_tree
 from ....models.ownership import Ownership
+from ..container import stopped_container
 from ..engine import engine_errors
-from .container import stopped_container
 
 
 def seed_from_image(

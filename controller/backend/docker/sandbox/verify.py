@@ -21,8 +21,8 @@ from pathlib import Path
 
 from ....files.archive import Budget, harvest_tree
 from ....models.record import COULD_NOT_RUN_CODES, Verification
+from ..container import WaitOutcome
 from .collect import copy_log, open_log
-from .container import WaitOutcome
 from .stage import Staging
 
 #: Where the shim writes pvisor's exit code once pvisor has ended (in the staging's logs directory).

@@ -15,8 +15,8 @@ import docker
 from docker.errors import NotFound
 
 from ....models.ownership import Ownership
+from ..container import stopped_container
 from ..engine import engine_errors
-from ..sandbox.container import stopped_container
 
 #: The most bytes read of one file (these are configuration files).
 MAX_BYTES = 4 * 1024 * 1024

@@ -40,11 +40,11 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
-from ...._log import logger
-from ....errors import Interrupted, UsageError
-from ....models.image import ImageHold, ImageUsage, PulledImage, PullProgress
-from ....models.ownership import Ownership
-from ....units import format_size
+from ....._log import logger
+from .....errors import Interrupted, UsageError
+from .....models.image import ImageHold, ImageUsage, PulledImage, PullProgress
+from .....models.ownership import Ownership
+from .....units import format_size
 from ..registry import ManifestError
 from .layers import Layer, distinct_bytes, registry_layers
 from .ledger import CachedImage, CacheState, Hold, Ledger

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ....files.atomic import write_atomic
+from ...files.atomic import write_atomic
 
 
 def state_dir() -> Path:

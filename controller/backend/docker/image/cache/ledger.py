@@ -20,8 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ValidationError
 
-from ....files.atomic import write_atomic
-from ....models.ownership import Ownership
+from .....files.atomic import write_atomic
+from .....models.ownership import Ownership
 from .layers import Layer, distinct_bytes
 
 #: The latest pulls' unpacking ratios kept (the estimate takes the largest of them).

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from docker.errors import APIError, ImageNotFound
 
-from ...._log import logger
-from ....errors import PvisorHostError
-from ....models.image import PulledImage, PullProgress
-from ..engine import describe, engine_errors
+from ....._log import logger
+from .....errors import PvisorHostError
+from .....models.image import PulledImage, PullProgress
+from ...engine import describe, engine_errors
 from ..images import ImageStore
 from ..registry import ManifestError
 from .cache import ImageCache, Priced
@@ -21,7 +21,7 @@ from .ledger import Ledger, ledger_path
 if TYPE_CHECKING:
     import docker
 
-    from ....models.ownership import Ownership
+    from .....models.ownership import Ownership
     from ..pull import Puller
 
 
@@ -134,7 +134,7 @@ def open_cache(
     on_removed: Callable[[str], None] | None = None,
 ) -> ImageCache:
     """The image cache of the engine ``client`` speaks to (its ledger named after the engine's id)."""
-    from ..cleanup.usage import state_dir
+    from ...state import state_dir
     from ..pull import Puller
 
     with engine_errors("read the engine's information"):

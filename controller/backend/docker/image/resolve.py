@@ -32,8 +32,8 @@ from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile, get_profile
 from .. import labels as L
 from ..engine import ENGINE_ERRORS, describe, engine_errors
-from ..images import repo_digest
 from .base import find_image, pull
+from .images import repo_digest
 from .inject import Injector, RuntimeVolume, check_task_image_metadata, inject_spec, runtime_volume_name
 from .probe import probe_agent_image, version_problem
 from .recipe import DEFAULT_PVISOR_PATH, build_agent_image, build_pvisor_image, expected_tag

@@ -19,7 +19,7 @@ from docker.auth import split_repo_name
 from docker.utils import parse_repository_tag
 from pydantic import BaseModel, ConfigDict
 
-from ...errors import UsageError
+from ....errors import UsageError
 
 _HOST = re.compile(r"^[A-Za-z0-9.-]+(:[0-9]{1,5})?$")
 _PREFIX = re.compile(r"^[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[a-z0-9._/-]*)?$")

@@ -15,10 +15,10 @@ from docker.auth import split_repo_name
 from docker.errors import ImageNotFound
 from docker.utils import parse_repository_tag
 
-from ..._log import logger
-from ...errors import InfrastructureError, UsageError
-from . import labels as L
-from .engine import engine_errors, retrying
+from ...._log import logger
+from ....errors import InfrastructureError, UsageError
+from .. import labels as L
+from ..engine import engine_errors, retrying
 
 if TYPE_CHECKING:
     import docker

@@ -18,7 +18,7 @@ from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile
 from ....models.spec import default_user
 from .. import labels as L
-from ..sandbox.container import ContainerSpec, logs_text, sandbox_container, start, wait
+from ..container import ContainerSpec, logs_text, sandbox_container, start, wait
 
 _PROBE_TIMEOUT = 120.0
 # Prints KEY=value lines; the agent's answer is framed because it may span lines.

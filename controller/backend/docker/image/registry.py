@@ -19,8 +19,8 @@ from typing import Any
 import requests
 from docker import auth
 
-from ..._log import logger
-from ...units import parse_retry_after
+from ...._log import logger
+from ....units import parse_retry_after
 from .images import Reference
 from .mirrors import Mirrors
 

@@ -29,15 +29,15 @@ from docker.models.containers import Container
 from docker.types import LogConfig, Mount
 from pydantic import BaseModel, ConfigDict
 
-from ...._log import logger
-from ....errors import InfrastructureError, UsageError
-from ....models.ownership import Ownership
-from ....models.record import START_TIMEOUT
-from ....models.spec import default_user
-from ....signals import cleaning, deferred_interrupts
-from ....units import format_duration
-from .. import labels as L
-from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying, timed_out
+from ..._log import logger
+from ...errors import InfrastructureError, UsageError
+from ...models.ownership import Ownership
+from ...models.record import START_TIMEOUT
+from ...models.spec import default_user
+from ...signals import cleaning, deferred_interrupts
+from ...units import format_duration
+from . import labels as L
+from .engine import ENGINE_ERRORS, describe, engine_errors, retrying, timed_out
 
 
 class Leftovers:

@@ -38,10 +38,10 @@ import requests
 from docker.errors import APIError, ImageNotFound
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
 
-from ..._log import logger
-from ...errors import ImageUnavailable, Interrupted, RegistryError
-from ...models.image import PulledImage, PullProgress
-from .engine import describe, engine_errors, scrub
+from ...._log import logger
+from ....errors import ImageUnavailable, Interrupted, RegistryError
+from ....models.image import PulledImage, PullProgress
+from ..engine import describe, engine_errors, scrub
 from .images import Reference, repo_digest
 from .registry import ManifestError, Registries, unreachable
 

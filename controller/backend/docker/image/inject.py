@@ -35,8 +35,8 @@ from ....models.ownership import Ownership
 from ....models.profiles import AgentProfile, InjectSpec
 from ....models.spec import default_user
 from .. import labels as L
+from ..container import ContainerSpec, VolumeMount, logs_text, sandbox_container, start, stopped_container, wait
 from ..engine import engine_errors
-from ..sandbox.container import ContainerSpec, VolumeMount, logs_text, sandbox_container, start, stopped_container, wait
 from .recipe import DEFAULT_PVISOR_PATH, RELAY_PATH
 
 RUNTIME_MOUNT = "/pvisor-host/runtime"
