@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 
 from pydantic import BaseModel
@@ -38,6 +37,7 @@ from .models.record import (
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
 from .preflight.prepare import runtime_floor_warning
+from .signals import pause
 from .units import format_duration
 
 
@@ -116,21 +116,18 @@ def run_attempts(
         records.append(backend.run_attempt(prepared, this, gateway=gateway, cancel=cancel))
         return records[-1]
 
-    def pause(seconds: float) -> None:
-        if cancel is None:
-            try:
-                time.sleep(seconds)
-            except KeyboardInterrupt:
-                raise Interrupted("interrupted between attempts; the records of finished attempts are kept") from None
-        elif cancel.wait(seconds):
-            raise Interrupted("cancelled between attempts")
+    def between(seconds: float) -> None:
+        try:
+            pause(seconds, cancel, "waiting for the next attempt; the records of finished attempts are kept")
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted between attempts; the records of finished attempts are kept") from None
 
     retrying = Retrying(
         stop=stop_after_attempt(policy.attempts),
         wait=wait_exponential(multiplier=policy.backoff, max=600),
         retry=retry_if_result(policy.wants),
         before_sleep=_log_retry,
-        sleep=pause,
+        sleep=between,
         retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
     )
     try:

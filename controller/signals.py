@@ -17,8 +17,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
+
+from .errors import Interrupted
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds a second interrupt leaves the cleanup before the process exits anyway.
@@ -139,3 +142,13 @@ def deferred_interrupts(*, reraise: bool = True, hurry: Callable[[], None] | Non
             signal.signal(sig, handler)
     if received and reraise and sys.exc_info()[1] is None:
         raise KeyboardInterrupt
+
+
+def pause(seconds: float, cancel: threading.Event | None, what: str) -> None:
+    """Wait ``seconds`` (a backoff, a poll), cut short by ``cancel`` (the batch's end, or Ctrl-C seen by another
+    thread) with :class:`~pvisor_host.errors.Interrupted`: ``interrupted while <what>``. Without ``cancel``, the
+    wait is the calling thread's, and Ctrl-C reaches it as ``KeyboardInterrupt``."""
+    if cancel is None:
+        time.sleep(seconds)
+    elif cancel.wait(seconds):
+        raise Interrupted(f"interrupted while {what}")

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
@@ -42,6 +41,7 @@ from urllib.parse import urlsplit
 import h11
 
 from ..models.egress import EVENTS_KEPT, Egress, EgressEvent, EgressInfo, EgressLimit
+from .loop import LoopThread
 
 T = TypeVar("T")
 
@@ -166,31 +166,14 @@ class EgressProxy:
 
     def __init__(self, *, resolver: Resolver = resolve) -> None:
         self._resolve = resolver
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def _started(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="pvisor-host-egress", daemon=True)
-                self._thread.start()
-            return self._loop
+        self._loop = LoopThread("pvisor-host-egress")
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._started()).result(timeout=60)
+        return self._loop.call(coroutine)
 
     def close(self) -> None:
         """Stop the loop (idempotent); runs still open are cut."""
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        loop.close()
+        self._loop.close()
 
     # -- runs ---------------------------------------------------------------------------------------------
 

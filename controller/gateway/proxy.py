@@ -44,6 +44,7 @@ from . import journal, upstream
 from .cassette import Tape, TapeEntry, request_json
 from .journal import Exchange
 from .limits import Limits, local_limits
+from .loop import LoopThread
 from .upstream import Refused, Tries, reason
 
 T = TypeVar("T")
@@ -96,8 +97,7 @@ class ModelProxy:
         """The limits every upstream call takes a slot in: this proxy's own, or a batch's (a cluster's)."""
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = LoopThread("pvisor-host-gateway")
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._proxy: URL | None = None
@@ -107,9 +107,6 @@ class ModelProxy:
 
     def start(self) -> ModelProxy:
         """Start its event loop and its connection pool (it listens nowhere yet); returns ``self``."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="pvisor-host-gateway", daemon=True)
-        self._thread.start()
         self._call(self._setup())
         return self
 
@@ -144,16 +141,7 @@ class ModelProxy:
 
     def close(self) -> None:
         """Stop listening, close the upstream connections and the loop (idempotent)."""
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._teardown(), loop).result(timeout=30)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            if self._thread is not None:
-                self._thread.join(timeout=30)
-            loop.close()
+        self._loop.close(self._teardown)
 
     async def _teardown(self) -> None:
         if self._runner is not None:
@@ -167,8 +155,7 @@ class ModelProxy:
         await asyncio.gather(*pending, return_exceptions=True)
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=60)
+        return self._loop.call(coroutine)
 
     # -- runs ---------------------------------------------------------------------------------------------
 

@@ -58,10 +58,11 @@ class Time:
     def __call__(self) -> float:
         return self.now
 
-    def pause(self, seconds: float, cancel: threading.Event | None) -> bool:
+    def pause(self, seconds: float, cancel: threading.Event | None, what: str) -> None:
         self.pauses.append(seconds)
         self.now += seconds
-        return cancel is not None and cancel.is_set()
+        if cancel is not None and cancel.is_set():
+            raise Interrupted(f"interrupted while {what}")
 
 
 def test_a_rate_limit_holds_every_pull_from_that_registry_for_as_long_as_it_said():

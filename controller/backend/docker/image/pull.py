@@ -41,6 +41,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from ...._log import logger
 from ....errors import ImageUnavailable, Interrupted, RegistryError
 from ....models.image import PulledImage, PullProgress
+from ....signals import pause
 from ..engine import describe, engine_errors, scrub
 from .images import Reference, repo_digest
 from .registry import ManifestError, Registries, unreachable
@@ -92,14 +93,6 @@ class _Passing(Exception):
         self.wait = wait
 
 
-def _pause(seconds: float, cancel: threading.Event | None) -> bool:
-    """Wait ``seconds``; True when ``cancel`` was set meanwhile."""
-    if cancel is None:
-        time.sleep(seconds)
-        return False
-    return cancel.wait(seconds)
-
-
 class Gates:
     """When each registry may be asked again: a 429 holds every pull from it, not only the refused one.
     ``clock`` and ``pause`` are the time it goes by (tests pass their own)."""
@@ -108,7 +101,7 @@ class Gates:
         self,
         *,
         clock: Callable[[], float] = time.monotonic,
-        pause: Callable[[float, threading.Event | None], bool] = _pause,
+        pause: Callable[[float, threading.Event | None, str], None] = pause,
     ) -> None:
         self._lock = threading.Lock()
         self._until: dict[str, float] = {}
@@ -126,8 +119,7 @@ class Gates:
                 left = self._until.get(registry, 0.0) - self._clock()
             if left <= 0:
                 return
-            if self._pause(min(left, 1.0), cancel):
-                raise Interrupted("interrupted while waiting for a rate-limited registry")
+            self._pause(min(left, 1.0), cancel, "waiting for a rate-limited registry")
 
 
 def classify(reference: str, text: str, status: int | None = None) -> Exception:
@@ -304,7 +296,7 @@ class Puller:
             stop=stop_after_delay(limit) | stop_after_attempt(ATTEMPTS),
             wait=lambda state: min(self._backoff(state), max(0.0, limit - (time.monotonic() - started))),
             before_sleep=lambda state: self._before_retry(what, state),
-            sleep=lambda seconds: _sleep(seconds, cancel, reference),
+            sleep=lambda seconds: pause(seconds, cancel, f"waiting to pull {reference} again"),
             reraise=True,
         )
         try:
@@ -447,14 +439,6 @@ class _Events:
                 sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(Exception):
             response.close()
-
-
-def _sleep(seconds: float, cancel: threading.Event | None, reference: str) -> None:
-    """tenacity's sleep between tries, which ``cancel`` (Ctrl-C, the batch's end) cuts short."""
-    if cancel is None:
-        time.sleep(seconds)
-    elif cancel.wait(seconds):
-        raise Interrupted(f"interrupted while waiting to pull {reference} again")
 
 
 def _progress(reference: str, layers: dict[str, tuple[int, int | None]], seconds: float) -> PullProgress:

@@ -15,12 +15,11 @@ import contextlib
 import fcntl
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from ....errors import Interrupted
+from ....signals import pause
 
 #: Sandboxes starting at once on one engine, whatever the number of processes starting them.
 START_SLOTS = max(2, os.cpu_count() or 2)
@@ -56,10 +55,7 @@ class StartSlots:
                     handle.close()
                     continue
                 return handle
-            if cancel is None:
-                time.sleep(_POLL)
-            elif cancel.wait(_POLL):
-                raise Interrupted("cancelled while waiting to start a sandbox")
+            pause(_POLL, cancel, "waiting to start a sandbox")
 
 
 def start_slots(state_dir: Path, engine_id: str) -> StartSlots:

@@ -44,6 +44,7 @@ from ....._log import logger
 from .....errors import Interrupted, UsageError
 from .....models.image import ImageHold, ImageUsage, PulledImage, PullProgress
 from .....models.ownership import Ownership
+from .....signals import pause
 from .....units import format_size
 from ..registry import ManifestError
 from .layers import Layer, distinct_bytes, registry_layers
@@ -94,10 +95,7 @@ class CacheEngine(Protocol):
 
 
 def _sleep(seconds: float, cancel: threading.Event | None) -> None:
-    if cancel is None:
-        time.sleep(seconds)
-    elif cancel.wait(seconds):
-        raise Interrupted("interrupted while waiting for room for its image")
+    pause(seconds, cancel, "waiting for room for its image")
 
 
 class ImageCache:
