@@ -75,6 +75,10 @@ lint: venv $(ACTIONLINT) ## ruff, mypy (strict; the examples too) and the packag
 	@# The examples type-check as a user's code would, against the package under its import name.
 	@d=$$(mktemp -d) && ln -s $(CURDIR)/controller $$d/pvisor_host && \
 		MYPYPATH=$$d $(BIN)/mypy --strict --no-incremental examples; rc=$$?; rm -rf $$d; exit $$rc
+	@# The unit tests' fake backend fits the seam as the real ones do.
+	@d=$$(mktemp -d) && ln -s $(CURDIR)/controller $$d/pvisor_host && \
+		MYPYPATH=$$d:$(CURDIR)/tests $(BIN)/mypy --strict --no-incremental --follow-imports=silent \
+		tests/fakebackend.py; rc=$$?; rm -rf $$d; exit $$rc
 	$(BIN)/lint-imports
 
 docs: venv ## Check the generated reference is current, then build the site into site/ (any warning fails)

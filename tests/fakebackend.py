@@ -13,9 +13,12 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pvisor_host.backend.base import Backend
 from pvisor_host.backend.docker.image.cache import ImageCache, Ledger, Priced
 from pvisor_host.backend.docker.image.cache.layers import Layer
 from pvisor_host.backend.docker.image.registry import ManifestError
@@ -33,6 +36,7 @@ from pvisor_host.models.image import (
     ImageUsage,
     InjectPlan,
     PulledImage,
+    PullProgress,
     ResolvedImage,
 )
 from pvisor_host.models.ownership import Ownership
@@ -94,7 +98,9 @@ class FakeCacheEngine:
             raise ManifestError(f"{ref}: not found in the registry", status=404)
         return Priced(id=f"sha256:{ref}", diff_ids=[f"sha256:layer-{ref}"], compressed=[found[0] // 2])
 
-    def pull(self, ref: str, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
+    def pull(
+        self, ref: str, *, progress: Callable[[PullProgress], None] | None = None, cancel: threading.Event | None = None
+    ) -> PulledImage:
         backend = self._backend
         found = backend.registry.images.get(ref, "image_not_found") if backend.registry else "image_not_found"
         if isinstance(found, str):
@@ -134,7 +140,7 @@ class FakeBackend:
         script: dict[str, list[str]] | None = None,
         *,
         seconds: float = 0.0,
-        unbuildable: set[str] = frozenset(),
+        unbuildable: frozenset[str] = frozenset(),
         registry: FakeRegistry | None = None,
         present: dict[str, int] | None = None,
     ) -> None:
@@ -218,7 +224,13 @@ class FakeBackend:
     def reserve_image(self, ref: str, *, budget: int | None, cancel: threading.Event | None = None) -> ImageHold:
         return self.cache.reserve(ref, budget=budget, cancel=cancel)
 
-    def fill_image(self, hold: ImageHold, *, progress=None, cancel: threading.Event | None = None) -> PulledImage:
+    def fill_image(
+        self,
+        hold: ImageHold,
+        *,
+        progress: Callable[[PullProgress], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> PulledImage:
         return self.cache.fill(hold, progress=progress, cancel=cancel)
 
     def release_image(self, hold: ImageHold) -> None:
@@ -238,6 +250,9 @@ class FakeBackend:
 
     def node_pulls(self) -> int | None:
         return None
+
+    def push_image(self, ref: str, registry: str) -> str:
+        raise NotImplementedError("the fake has no registry to push to")
 
     def image_budget(self, given: int | None = None) -> int | None:
         return given
@@ -295,7 +310,7 @@ class FakeBackend:
         record = ReplayRecord(
             pvisor_host_version="test",
             run_id=attempt.run_id,
-            status=status,  # type: ignore[arg-type]
+            status=status,
             failure=failure or _FAILURES.get(outcome),
             started_at=started,
             finished_at=datetime.now(UTC),
@@ -394,3 +409,9 @@ def trajectories(root: Path, names: list[str]) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
     paths = [root / f"{name}.jsonl" for name in names]
     return [path if path.exists() else write_jsonl(path, claude_files_session()) for path in paths]
+
+
+if TYPE_CHECKING:  # mypy (make lint) checks that the fake fits the seam, as the real backends do
+
+    def _fits(backend: FakeBackend) -> Backend[FakeGateway]:
+        return backend
