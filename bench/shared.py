@@ -69,7 +69,7 @@ def shared(work: Path) -> dict[str, Any]:
                         "spread": spread([p / o for p, o in zip(pairs, ones, strict=True)]), "rounds": ROUNDS},
         "peak_image_bytes_sampled": max(peaks),
         "peak_within_budget": max(peaks) <= budget * 1.1,  # the sample counts the engine's own files too
-        "both_ok": all(s["counts"].get("ok") == s["total"] for s in summaries),
+        "both_ok": all(s["counts"].get("ok") == s["items"] for s in summaries),
         "left": left,
         "target": "the pair within 1.2x the one batch; the peak within the one budget; nothing left",
     }  # fmt: skip

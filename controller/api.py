@@ -139,8 +139,9 @@ class Batch:
         with opened as backend:
             checked = self._checked
             run = BatchRun(
-                self._request.input.items(), backend, self._request.fitted(backend), total=checked.items,
+                self._request.input.items(), backend, self._request.options, total=checked.items,
                 images=checked.image_specs, task_images=checked.image_counts, reports=(write_report,),
+                memory=self._request.memory,
             )  # fmt: skip
             self._run = run
             if self._cancelled:

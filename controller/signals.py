@@ -32,7 +32,7 @@ class _Insisting:
     """How many interrupts the process got, what its cleanup is removing now, and whether to give up."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a signal handler may run while the main thread holds it (``cleaning``)
         self.interrupts = 0
         self.enabled = False
         self.timer: threading.Timer | None = None
@@ -48,6 +48,14 @@ class _Insisting:
             self.timer.daemon = True
             self.timer.start()
         _say(f"pvisor-host: interrupted again: waiting at most {GIVE_UP_AFTER:.0f} s more for the cleanup")
+
+    def settle(self) -> None:
+        """The cleanup a second interrupt hurried has ended by itself: no reason left to cut what follows short
+        (the reports being written). Another interrupt arms the timer again."""
+        with self.lock:
+            timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
 
     def give_up(self) -> None:
         with self.lock:
@@ -66,9 +74,15 @@ _INSISTING = _Insisting()
 
 
 def _say(line: str) -> None:
+    """Write ``line`` to stderr without ever waiting on it (a full pipe nobody reads must not hold the exit)."""
     with contextlib.suppress(OSError, ValueError):
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        fd = sys.stderr.fileno()
+        blocking = os.get_blocking(fd)
+        os.set_blocking(fd, False)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.set_blocking(fd, blocking)
 
 
 def give_up_when_insisted() -> None:
@@ -140,6 +154,7 @@ def deferred_interrupts(*, reraise: bool = True, hurry: Callable[[], None] | Non
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _INSISTING.settle()
     if received and reraise and sys.exc_info()[1] is None:
         raise KeyboardInterrupt
 

@@ -33,13 +33,11 @@ bounded() {
         printf '{"deadline": %s, "what": "%s"}\n' "$seconds" "$what" >/pvisor-host/logs/deadline.json
         kill -TERM "$pid" 2>/dev/null
         sleep 5
-        kill -KILL -1 2>/dev/null # every process but this shell and init
+        kill -KILL "$pid" 2>/dev/null # this shell then exits 124, and the container with every process in it
     ) &
     watchdog=$!
-    set +e
-    wait "$pid"
-    code=$?
-    set -e
+    code=0
+    wait "$pid" || code=$?
     kill "$watchdog" 2>/dev/null || true
     if [ -s /pvisor-host/logs/deadline.json ]; then
         return 124

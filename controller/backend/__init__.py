@@ -123,7 +123,7 @@ def open_backend(
     ``registry`` (``HOST[:PORT][/PATH]``, default ``$PVISOR_HOST_REGISTRY``) is where a cluster's nodes pull
     images from by digest; without one, images travel through the cluster. ``registry_mirror`` (``HOST[:PORT]``)
     and ``image_rewrites`` (``FROM=TO``) say where task images are really pulled from
-    (:mod:`.docker.mirrors`).
+    (:mod:`.docker.image.mirrors`).
 
     Raises:
         UsageError: ``cluster``, ``registry``, ``registry_mirror`` or a rewrite is malformed, or ``registry`` is

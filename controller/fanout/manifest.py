@@ -29,7 +29,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from ..errors import UsageError
 from ..models.batch import ROW_COLUMNS, ItemKeys
@@ -220,7 +229,7 @@ def _host_checks(spec: ReplaySpec) -> None:
 #: A numbered manifest entry: one item's fields, or what is wrong with its row.
 Entry = tuple[int, dict[str, Any] | str]
 #: Replay options that are per item, never batch-wide defaults (``after_step`` is a default for rows without one).
-_PER_ITEM = {"trajectory", "out", "run_id"}
+_PER_ITEM = {"trajectory", "out", "run_id", "session_id"}
 #: Fields a row may set: ``id``, the replay options a batch leaves to its items, the flat ``--model-*`` options.
 ROW_FIELDS = frozenset(
     {"id", "no_model_bodies", *MODEL_OPTIONS, *(name for name in ReplaySpec.model_fields if name != "upstream")}
@@ -392,6 +401,11 @@ def _done(value: list[Entry]) -> futures.Future[list[Entry]]:
     return done
 
 
+def _step_text(value: Any) -> Any:
+    """A boundary given as a number (the API's ``after_step=3``), as the command line gives it."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class BatchInput(BaseModel):
     """Where a batch's items come from, and which of them: a manifest, the ``--trajectories`` shorthand, or (the
     Python API) the items themselves; plus every item's defaults. The CLI's and the API's one way in: both read,
@@ -406,7 +420,7 @@ class BatchInput(BaseModel):
     """Glob of trajectory files (one row per file; needs --after-step)."""
     entries: Annotated[list[dict[str, Any]] | None, Field(json_schema_extra={"cli": False})] = None
     """The items themselves (the Python API's): one mapping of a manifest row's fields each."""
-    after_step: str | None = None
+    after_step: Annotated[str | None, BeforeValidator(_step_text)] = None
     """Boundaries of every row that names none: N, all, last, a list (1,3) or a range (3-7)."""
     id: Annotated[str | None, Field(json_schema_extra={"metavar": "TEMPLATE"})] = None
     """Each item's id from its row, e.g. '{parent}-{stem}' (fields: the row's columns, stem, name, parent);
@@ -452,7 +466,9 @@ class BatchInput(BaseModel):
         if self.after_step is not None:
             parse_steps(self.after_step, name="--after-step")
             self.defaults = {**self.defaults, "after_step": self.after_step}
-        self.defaults = {k: v for k, v in self.defaults.items() if k not in _PER_ITEM}
+        own = sorted(set(self.defaults) & _PER_ITEM)
+        if own:
+            raise UsageError(f"{own[0]} is each item's own: give it in the items, not as every item's default")
         _check_defaults(self.defaults)
         self._rows()  # the templates and the map, checked now
         return self

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .._log import logger
 from ..backend import Placement
 from ..backend.base import AnyBackend
-from ..errors import UsageError
+from ..errors import PvisorHostError, UsageError
 from ..models.image import BuildOptions
 from ..models.spec import Bytes, Seconds, describe_validation_error
 from ..units import host_slots
@@ -64,6 +64,11 @@ class BatchOptions(BaseModel):
     build: BuildOptions = Field(default=BuildOptions(), json_schema_extra={"cli": False})
     """How agent images that must be built are built (the build options, ``--base`` and ``--ca-bundle``)."""
 
+    @field_validator("out")
+    @classmethod
+    def _absolute(cls, out: Path) -> Path:
+        return out.absolute()  # the batch's own labels and locks name it, whatever directory the command ran in
+
     @model_validator(mode="after")
     def _together(self) -> BatchOptions:
         if self.pull_workers == 0 and self.image_budget is not None:
@@ -92,7 +97,8 @@ class Verdict(BaseModel):
     fail_on: Annotated[str | None, Field(json_schema_extra=_metavar("LIST"))] = None
     """What makes the batch exit 1, a comma list of: regressions, an item that regressed against --baseline (the
     default with it); failures, more items not ok than --allow-failures; verification, an item whose verifier did
-    not pass (failures,verification is the default without --baseline); or never."""
+    not pass (failures,verification is the default without --baseline); or never. A batch that did not answer
+    (its deadline, a full disk, the engine) exits 4 or 6 all the same."""
 
     @model_validator(mode="after")
     def _parsed(self) -> Verdict:
@@ -157,10 +163,6 @@ class BatchRequest:
         where = self.placement.model_copy(update={"cluster": None, "registry": None}) if plan else self.placement
         return where.open(pool_size=self.options.pool_size(self.memory), out=self.options.out)
 
-    def fitted(self, backend: AnyBackend) -> BatchOptions:
-        """The options the batch runs with on ``backend`` (:func:`fit_workers`)."""
-        return fit_workers(self.options, backend, self.memory)
-
 
 def checked_model(model: type[Any], fields: Mapping[str, Any]) -> Any:
     """``model`` validated from ``fields``, a problem raised as :class:`UsageError` in one line naming the flag."""
@@ -186,7 +188,11 @@ def fit_workers(options: BatchOptions, backend: AnyBackend, memory: int) -> Batc
     if capacity is not None:
         return options.model_copy(update={"workers": capacity})
     alone = default_workers(memory)
-    running = backend.running_sandboxes()
+    try:
+        running = backend.running_sandboxes()
+    except PvisorHostError as exc:  # the batch's own engine calls will say what is wrong; this one only sizes it
+        logger.debug("could not count the engine's running sandboxes: {}", exc)
+        running = 0
     if not running:
         return options.model_copy(update={"workers": alone})
     workers = max(1, alone - running)

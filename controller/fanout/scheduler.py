@@ -38,7 +38,7 @@ from .compare import run_flaky
 from .images import ImageWindow
 from .item import BatchContext, base_result, interrupted_result, run_item
 from .manifest import BatchItem
-from .options import BatchOptions
+from .options import BatchOptions, fit_workers
 from .summary import BatchReport, summarize, write_reports
 
 
@@ -77,10 +77,15 @@ class BatchRun:
         task_images: dict[str, int] | None = None,
         reports: Sequence[BatchReport] = (),
         on_pull: Callable[[PullProgress], None] | None = None,
+        memory: int | None = None,
     ) -> None:
-        if options.workers is None:
-            raise ValueError("a batch runs with its workers decided (fanout.options.fit_workers)")
-        self._workers = options.workers
+        self._workers = options.workers or 1
+        """Sandboxes at a time: decided when the batch starts (:meth:`_start`)."""
+        self._memory = memory
+        """The memory every item gets unless its own line says otherwise (what the default workers are sized
+        by; None: the replay's default)."""
+        self._task_images = task_images
+        self._on_pull = on_pull
         self._items = iter(items)
         self._waiting: BatchItem | None = None
         """An item taken from ``items`` and not yet submitted (it waits for a worker)."""
@@ -91,14 +96,6 @@ class BatchRun:
             backend, out=options.out, build=options.build, deadline=options.deadline,
             rerun_failed=options.rerun_failed, retry_oom=options.retry_oom,
         )  # fmt: skip
-        if task_images:
-            specs = {spec.image: spec for spec in self._images if spec.image is not None}
-            self._batch.window = ImageWindow(
-                backend, task_images, budget=backend.image_budget(options.image_budget), workers=options.pull_workers,
-                keep=options.keep_images, progress=on_pull,
-                open_images=backend.capacity(),  # a cluster: its nodes pull, one per slot
-                ready=lambda ref: self._batch.image(specs[ref]) if ref in specs else None,
-            )  # fmt: skip
         self._options = options
         self._stop = threading.Event()
         self._every_item_ended = False
@@ -132,6 +129,7 @@ class BatchRun:
         interrupt: BaseException | None = None
         with _exclusive(options.out):
             self._sweep_earlier()
+            self._start()
             try:
                 yield from self._fan_out()
             except (KeyboardInterrupt, GeneratorExit, _Cancelled) as exc:
@@ -180,6 +178,24 @@ class BatchRun:
                 self.outcome = BatchOutcome(results=self.results, summary=summary)
         if isinstance(interrupt, KeyboardInterrupt) and not self._every_item_ended:
             raise interrupt
+
+    def _start(self) -> None:
+        """What the batch takes of the engine, decided once it holds its directory and a dead run's leftovers
+        are gone: its sandboxes at a time (:func:`~.options.fit_workers`) and, with task images, its share of
+        the engine's image cache (its budget is noted for every other batch from now on)."""
+        backend = self._batch.backend
+        memory = self._memory if self._memory is not None else int(ReplaySpec.model_fields["memory"].default)
+        self._options = fit_workers(self._options, backend, memory)
+        self._workers = self._options.workers or 1
+        if self._task_images:
+            options = self._options
+            specs = {spec.image: spec for spec in self._images if spec.image is not None}
+            self._batch.window = ImageWindow(
+                backend, self._task_images, budget=backend.image_budget(options.image_budget),
+                workers=options.pull_workers, keep=options.keep_images, progress=self._on_pull,
+                open_images=backend.capacity(),  # a cluster: its nodes pull, one per slot
+                ready=lambda ref: self._batch.image(specs[ref]) if ref in specs else None,
+            )  # fmt: skip
 
     def _sweep_earlier(self) -> None:
         """Remove what an earlier run into this directory left in the engine when it died (``kill -9``): its
@@ -288,6 +304,7 @@ def run_batch(
     reports: Sequence[BatchReport] = (),
     progress: Callable[[ItemResult], None] | None = None,
     on_pull: Callable[[PullProgress], None] | None = None,
+    memory: int | None = None,
 ) -> BatchOutcome:
     """Run every item (see :class:`BatchRun`) to the end and return the outcome; ``progress`` is called with
     each result as it comes, ``on_pull`` as task images arrive. Ctrl-C or SIGTERM cancels the batch; the
@@ -298,7 +315,7 @@ def run_batch(
     """
     run = BatchRun(
         items, backend, options, total=total, images=images, task_images=task_images, reports=reports,
-        on_pull=on_pull,
+        on_pull=on_pull, memory=memory,
     )  # fmt: skip
     try:
         for result in run:

@@ -31,7 +31,8 @@ DEFAULT_PORTS = (80, 443)
 #: The name a sandbox's tools reach the host's own loopback by, through the proxy (``allow:HOST_ALIAS:PORT``): the
 #: sandbox's 127.0.0.1 is its own, so a service on the host (a local package index) needs a name of its own.
 HOST_ALIAS = "host.pvisor.internal"
-#: What a sandbox's tools mean by loopback: itself, never the host.
+#: The sandbox's own loopback, by the names its tools call it: itself, never the host (and never proxied).
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain")
 #: The most journal events a record keeps (the counts cover every one).
 EVENTS_KEPT = 1000

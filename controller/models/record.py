@@ -9,6 +9,8 @@ secret values: environment variables appear by name only.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -31,6 +33,18 @@ ReplayStatus = Literal["ok", "replay_failed", "timeout", "oom", "infra_error", "
 
 #: The prefix of the variables pvisor-host sets for the sandbox's entry script (deadlines, the relay's path).
 CONTROL_PREFIX = "PVISOR_HOST_"
+#: Names whose values a record never holds, whoever set them (an image's ``ENV HF_TOKEN=...`` too).
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|PRIVATE|AUTH|COOKIE", re.IGNORECASE)
+
+
+def recorded_environment(environment: Mapping[str, str], secret_names: Iterable[str] = ()) -> dict[str, str | None]:
+    """``environment`` as a record holds it: the values of ``secret_names`` (handed over secretly: ``--env``, the
+    model's key) and of every name that looks like a secret's (:data:`SECRET_NAME`) as null, the name kept."""
+    secret = set(secret_names)
+    recorded: dict[str, str | None] = {
+        name: None if SECRET_NAME.search(name) else value for name, value in environment.items()
+    }
+    return {**recorded, **dict.fromkeys(secret)}
 
 
 class TrajectoryRef(BaseModel):

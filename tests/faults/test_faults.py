@@ -76,6 +76,21 @@ def batch(path: Path, out: Path, *args: str | Path, env: dict[str, str] | None =
     )
 
 
+def finished(process: subprocess.Popen[str], seconds: float) -> str:
+    """The stderr of a batch started with ``start_cli``, once it exits; one still running after ``seconds`` is
+    interrupted (so that it removes its sandboxes), killed if that does not end it, and the test fails."""
+    try:
+        return process.communicate(timeout=seconds)[1]
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            stderr = process.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stderr = process.communicate()[1]
+        pytest.fail(f"the batch ran past {seconds:.0f} s and was interrupted: {stderr[-3000:]}")
+
+
 def records(out: Path) -> dict[str, dict]:
     found = {}
     for path in out.glob("*/record.json"):
@@ -133,7 +148,7 @@ def test_an_engine_restart_mid_batch_retries_the_running_items_and_leaves_no_con
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
         time.sleep(0.2)
     restart_engine()
-    _, stderr = process.communicate(timeout=600)
+    stderr = finished(process, 600)
     assert process.returncode == 0, stderr
     import docker
 
@@ -304,10 +319,8 @@ def test_a_killed_controllers_sandboxes_end_themselves_and_the_rerun_removes_the
     until(lambda: len(sandboxes_of(docker_client, out)) == 2, 120, "two sandboxes running", process)
     process.kill()  # kill -9: nothing of the controller runs on
     process.communicate()
-    killed = time.monotonic()
     # Each ends itself at its --timeout plus 30 s, counted from its own start: no gc, nobody else.
     until(lambda: not sandboxes_of(docker_client, out), 10 + 30 + 15, "the sandboxes stopped themselves")
-    assert time.monotonic() - killed > 15  # they did run on past the kill, to their own deadline
     stopped = sandboxes_of(docker_client, out, running=False)
     assert len(stopped) == 2
     assert {docker_client.containers.get(c.id).attrs["State"]["ExitCode"] for c in stopped} == {124}
@@ -333,6 +346,8 @@ class HangingRuntime:
 
 
 DAEMON_JSON = Path("/etc/docker/daemon.json")
+#: What scripts/ensure-engine.sh leaves beside a daemon.json it wrote.
+OURS = Path("/etc/docker/.pvisor-host-wrote-daemon.json")
 HANG_SCRIPT = """#!/bin/sh
 # create never returns
 for arg in "$@"; do
@@ -344,11 +359,16 @@ exec runc "$@"
 
 @pytest.fixture
 def hanging_runtime(docker_client) -> Iterator[HangingRuntime]:
-    """:class:`HangingRuntime`, registered for the test (daemon.json and SIGHUP), then released and unregistered."""
+    """:class:`HangingRuntime`, registered for the test (daemon.json and SIGHUP: only a daemon.json that
+    scripts/ensure-engine.sh wrote, as it only rewrites its own), then released, its sandboxes removed, and
+    unregistered: the engine as it was, however the test ends."""
     pid = require_our_engine()
+    if DAEMON_JSON.exists() and not OURS.exists():
+        message = f"{DAEMON_JSON} belongs to someone else; this test registers a runtime only in its own"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
     runtime = HangingRuntime()
-    runtime.script.write_text(HANG_SCRIPT)
-    runtime.script.chmod(0o755)
     before = DAEMON_JSON.read_text() if DAEMON_JSON.exists() else None
     config = json.loads(before or "{}")
     config.setdefault("runtimes", {})[runtime.name] = {"path": str(runtime.script)}
@@ -356,18 +376,29 @@ def hanging_runtime(docker_client) -> Iterator[HangingRuntime]:
     def registered() -> bool:
         return runtime.name in docker_client.info()["Runtimes"]
 
-    DAEMON_JSON.write_text(json.dumps(config))
-    os.kill(pid, signal.SIGHUP)
-    until(registered, 30, "the engine knows the runtime")
+    def write(text: str) -> None:  # whole or not at all: the engine reads it again at each SIGHUP
+        staged = DAEMON_JSON.with_name(f".{DAEMON_JSON.name}.pvh-test")
+        staged.write_text(text)
+        staged.replace(DAEMON_JSON)
+
     try:
+        runtime.script.write_text(HANG_SCRIPT)
+        runtime.script.chmod(0o755)
+        write(json.dumps(config))
+        os.kill(pid, signal.SIGHUP)
+        until(registered, 30, "the engine knows the runtime")
         yield runtime
     finally:
         runtime.release()
+        for container in docker_client.containers.list(all=True, filters={"label": "pvisor-host.managed"}):
+            if container.attrs["HostConfig"].get("Runtime") == runtime.name:
+                container.remove(force=True)
         if before is None:
-            DAEMON_JSON.unlink()
+            DAEMON_JSON.unlink(missing_ok=True)
         else:
-            DAEMON_JSON.write_text(before)
+            write(before)
         os.kill(pid, signal.SIGHUP)
+        runtime.script.unlink(missing_ok=True)
         until(lambda: not registered(), 30, "the engine forgot the runtime")
 
 
@@ -397,27 +428,35 @@ def test_a_second_ctrl_c_ends_the_batch_within_its_bound_while_the_engine_is_pau
     path = manifest(tmp_path / "data", 2, command="sleep 300")
     out = tmp_path / "out"
     process = start_cli("batch", path, "--agent", "claude-code", "--mode", "replay-only", "--out", out,
-                        "--workers", "2")  # fmt: skip
-    until(lambda: len(sandboxes_of(docker_client, out)) == 2, 120, "two sandboxes running", process)
-    names = sorted(c.attrs["Names"][0].lstrip("/") for c in sandboxes_of(docker_client, out))
-    os.kill(pid, signal.SIGSTOP)  # the engine answers nothing from now on
+                        "--workers", "2", "--timeout", "60s")  # fmt: skip
     try:
-        process.send_signal(signal.SIGINT)
-        time.sleep(1)
-        process.send_signal(signal.SIGINT)
+        until(lambda: len(sandboxes_of(docker_client, out)) == 2, 120, "two sandboxes running", process)
+        names = sorted(c.attrs["Names"][0].lstrip("/") for c in sandboxes_of(docker_client, out))
+        # Whatever becomes of this test (even its process killed), the engine runs again within 30 s.
+        subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {pid}"], start_new_session=True)
+        os.kill(pid, signal.SIGSTOP)  # the engine answers nothing from now on
         try:
-            _, stderr = process.communicate(timeout=GIVE_UP_AFTER + 4)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            pytest.fail(f"still running {GIVE_UP_AFTER + 4:.0f} s after the second Ctrl-C: {process.communicate()[1]}")
+            process.send_signal(signal.SIGINT)
+            time.sleep(1)
+            process.send_signal(signal.SIGINT)
+            try:
+                _, stderr = process.communicate(timeout=GIVE_UP_AFTER + 4)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stderr = process.communicate()[1]
+                pytest.fail(f"still running {GIVE_UP_AFTER + 4:.0f} s after the second Ctrl-C: {stderr}")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert process.returncode == 130, stderr
+        assert stderr.splitlines()[-1] == (
+            f"pvisor-host: gave up waiting for the engine; not removed: container {names[0]}, container {names[1]} "
+            "(the next run into the same --out, or pvisor-host gc, removes them)"
+        ), stderr
     finally:
-        os.kill(pid, signal.SIGCONT)
-    assert process.returncode == 130, stderr
-    assert stderr.splitlines()[-1] == (
-        f"pvisor-host: gave up waiting for the engine; not removed: container {names[0]}, container {names[1]} "
-        "(the next run into the same --out, or pvisor-host gc, removes them)"
-    ), stderr
-    cleaned = run_cli("gc")
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        cleaned = run_cli("gc")
     assert cleaned.code == 0, cleaned.stderr
     assert sandboxes_of(docker_client, out, running=False) == []
 
@@ -444,7 +483,7 @@ def test_two_batches_side_by_side_finish_correctly_and_never_touch_each_other(tm
     first = start_cli("batch", big, "--agent", "claude-code", "--mode", "prepare-only", "--workers", "8",
                       "--out", tmp_path / "out-big", "--quiet")  # fmt: skip
     second = batch(small, tmp_path / "out-small", "--workers", "2")
-    _, stderr = first.communicate(timeout=1800)
+    stderr = finished(first, 600)
     stop.set()
     watcher.join(timeout=5)
     assert first.returncode == 0, stderr

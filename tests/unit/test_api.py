@@ -61,6 +61,12 @@ def test_a_bad_batch_item_is_refused_by_its_position_and_nothing_starts(tmp_path
         pvisor_host.batch(specs, out=tmp_path / "out")
     assert caught.value.one_line().startswith("every item: --mode continue lets the agent call its model")
     run = pvisor_host.batch(specs, out=tmp_path / "out", mode="replay-only")
+    rows = [{"trajectory": good}]  # a boundary for every item, as a number (the command line's is text)
+    assert [i.spec.after_step for i in pvisor_host.batch(rows, out=tmp_path / "o", after_step=3, mode="replay-only")
+            .items] == [3]  # fmt: skip
+    with pytest.raises(UsageError) as caught:
+        pvisor_host.batch(rows, out=tmp_path / "o", after_step=3, run_id="mine", mode="replay-only")
+    assert caught.value.one_line() == "run_id is each item's own: give it in the items, not as every item's default"
     assert [item.id for item in run.items][:1] == ["t-after1"] and len({item.id for item in run.items}) == 3
     assert not (tmp_path / "out").exists()  # nothing happens until it is iterated
 

@@ -221,6 +221,10 @@ def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
                                        "regressions against"),
         (["--baseline", "{old}", "--fail-on", "sometimes"], "--fail-on 'sometimes': pass a comma list of regressions, "
                                                             "failures, verification, never"),
+        (["--baseline", "{old}", "--limit", "1"], "--baseline compares whole runs: the items a slice (--limit, "
+                                                  "--sample, --select) leaves out would read as gone, regressions of "
+                                                  "every one that was ok (run the whole dataset against the "
+                                                  "baseline, or compare the slice with an earlier run of the same)"),
     ],
 )  # fmt: skip
 def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, message):

@@ -116,3 +116,12 @@ def test_a_result_glued_to_a_tool_s_output_is_still_found():
     assert raw == line and parsed.phase == "replayed"
     with pytest.raises(ResultProtocolError, match="not JSON"):
         parse_result(b"x" * 1000 + b"{broken\n")
+
+
+def test_a_record_holds_no_secret_value_whoever_set_it():
+    from pvisor_host.models.record import recorded_environment
+
+    image = {"PATH": "/usr/bin", "HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk-x", "DB_PASSWORD": "p", "TZ": "UTC"}
+    assert recorded_environment(image, ["MINE"]) == {
+        "PATH": "/usr/bin", "HF_TOKEN": None, "OPENAI_API_KEY": None, "DB_PASSWORD": None, "TZ": "UTC", "MINE": None,
+    }  # fmt: skip

@@ -3,8 +3,8 @@
 =====================  ====================================================
 seam                   stage
 =====================  ====================================================
-``plan_image``         :func:`.build.resolve.plan_image` (labels, no container)
-``ensure_image``       :func:`.build.resolve.materialize` (build, probe, inject)
+``plan_image``         :func:`.image.resolve.plan_image` (labels, no container)
+``ensure_image``       :func:`.image.resolve.materialize` (build, probe, inject)
 ``describe_sandbox``   :mod:`.sandbox.launch` (the hardened container spec)
 ``open_gateway``       :class:`.gateway.Gateway`
 ``run_attempt``        :func:`.sandbox.run.run_attempt` (stage, run, collect, record)
@@ -35,7 +35,7 @@ from ...models.spec import parse_user
 from . import labels as L
 from . import runtimes
 from .container import Leftovers
-from .engine import ENGINE_ERRORS, connect, describe, engine_errors, timed_out
+from .engine import ENGINE_ERRORS, connect, describe, engine_errors, request_within, timed_out
 from .image.files import ImageFiles
 from .image.images import ImageStore, Reference
 from .image.inject import Injector
@@ -368,23 +368,21 @@ class DockerBackend:
     @property
     def start_slots(self) -> StartSlots:
         """How many sandboxes start at once on this engine, shared by every process (:mod:`.sandbox.starts`)."""
-        with self._lock:
-            if self._starts is None:
-                from .sandbox.starts import start_slots
-                from .state import state_dir
+        if self._starts is None:  # asked outside the lock: a stuck engine must not hold every worker here
+            from .sandbox.starts import StartSlots
+            from .state import engine_state
 
-                with engine_errors("read the engine's information"):
-                    engine_id = str(self.client.info().get("ID") or "engine")
-                self._starts = start_slots(state_dir(), engine_id)
-            return self._starts
+            slots = StartSlots(engine_state(self.client, "starts"))
+            with self._lock:
+                self._starts = self._starts or slots
+        return self._starts
 
     def hangs(self) -> bool:
         """Whether the engine takes a ping and gives no answer within :data:`PING_TIMEOUT` seconds: it is stuck
         (a runtime that never returns holds it), and waiting on it ends nowhere. An engine that is away (its
         socket gone or refusing: a restart) does not hang: the attempts' retries wait for it to come back."""
-        api = self.client.api
         try:
-            api._raise_for_status(api._get(api._url("/_ping"), timeout=PING_TIMEOUT))
+            request_within(self.client.api, "get", "/_ping", PING_TIMEOUT)
         except ENGINE_ERRORS as exc:
             return timed_out(exc)
         return False
@@ -453,12 +451,12 @@ class DockerBackend:
         """Remove the containers the engine could not remove when their attempt ended; retry for ``patience``
         seconds while the engine does not answer. The ``final`` sweep says how to remove what is still there;
         an earlier one keeps it for the next."""
-        from .container import remove_container
+        from .container import LEFTOVER_TIMEOUT, remove_container
 
         deadline = time.monotonic() + patience
         while True:
             failed: dict[str, str] = {}
-            for container_id in self._leftovers.take():
+            for container_id in self._leftovers.take(stuck=final):
                 try:  # by id, not inspected first: the engine may be stuck on it, and inspecting waits as removing
                     remove_container(self.client.containers.prepare_model({"Id": container_id}), LEFTOVER_TIMEOUT)
                     logger.info("removed container {} (left while the engine was away)", container_id[:12])
@@ -483,8 +481,6 @@ class DockerBackend:
             time.sleep(1.0)
 
 
-#: Seconds one try at removing a leftover may take (the engine was stuck on it before).
-LEFTOVER_TIMEOUT = 5.0
 #: Seconds a ping may take before the engine counts as not answering.
 PING_TIMEOUT = 10
 

@@ -37,7 +37,7 @@ from ...models.spec import default_user
 from ...signals import cleaning, deferred_interrupts
 from ...units import format_duration
 from . import labels as L
-from .engine import ENGINE_ERRORS, describe, engine_errors, retrying, timed_out
+from .engine import ENGINE_ERRORS, describe, engine_errors, request_within, retrying, timed_out
 
 
 class Leftovers:
@@ -55,10 +55,12 @@ class Leftovers:
             if stuck:
                 self.stuck.add(container_id)
 
-    def take(self) -> set[str]:
-        """Every id noted so far (the caller removes them, or adds back those it could not)."""
+    def take(self, *, stuck: bool = True) -> set[str]:
+        """Every id noted so far (the caller removes them, or adds back those it could not); without ``stuck``,
+        not those whose start hung (they stay noted: trying them costs a wait each, for the batch's end)."""
         with self._lock:
-            ids, self._ids = self._ids, set()
+            ids = self._ids if stuck else self._ids - self.stuck
+            self._ids = self._ids - ids
         return ids
 
 
@@ -213,13 +215,17 @@ def remove_container(container: Container, timeout: float | None = REMOVE_TIMEOU
         if timeout is None:
             container.remove(force=True, v=True)
         else:
-            _within(container, "delete", "/containers/{0}", timeout, v=True, force=True)
+            request_within(container.client.api, "delete", "/containers/{0}", timeout, container.id, v=True, force=True)
     except NotFound:
         return
     except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
         if timed_out(exc):
             raise EngineTimeout(f"the engine did not remove it within {format_duration(timeout or 0)}") from exc
         raise
+
+
+#: Seconds one try at removing a leftover may take (the engine may have been stuck on it before).
+LEFTOVER_TIMEOUT = 5.0
 
 
 class EngineTimeout(DockerException):  # type: ignore[misc]
@@ -275,7 +281,7 @@ def start(container: Container, timeout: float | None = None) -> None:
             container.start()
             return
         try:
-            _within(container, "post", "/containers/{0}/start", timeout)
+            request_within(container.client.api, "post", "/containers/{0}/start", timeout, container.id)
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
             if not timed_out(exc):
                 raise
@@ -291,15 +297,6 @@ class StartHung(InfrastructureError):
     @property
     def category(self) -> str:
         return START_TIMEOUT
-
-
-def _within(container: Container, method: str, path: str, seconds: float, **params: object) -> None:
-    """One engine request about ``container`` that may take ``seconds`` at most: docker-py's own methods take no
-    timeout of their own (they use the client's), so the request is made as they make it, with one."""
-    api = container.client.api
-    url = api._url(path, container.id)
-    answer = getattr(api, f"_{method}")(url, params=params or None, timeout=seconds)
-    api._raise_for_status(answer)
 
 
 def hung_step(container_id: str) -> str:

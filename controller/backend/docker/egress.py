@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from ...gateway.egress import EgressProxy, EgressRun
-from ...models.egress import Egress, EgressInfo, EgressLimit
+from ...models.egress import LOOPBACK, Egress, EgressInfo, EgressLimit
 from .sockets import own_socket, socket_dir
 
 #: Where the relay listens inside the sandbox for the egress proxy, and where the run's socket is mounted.
@@ -27,7 +27,7 @@ EGRESS_PORT = 18081
 EGRESS_MOUNT = "/pvisor-host/egress"
 _SOCKET_NAME = "egress.sock"
 #: Hosts every tool reaches directly, never through the proxy (the model relay listens on loopback).
-NO_PROXY = ("127.0.0.1", "localhost", "::1")
+NO_PROXY = LOOPBACK
 
 _proxy: EgressProxy | None = None
 _proxy_lock = threading.Lock()

@@ -74,8 +74,25 @@ _QUERY = re.compile(r"(\bhttps?://[^\s\"'?]+)\?[^\s\"']*", re.IGNORECASE)
 
 def timed_out(exc: BaseException) -> bool:
     """A request that ran out of its time (docker-py's transport may wrap the read timeout in a ConnectionError):
-    the engine took it and did not answer, unlike one refused or with no socket to reach."""
-    return isinstance(exc, requests.exceptions.ReadTimeout) or "timed out" in str(exc).lower()
+    the engine took it and did not answer, unlike one refused, with no socket to reach, or whose connection could
+    not be made in time (an engine away on the network)."""
+    text = str(exc).lower()
+    if isinstance(exc, requests.exceptions.ConnectTimeout) or "connect timeout" in text:
+        return False
+    return isinstance(exc, requests.exceptions.ReadTimeout) or "timed out" in text
+
+
+def request_within(api: docker.APIClient, method: str, path: str, seconds: float, *args: str, **params: object) -> None:
+    """One engine request that may take ``seconds`` at most (``path`` formatted with ``args``, as docker-py's
+    own ``_url``): docker-py's methods take no timeout of their own (they use the client's), so the request is
+    made as they make it, with one.
+
+    Raises:
+        docker.errors.APIError: the engine's error answer.
+        requests.exceptions.RequestException: no answer in time (:func:`timed_out`), or none at all.
+    """
+    answer = getattr(api, f"_{method}")(api._url(path, *args), params=params or None, timeout=seconds)
+    api._raise_for_status(answer)
 
 
 def scrub(text: str) -> str:

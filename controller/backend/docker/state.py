@@ -28,6 +28,17 @@ def state_dir() -> Path:
     return Path(base) / "pvisor-host"
 
 
+def engine_state(client: Any, name: str) -> Path:
+    """The state file or folder ``name`` of the engine ``client`` speaks to (``name-<engine id>``): an engine's
+    image cache ledger, its start slots. Every process on that engine finds the same one."""
+    from .engine import engine_errors
+
+    with engine_errors("read the engine's information"):
+        engine_id = str(client.info().get("ID") or "engine")
+    safe = "".join(c for c in engine_id if c.isalnum())[:24] or "engine"
+    return state_dir() / f"{name}-{safe}"
+
+
 def _path() -> Path:
     return state_dir() / "last-used.json"
 

@@ -130,6 +130,12 @@ def _check_baseline(request: BatchRequest, *, plan: bool) -> None:
             "--repeat finds the flaky items of one run; it cannot be compared item by item with --baseline",
             hint="run --repeat on its own, and compare a run without it against the baseline",
         )
+    if request.input.sliced:
+        raise UsageError(
+            "--baseline compares whole runs: the items a slice (--limit, --sample, --select) leaves out would read "
+            "as gone, regressions of every one that was ok",
+            hint="run the whole dataset against the baseline, or compare the slice with an earlier run of the same",
+        )
     if baseline.absolute() == request.options.out.absolute():
         raise UsageError(f"--baseline {baseline} is the batch's own --out; pass the earlier batch's directory")
     check_run_dir(baseline.absolute())
@@ -185,7 +191,7 @@ def _run(
     from ...signals import ignore_interrupts
     from .. import render
 
-    options = request.fitted(backend)
+    options = request.options
     total = checked.items
     with render.BatchProgress(total, quiet=quiet or json_output) as progress:
         outcome = run_batch(
@@ -198,6 +204,7 @@ def _run(
             reports=(write_report,),
             progress=progress,
             on_pull=progress.pull,
+            memory=request.memory,
         )
     ignore_interrupts()  # the batch has ended and its reports are written: nothing is left to stop
     if json_output:

@@ -18,6 +18,7 @@ from ...._log import logger
 from ....models.housekeeping import GcReport, Resource, ResourceKind
 from ....models.ownership import Ownership
 from .. import labels as L
+from ..container import LEFTOVER_TIMEOUT, remove_container
 from ..engine import ENGINE_ERRORS, describe, engine_errors, retrying
 from . import pulled
 
@@ -104,8 +105,9 @@ def collect_garbage(
 @retrying()
 def _remove(client: docker.DockerClient, resource: Resource) -> None:
     try:
-        if resource.kind == "container":
-            client.containers.get(resource.id).remove(force=True, v=True)
+        if resource.kind == "container":  # by id, not inspected first: the engine makes an inspect wait on a
+            # container whose start hangs in its runtime, as long as the removal would
+            remove_container(client.containers.prepare_model({"Id": resource.id}), LEFTOVER_TIMEOUT)
         elif resource.kind == "network":
             client.networks.get(resource.id).remove()
         elif resource.kind == "image":  # by the name it was pulled as; never forced (a container may use it)

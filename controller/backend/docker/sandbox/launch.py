@@ -6,7 +6,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from ....models.ownership import Ownership
-from ....models.record import Limits
+from ....models.record import Limits, recorded_environment
 from ....models.replay import Attempt, PreparedReplay, SandboxPlan
 from .. import container as sandbox
 from .. import labels as L
@@ -79,9 +79,9 @@ def sandbox_environment(
     prepared: PreparedReplay, cspec: sandbox.ContainerSpec, secret_names: list[str]
 ) -> dict[str, str | None]:
     """The environment a sandbox ran with, for its record: its image's, then its container's, then the names of
-    the values handed over through env.sh (``--env``, the model's key), whose values are never recorded."""
-    environment: dict[str, str | None] = {**prepared.image.env, **cspec.environment}
-    return {**environment, **dict.fromkeys(secret_names)}
+    the values handed over through env.sh (``--env``, the model's key); no secret's value
+    (:func:`~pvisor_host.models.record.recorded_environment`)."""
+    return recorded_environment({**prepared.image.env, **cspec.environment}, secret_names)
 
 
 def model_hosts(model: ModelAccess | None) -> list[str]:

@@ -198,7 +198,7 @@ def build_record(
         inputs=_inputs(
             prepared, staging.trajectory_in_sandbox, staging.trajectory_filled, staging.staged_sha256
         ).model_copy(update={"environment": sandbox_environment(prepared, cspec, state.secret_names)}),
-        image=prepared.image,
+        image=prepared.image.model_copy(update={"env": {}}),  # its environment is the inputs', secrets masked
         limits=limits(prepared, cspec),
         container=info,
         result=state.result,

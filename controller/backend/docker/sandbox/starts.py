@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from ...._log import logger
 from ....signals import pause
 
 #: Sandboxes starting at once on one engine, whatever the number of processes starting them.
@@ -33,13 +34,21 @@ class StartSlots:
     def __init__(self, folder: Path, slots: int = START_SLOTS) -> None:
         self.folder = folder
         self.slots = slots
+        self._said = False
 
     @contextlib.contextmanager
     def holding(self, cancel: threading.Event | None = None) -> Iterator[None]:
         """Hold a slot for the block, waiting for one while they are all taken (a ``cancel`` ends the wait with
         :class:`Interrupted`)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        handle = self._take(cancel)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle = self._take(cancel)
+        except OSError as exc:  # a state directory that cannot be written: starts go unshared rather than fail
+            if not self._said:
+                self._said = True
+                logger.warning("sandboxes start without the engine's shared slots: {} ({})", self.folder, exc)
+            yield
+            return
         try:
             yield
         finally:
@@ -56,9 +65,3 @@ class StartSlots:
                     continue
                 return handle
             pause(_POLL, cancel, "waiting to start a sandbox")
-
-
-def start_slots(state_dir: Path, engine_id: str) -> StartSlots:
-    """The start slots of the engine ``engine_id``."""
-    safe = "".join(c for c in engine_id if c.isalnum())[:24] or "engine"
-    return StartSlots(state_dir / f"starts-{safe}")

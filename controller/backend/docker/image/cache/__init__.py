@@ -2,6 +2,6 @@
 (:mod:`.ledger`), over the Docker engine (:mod:`.engine`)."""
 
 from .cache import ImageCache, Priced
-from .ledger import CachedImage, Ledger, ledger_path
+from .ledger import CachedImage, Ledger
 
-__all__ = ["CachedImage", "ImageCache", "Ledger", "Priced", "ledger_path"]
+__all__ = ["CachedImage", "ImageCache", "Ledger", "Priced"]

@@ -48,7 +48,7 @@ from .....signals import pause
 from .....units import format_size
 from ..registry import ManifestError
 from .layers import Layer, distinct_bytes, registry_layers
-from .ledger import CachedImage, CacheState, Hold, Ledger
+from .ledger import Budget, CachedImage, CacheState, Hold, Ledger
 
 #: How long a pull waits for holders to let go before it goes ahead over the budget (seconds).
 WAIT_FOR_ROOM = 600.0
@@ -294,7 +294,7 @@ class ImageCache:
         started first."""
         if budget is not None:
             with self._ledger.changing() as state:
-                state.budgets[self._me] = budget
+                state.budgets[self._session] = Budget(process=self._me, bytes=budget)
 
     def _keep_to(self, state: CacheState, budget: int | None) -> int | None:
         """The budget to keep to now (``state``'s :meth:`~.ledger.CacheState.shared_budget`), said once in one line
@@ -313,7 +313,7 @@ class ImageCache:
         them up to the user instead); an image another batch holds becomes that batch's to remove. Returns the
         references removed."""
         with self._ledger.changing() as state:
-            state.budgets.pop(self._me, None)
+            state.budgets.pop(self._session, None)
             going = []
             for key, entry in state.images.items():
                 if entry.owner != self._me:

@@ -16,7 +16,7 @@ from ..images import ImageStore
 from ..registry import ManifestError
 from .cache import ImageCache, Priced
 from .layers import Layer, engine_layers
-from .ledger import Ledger, ledger_path
+from .ledger import Ledger
 
 if TYPE_CHECKING:
     import docker
@@ -134,10 +134,9 @@ def open_cache(
     on_removed: Callable[[str], None] | None = None,
 ) -> ImageCache:
     """The image cache of the engine ``client`` speaks to (its ledger named after the engine's id)."""
-    from ...state import state_dir
+    from ...state import engine_state
     from ..pull import Puller
 
-    with engine_errors("read the engine's information"):
-        engine_id = str(client.info().get("ID") or "engine")
+    ledger = Ledger(engine_state(client, "image-cache").with_suffix(".json"), ownership)
     engine = DockerCacheEngine(client, puller or Puller(client), on_removed=on_removed)
-    return ImageCache(engine, Ledger(ledger_path(state_dir(), engine_id), ownership), ownership)
+    return ImageCache(engine, ledger, ownership)

@@ -16,9 +16,9 @@ import contextlib
 import fcntl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 
 from .....files.atomic import write_atomic
 from .....models.ownership import Ownership
@@ -35,6 +35,13 @@ class Hold(BaseModel):
 
     process: str
     session: str | None = None
+
+
+class Budget(BaseModel):
+    """The image budget a running batch keeps the cache within (keyed by its session in the ledger)."""
+
+    process: str
+    bytes: int
 
 
 class CachedImage(BaseModel):
@@ -82,14 +89,19 @@ class CacheState(BaseModel):
     """The session that used the cache last."""
     budget: int | None = None
     """The budget the latest pull kept to."""
-    budgets: dict[str, int] = {}
-    """Process → the image budget of the batch it runs now: every batch on the engine keeps to the smallest, so
+    budgets: dict[str, Budget] = {}
+    """A running batch's session → the image budget it keeps to: every batch on the engine keeps to the smallest, so
     the cache stays within one budget however many batches share it."""
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _budgets(cls, value: Any) -> Any:  # an older ledger's (process → bytes) counts for nothing
+        return {k: v for k, v in value.items() if isinstance(v, dict)} if isinstance(value, dict) else value
 
     def shared_budget(self, budget: int | None) -> int | None:
         """The budget a batch keeping to ``budget`` keeps to: the smallest of it and the live batches' (one cache,
         within one budget, whichever batch started first)."""
-        return min((b for b in (budget, *self.budgets.values()) if b is not None), default=None)
+        return min((b for b in (budget, *(b.bytes for b in self.budgets.values())) if b is not None), default=None)
 
     def used(self) -> int:
         """Bytes the cache's images take (or will, once their pulls end), each layer once."""
@@ -160,11 +172,5 @@ class Ledger:
             return CacheState()
         for image in state.images.values():  # the dead hold nothing
             image.holds = {token: hold for token, hold in image.holds.items() if self.alive(hold.process)}
-        state.budgets = {process: budget for process, budget in state.budgets.items() if self.alive(process)}
+        state.budgets = {session: b for session, b in state.budgets.items() if self.alive(b.process)}
         return state
-
-
-def ledger_path(state_dir: Path, engine_id: str) -> Path:
-    """The ledger of the engine ``engine_id``."""
-    safe = "".join(c for c in engine_id if c.isalnum())[:24] or "engine"
-    return state_dir / f"image-cache-{safe}.json"
