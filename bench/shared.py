@@ -4,8 +4,9 @@
 three images. One batch of all 24 items at the default workers, then the same 24 items as two batches of 12 (six
 images each) started together in the same second, each with the same ``--image-budget`` and the default workers,
 every image removed between the runs; twice, interleaved. Reported: the wall time of the pair against the one
-(both ends included), the most disk the engine's images took meanwhile (sampled) against the one budget, whether
-both finished with every item ok, and what either left (containers, networks and images of ours).
+(both ends included); the image cache's accounted peak (its ledger's, each layer once) against the one budget, and
+the disk the engine really used (sampled: pulls in flight hold their downloads too) by the pair against the one
+batch; whether both finished with every item ok, and what either left (containers, networks and images of ours).
 """
 
 from __future__ import annotations
@@ -47,17 +48,22 @@ def shared(work: Path) -> dict[str, Any]:
         forget(client, refs)
         ones: list[float] = []
         pairs: list[float] = []
-        peaks: list[int] = []
+        peaks: dict[str, list[int]] = {"one": [], "pair": []}
+        accounted: dict[str, list[int]] = {"one": [], "pair": []}
         summaries: list[dict[str, Any]] = []
         for n in range(ROUNDS):
-            one, _ = _batches(work / f"one-{n}", [whole], budget)
+            with DiskSampler(client) as disk:
+                one, alone = _batches(work / f"one-{n}", [whole], budget)
             forget(client, refs)
+            peaks["one"].append(disk.peak)
+            accounted["one"].append(max((s.get("images") or {}).get("peak") or 0 for s in alone))
             with DiskSampler(client) as disk:
                 pair, summaries = _batches(work / f"pair-{n}", manifests, budget)
             forget(client, refs)
+            peaks["pair"].append(disk.peak)
+            accounted["pair"].append(max((s.get("images") or {}).get("peak") or 0 for s in summaries))
             ones.append(one)
             pairs.append(pair)
-            peaks.append(disk.peak)
     left = _ours_left(client)  # the registry's container gone too
     return {
         "images": count,
@@ -67,11 +73,14 @@ def shared(work: Path) -> dict[str, Any]:
         "two_side_by_side_seconds": median(pairs),
         "pair_vs_one": {"median": round(median(pairs) / median(ones), 3),
                         "spread": spread([p / o for p, o in zip(pairs, ones, strict=True)]), "rounds": ROUNDS},
-        "peak_image_bytes_sampled": max(peaks),
-        "peak_within_budget": max(peaks) <= budget * 1.1,  # the sample counts the engine's own files too
+        "peak_disk_sampled": {"one batch": max(peaks["one"]), "two side by side": max(peaks["pair"])},
+        "peak_accounted": {"one batch": max(accounted["one"]), "two side by side": max(accounted["pair"])},
+        "accounted_within_budget": max(accounted["pair"]) <= budget,
+        "pair_disk_vs_one": round(max(peaks["pair"]) / max(1, max(peaks["one"])), 3),
         "both_ok": all(s["counts"].get("ok") == s["items"] for s in summaries),
         "left": left,
-        "target": "the pair within 1.2x the one batch; the peak within the one budget; nothing left",
+        "target": "the pair within 1.2x the one batch's wall; the cache's accounted peak within the one budget, the "
+        "disk the pair really used within 1.1x the one batch's; nothing left",
     }  # fmt: skip
 
 

@@ -40,8 +40,9 @@ def table(results: dict[str, Any]) -> str:
         h = results["shared"]
         lines.append(
             f"two batches side by side ({h['items']} items, {h['images']} task images): {h['pair_vs_one']['median']}x "
-            f"one batch (spread {h['pair_vs_one']['spread']}); peak images {h['peak_image_bytes_sampled']} B within "
-            f"{h['budget_bytes']} B: {h['peak_within_budget']}; both ok: {h['both_ok']}; left: {h['left']}"
+            f"one batch (spread {h['pair_vs_one']['spread']}); cache peak {h['peak_accounted']} B, budget "
+            f"{h['budget_bytes']} B; disk {h['peak_disk_sampled']} B ({h['pair_disk_vs_one']}x); both ok: "
+            f"{h['both_ok']}; left: {h['left']}"
         )
     if "dataset" in results:
         d = results["dataset"]

@@ -6,11 +6,13 @@ each node's own gateway."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,10 @@ from cluster import KEY, Cluster, batch, explain, one, records, remove_engines, 
 from conftest import default_signals, run_cli
 from modelserver import StubServer
 from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
+
+#: A tool call that prints what a URL answers (as the egress tests' own).
+FETCH = ("python3 -c \"import sys, urllib.request as u\ntry: print(u.urlopen(sys.argv[1], timeout=30).read().decode())"
+         "\nexcept Exception as e: print('failed:', e)\" ")  # fmt: skip
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -289,6 +295,43 @@ with pvisor_host.batch(items, out=out, defaults={"agent": "claude-code", "mode":
     results = sorted((r.id, r.status) for r in batch)
 print(json.dumps({"results": results, "counts": batch.summary.counts}))
 """
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        body = b"hello from the host"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        return
+
+
+def test_an_egress_replay_on_a_node_reaches_the_listed_host_through_the_nodes_proxy(cluster, tmp_path):
+    """The sandbox on a node keeps no network: its call reaches a server on this host (the nodes' bridge
+    address, listed) through the egress proxy of the node's own worker, and the journal comes back in the record."""
+    server = http.server.ThreadingHTTPServer((cluster.host, 0), _Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = f"{cluster.host}:{server.server_address[1]}"
+        root = tmp_path / "data"
+        root.mkdir()
+        write_jsonl(root / "e.jsonl", one(FETCH + f"http://{target}/hello", "hello from the host\n"))
+        manifest = root / "m.jsonl"
+        manifest.write_text(json.dumps({"id": "egress", "trajectory": "e.jsonl", "after_step": 1,
+                                        "egress": f"allow:{target}"}) + "\n")  # fmt: skip
+        out = tmp_path / "out"
+        result = batch(manifest, out, "--cluster", cluster.address, env=cluster.env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.code == 0, explain(out, result.stderr)
+    record = records(out)["egress"]
+    assert record["host"]["node"] in cluster.nodes
+    assert (record["egress"]["connections"], record["egress"]["hosts"]) == (1, [target])
+    assert [call["match"] for call in record["observations"]["calls"]] == ["exact"]  # the host's answer, as recorded
 
 
 def test_the_python_api_runs_a_batch_on_the_cluster(cluster, tmp_path):
