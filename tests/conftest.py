@@ -54,6 +54,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_built_in_the_background)  # stable: the order otherwise
 
 
+#: Every test phase's duration, written when the session ends (``test-durations.tsv`` at the repository's root,
+#: slowest first, appended to by each session of a run: ``make test`` then ``make test-faults``), so that the next
+#: change to the suite is measured against this one. ``--durations=30`` prints the slowest on the terminal.
+DURATIONS = ROOT / "test-durations.tsv"
+_durations: list[tuple[float, str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations.append((report.duration, report.when, report.nodeid))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _durations and not hasattr(session.config, "workerinput"):
+        with DURATIONS.open("a", encoding="utf-8") as out:
+            for seconds, when, nodeid in sorted(_durations, reverse=True):
+                out.write(f"{seconds:.2f}\t{when}\t{nodeid}\n")
+
+
 def _built_in_the_background(item: pytest.Item) -> bool:
     """Whether the test runs an agent of :data:`SLOW_BUILDS` (its ``agent`` parameter)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
