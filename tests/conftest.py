@@ -296,10 +296,13 @@ def nothing_left_behind(request) -> Iterator[None]:
 @pytest.fixture
 def containers_created(docker_client, slow_builds):
     """Call with a start time: the labels of every container the engine created since then. While
-    :func:`slow_builds` builds in the background (a new engine), the containers of its build steps are left
-    out: they carry the image's labels but no ``pvisor-host.session``, which every container a command of ours
-    creates carries."""
+    :func:`slow_builds` builds in the background (a new engine), the containers it makes are left out: its build
+    steps' (the image's labels, no ``pvisor-host.session``) and its probes' (owned by this test process, not by
+    the command under test)."""
+    from pvisor_host.models.ownership import Ownership
+
     building = not all(future.done() for future in slow_builds.values())
+    suite = Ownership.current().owner
 
     def created(since: float) -> list[dict[str, str]]:
         events = docker_client.events(
@@ -310,7 +313,11 @@ def containers_created(docker_client, slow_builds):
         )
         labels = [event.get("Actor", {}).get("Attributes", {}) for event in events]
         if building or not all(future.done() for future in slow_builds.values()):
-            labels = [x for x in labels if not (x.get("pvisor-host.role") and "pvisor-host.session" not in x)]
+            labels = [
+                x for x in labels
+                if not (x.get("pvisor-host.role") and "pvisor-host.session" not in x)
+                and x.get("pvisor-host.owner") != suite
+            ]  # fmt: skip
         return labels
 
     return created
