@@ -21,7 +21,7 @@ from ._log import logger
 from .backend.base import AnyBackend, ModelGateway
 from .errors import Interrupted
 from .files.atomic import write_atomic
-from .files.space import full_disk_raises
+from .files.space import disk_full, is_full
 from .files.trees import remove_if_empty
 from .models.gateway import MODEL_CASSETTE
 from .models.observations import match_observations
@@ -36,7 +36,6 @@ from .models.record import (
 )
 from .models.replay import Attempt, PreparedReplay
 from .models.spec import ReplaySpec
-from .preflight.prepare import runtime_floor_warning
 from .signals import pause
 from .units import format_duration
 
@@ -86,9 +85,8 @@ class RetryPolicy(BaseModel):
 def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
     """Run ``prepared`` to its final record: gateway, attempts, retries (see the module docstring)."""
     policy = RetryPolicy.for_spec(prepared.spec)
-    warning = runtime_floor_warning(prepared)
-    if warning is not None:
-        logger.warning(warning)
+    if prepared.runtime_warning is not None:
+        logger.warning(prepared.runtime_warning)
     with model_gateway(prepared, backend) as gateway:
         return run_attempts(prepared, backend, gateway=gateway, policy=policy)
 
@@ -130,20 +128,24 @@ def run_attempts(
         sleep=between,
         retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
     )
+    stopped: Interrupted | None = None
     try:
         retrying(attempt)
-    except Interrupted:
+    except Interrupted as exc:
+        stopped = exc
         attempted = out / "attempts" / str(len(records) + 1) / "record.json"
         if attempted.exists():  # the interrupted attempt ran: its record says so
             records.append(load_record(attempted))
-        if records:
-            _finish(prepared, records, batch, keep_tape=False)
-        else:
-            shutil.rmtree(out / "attempts", ignore_errors=True)
-            remove_if_empty(out)
-        raise
-    with full_disk_raises(out):
-        return _finish(prepared, records, batch, keep_tape=True)
+    try:
+        final = _finish(prepared, records, batch, keep_tape=stopped is None)
+    except OSError as exc:
+        if not is_full(exc):
+            raise
+        raise disk_full(out) from exc
+    if stopped is not None:
+        raise stopped
+    assert final is not None  # an attempt that was not interrupted left its record
+    return final
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -159,6 +161,18 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 def _finish(
+    prepared: PreparedReplay, records: list[ReplayRecord], batch: BatchInfo | None, *, keep_tape: bool
+) -> ReplayRecord | None:
+    """The run directory once the attempts have ended: the last one's record and files (:func:`_keep`), or, when
+    Ctrl-C came before the first attempt ran, nothing (None)."""
+    if records:
+        return _keep(prepared, records, batch, keep_tape=keep_tape)
+    shutil.rmtree(prepared.out_dir / "attempts", ignore_errors=True)
+    remove_if_empty(prepared.out_dir)
+    return None
+
+
+def _keep(
     prepared: PreparedReplay, records: list[ReplayRecord], batch: BatchInfo | None, *, keep_tape: bool
 ) -> ReplayRecord:
     """Move the last attempt up to the run directory and write the top-level record listing every attempt, with

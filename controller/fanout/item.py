@@ -35,7 +35,7 @@ from ..models.record import DISK_FULL, BatchInfo
 from ..models.replay import TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs, check_inputs
-from ..preflight.prepare import image_request, prepare, prepare_image, runtime_floor_warning
+from ..preflight.prepare import image_request, prepare, prepare_image
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
@@ -266,7 +266,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
                 prepared = prepare(checked, batch.backend, image=image)
                 if spec.image is not None:  # the time it waited for its task image (pulled just in time)
                     prepared = prepared.model_copy(update={"timings": {"pull_wait": pull_wait, **prepared.timings}})
-                batch.warn_once(runtime_floor_warning(prepared))
+                batch.warn_once(prepared.runtime_warning)
                 record = run_attempts(
                     prepared,
                     batch.backend,

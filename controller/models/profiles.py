@@ -207,6 +207,7 @@ class AgentProfile(_Model):
             return f"PyPI {install.package}=={self.version}"
         return "unavailable"
 
+    @property
     def inject_refusal(self) -> str | None:
         """Why the agent cannot be injected into a task image, in one line (None: it can)."""
         if self.inject is not None:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from .image import BuiltImage, ImageRef
 from .profiles import AgentProfile
 from .record import Limits
-from .spec import ReplaySpec
+from .spec import ReplaySpec, parse_user
 
 #: Inside a run directory while an attempt runs: what the sandbox sees (its ``env.sh`` may hold secret
 #: values). Removed on every path; a controller killed with ``kill -9`` leaves it, and the next run of the
@@ -148,6 +148,17 @@ class PreparedReplay(BaseModel):
     """pvisor's host pre-flight; None when it was left to the sandbox (batch items)."""
     timings: dict[str, float] = {}
     """Seconds spent before the first attempt: ``preflight`` and ``image``."""
+
+    @property
+    def runtime_warning(self) -> str | None:
+        """A warning for a root sandbox under a runc without the fixes for the 2025 container escapes (None: no
+        root sandbox, or a runtime with the fixes or of unknown version; ``doctor`` reports those)."""
+        if parse_user(self.user)[0] != 0 or self.runtime.escape_fixed is not False:
+            return None
+        return (
+            f"the sandbox runs as root under runc {self.runtime.version}, which is older than the fixes for "
+            f"{ESCAPE_CVES} (runc {RUNC_FIXED}): a malicious task image or tool call could escape; {RUNTIME_REMEDY}"
+        )
 
 
 class Attempt(BaseModel):

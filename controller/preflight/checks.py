@@ -9,9 +9,10 @@ They come in two kinds, and both are functions of values read once:
   agent's, pvisor's own pre-flight accepts the boundary (``--prepare-only`` on the host, or the trajectory's
   survey for a batch), the step budget fits the prefix, and the workspace path.
 
-:func:`check_inputs` runs both in that order, once the agent is known (from ``--agent``, the trajectory's format,
-or later from the image's label: :func:`with_agent`), and returns what they found as one value,
-:class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
+:func:`check_inputs` runs them in that order: the options that need no agent, the run directory, then, once the
+agent is known (from ``--agent`` or the trajectory's format; else later from the image's label), the agent's
+options and the trajectory's checks (:func:`with_agent`, the same for both). It returns what they found as one
+value, :class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
 :class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created. The checks
 that need the engine (the runtime, the image's user) are :mod:`.prepare`'s.
 """
@@ -102,25 +103,22 @@ def check_inputs(
     trajectory = read_trajectory(spec.trajectory)
     if spec.agent is None:  # with --image (not injected) the image's label may name it
         spec = spec.model_copy(update={"agent": agent_of(trajectory, required=spec.image is None or spec.inject)})
-    profile = get_profile(spec.agent) if spec.agent is not None else None
-    check_options(spec, profile)
+    _plain_options(spec)
     run_id = run_id or spec.run_id or new_run_id()
     out_dir = out_dir.absolute() if out_dir is not None else check_out_dir(spec.out, run_id)
     _tape(spec, out_dir.name)
-    agent = None
-    if profile is not None:
-        agent = _trajectory_checks(spec, trajectory, profile, run_id, host_pvisor=host_pvisor, per_file=per_file)
-    return CheckedInputs(
+    checked = CheckedInputs(
         spec=spec,
         trajectory=trajectory,
         run_id=run_id,
         out_dir=out_dir,
         user=spec.user or default_user(),
-        agent=agent,
         host_pvisor=host_pvisor,
         per_file=per_file,
-        seconds=time.monotonic() - started,
+        seconds=0.0,
     )
+    agent = with_agent(checked, get_profile(spec.agent)) if spec.agent is not None else None
+    return checked.model_copy(update={"agent": agent, "seconds": time.monotonic() - started})
 
 
 def check_options(spec: ReplaySpec, profile: AgentProfile | None) -> None:
@@ -130,34 +128,50 @@ def check_options(spec: ReplaySpec, profile: AgentProfile | None) -> None:
     Raises:
         UsageError: the first problem found, in one line.
     """
-    _env_values(spec)
-    _workspace_dir(spec)
-    _user(spec)
-    _cassette_dir(spec)
+    _plain_options(spec)
     if profile is not None:
         _agent_options(spec, profile)
 
 
 def with_agent(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
-    """The agent's checks for inputs whose agent only the image's label named (the agent's own when it was known
-    already)."""
+    """The agent's checks (:func:`check_options`' part that needs the agent, then the trajectory's as that
+    agent's): for inputs whose agent only the image's label named, or the agent's own when it was known
+    already."""
     if checked.agent is not None:
         return checked.agent
-    _agent_options(checked.spec, profile)
-    return _trajectory_checks(
-        checked.spec,
-        checked.trajectory,
-        profile,
-        checked.run_id,
-        host_pvisor=checked.host_pvisor,
-        per_file=checked.per_file,
-    )
+    spec = checked.spec
+    _agent_options(spec, profile)
+    check_agent(checked.trajectory, profile)
+    plan = None
+    if checked.host_pvisor and checked.per_file:
+        budgeted = spec.max_steps is not None and spec.mode != "prepare-only"  # its turns counted for _budget
+        plan = survey_plan(profile.agent, checked.trajectory, spec.after_step, count_turns=budgeted)
+    elif checked.host_pvisor:
+        _, plan = prepare_only(
+            agent=profile.agent,
+            trajectory=checked.trajectory.path,
+            after_step=spec.after_step,
+            run_id=checked.run_id,
+            session_id=spec.session_id,
+            boundary_user_prompt=spec.boundary_user_prompt,
+        )
+    if plan is not None:
+        _budget(spec, plan)
+    return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, checked.trajectory, profile), plan=plan)
+
+
+def _plain_options(spec: ReplaySpec) -> None:
+    """The options' checks that need no agent."""
+    _env_values(spec)
+    _workspace_dir(spec)
+    _user(spec)
+    _cassette_dir(spec)
 
 
 def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
     """The options' checks that need the agent: its continuation, and an image it needs that cannot be made."""
     _continuation(spec, profile)
-    refusal = profile.inject_refusal() if spec.inject else None
+    refusal = profile.inject_refusal if spec.inject else None
     if refusal is not None:
         raise UsageError(refusal, hint="drop --inject")
     needs_agent_image = spec.inject or (spec.image is None and spec.mode != "prepare-only")
@@ -166,36 +180,6 @@ def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
             f"cannot build {profile.agent} {profile.version} here: {profile.install.reason}",
             hint="pvisor-host agents lists what can be built",
         )
-
-
-def _trajectory_checks(
-    spec: ReplaySpec,
-    trajectory: TrajectoryInfo,
-    profile: AgentProfile,
-    run_id: str,
-    *,
-    host_pvisor: bool,
-    per_file: bool,
-) -> AgentChecks:
-    """The checks of the trajectory as ``profile``'s: its format, pvisor's own pre-flight (from the trajectory's
-    survey with ``per_file``, else a pvisor run at the boundary), the step budget and the workspace path."""
-    check_agent(trajectory, profile)
-    plan = None
-    if host_pvisor and per_file:
-        budgeted = spec.max_steps is not None and spec.mode != "prepare-only"  # its turns counted for _budget
-        plan = survey_plan(profile.agent, trajectory, spec.after_step, count_turns=budgeted)
-    elif host_pvisor:
-        _, plan = prepare_only(
-            agent=profile.agent,
-            trajectory=trajectory.path,
-            after_step=spec.after_step,
-            run_id=run_id,
-            session_id=spec.session_id,
-            boundary_user_prompt=spec.boundary_user_prompt,
-        )
-    if plan is not None:
-        _budget(spec, plan)
-    return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, trajectory, profile), plan=plan)
 
 
 # -- the run directory -------------------------------------------------------------------------------------

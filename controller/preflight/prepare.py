@@ -3,8 +3,8 @@ checks have passed.
 
 ``--agent`` alone is known before the engine is asked; with ``--image`` alone the agent comes from the
 image's label, and its checks (pvisor's own pre-flight included) run before anything is built or probed, as do
-the runtime's (:func:`check_before_image`). Only then is the run directory created and the image made ready;
-the sandbox's profile and user follow from the image (:func:`assemble`).
+the runtime's (:func:`check_before_image`). Only then is the image made ready; the sandbox's profile and user
+follow from the image (:func:`assemble`), and the run directory is created last.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from pathlib import Path
 
 from ..backend.base import AnyBackend
 from ..errors import UsageError
-from ..files.trees import remove_if_empty
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
 from ..models.profiles import AgentProfile, get_profile
-from ..models.replay import ESCAPE_CVES, RUNC_FIXED, RUNTIME_REMEDY, PreparedReplay, Runtime, SandboxProfile
+from ..models.replay import PreparedReplay, Runtime, SandboxProfile
 from ..models.spec import ReplaySpec, known_user, parse_user
 from .checks import AgentChecks, CheckedInputs, check_own_uid, with_agent
 
@@ -49,8 +48,8 @@ def prepare(
 ) -> PreparedReplay:
     """Finish pre-flight with the backend (see the module docstring) and make the image ready.
 
-    ``image`` is an image already made ready (a batch does that once for every item that shares it). When this
-    fails after the run directory was created, it is removed again (it is still empty).
+    ``image`` is an image already made ready (a batch does that once for every item that shares it). The run
+    directory is created last, once everything else has passed: a refusal, a failed build or Ctrl-C leaves none.
 
     Raises:
         UsageError: the request is wrong (one line says what and how to fix it).
@@ -61,23 +60,16 @@ def prepare(
     source: ImagePlan | ResolvedImage
     source = image if image is not None else backend.plan_image(_request(checked.spec, checked.profile))
     agent, runtime = check_before_image(checked, backend, source.profile)
-    try:
-        _create_out_dir(checked.out_dir)
-        checked_at = time.monotonic()
-        if isinstance(source, ResolvedImage):
-            resolved = source
-        else:
-            resolved = backend.ensure_image(source, build or BuildOptions())
-        timings = {
-            "preflight": round(checked.seconds + checked_at - started, 4),
-            "image": round(time.monotonic() - checked_at, 4),
-        }
-        prepared = assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
-        backend.describe_sandbox(prepared)  # what the sandbox cannot be (a workspace the image lacks), as the plan
-        return prepared
-    except BaseException:
-        remove_if_empty(checked.out_dir)
-        raise
+    checked_at = time.monotonic()
+    resolved = source if isinstance(source, ResolvedImage) else backend.ensure_image(source, build or BuildOptions())
+    timings = {
+        "preflight": round(checked.seconds + checked_at - started, 4),
+        "image": round(time.monotonic() - checked_at, 4),
+    }
+    prepared = assemble(checked, agent, resolved.image, runtime, built=resolved, timings=timings)
+    backend.describe_sandbox(prepared)  # what the sandbox cannot be (a workspace the image lacks), as the plan
+    _create_out_dir(checked.out_dir)
+    return prepared
 
 
 def check_before_image(
@@ -177,21 +169,8 @@ def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfil
     return user
 
 
-def runtime_floor_warning(prepared: PreparedReplay) -> str | None:
-    """A warning for a root sandbox under a runc without the fixes for the 2025 container escapes (None: no
-    root sandbox, or a runtime with the fixes or of unknown version; ``doctor`` reports those)."""
-    runtime = prepared.runtime
-    if parse_user(prepared.user)[0] != 0 or runtime.escape_fixed is not False:
-        return None
-    return (
-        f"the sandbox runs as root under runc {runtime.version}, which is older than the fixes for {ESCAPE_CVES} "
-        f"(runc {RUNC_FIXED}): a malicious task image or tool call could escape; {RUNTIME_REMEDY}"
-    )
-
-
 def _create_out_dir(path: Path) -> None:
-    """Create the run directory (checked by :func:`~.checks.check_out_dir`) and prove it takes a file (the caller
-    removes it again when this fails)."""
+    """Create the run directory (checked by :func:`~.checks.check_out_dir`) and prove it takes a file."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".pvisor-host-write-test"

@@ -112,7 +112,7 @@ def _marker(profile: AgentProfile, agent_image_id: str) -> dict[str, str]:
 
 def inject_spec(profile: AgentProfile) -> InjectSpec:
     """The profile's ``[inject]`` section, or a :class:`UsageError` saying why the agent cannot be injected."""
-    refusal = profile.inject_refusal()
+    refusal = profile.inject_refusal
     if refusal is not None or profile.inject is None:
         raise UsageError(refusal or "", hint="drop --inject")
     return profile.inject
