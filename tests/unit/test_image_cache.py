@@ -522,3 +522,56 @@ def test_a_hold_let_go_while_its_pull_runs_keeps_the_pull_noted_until_it_is_weig
     assert (entry.state, entry.holds) == ("present", {})
     second = cache.reserve(refs[0], budget=None)
     assert second.key == entry.key and engine.pulls == ["task0"] and set(cache.entries()[0].holds) == {second.token}
+
+
+# -- the decision, as a pure function of the ledger's state ------------------------------------------------------
+
+
+def _image(key: str, size: int, *, used: float = 0.0, session: str = "other", **fields: object):
+    from pvisor_host.backend.docker.image.cache.layers import Layer
+    from pvisor_host.backend.docker.image.cache.ledger import CachedImage
+
+    fields = {"state": "present", **fields}
+    return CachedImage(
+        key=key, ref=f"task/{key}", layers=[Layer(chain=f"c-{key}", size=size)], used=used, session=session,
+        **fields,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _deciding(*images, new_size: int = 40 * MB, budget: int = 100 * MB, finished=None, ask=False, late=False):
+    from pvisor_host.backend.docker.image.cache import cache as policy
+    from pvisor_host.backend.docker.image.cache.ledger import CacheState, Hold
+
+    new = _image("new", new_size, used=100.0, session="mine", state="pulling", holds={"t": Hold(process="p")})
+    state = CacheState(images={i.key: i for i in (*images, new)})
+    return policy.make_room(state, new, set(), budget, finished, ask=ask, late=late)
+
+
+def test_the_decision_pulls_within_the_budget_and_removes_the_least_recently_used_first():
+    from pvisor_host.backend.docker.image.cache.cache import Room, Verdict
+
+    assert _deciding(_image("a", 50 * MB)) == Verdict(Room.PULL)
+    old, recent = _image("old", 50 * MB, used=1.0), _image("recent", 50 * MB, used=2.0)
+    assert _deciding(recent, old) == Verdict(Room.REMOVE, victims=["old"])
+
+
+def test_the_decision_waits_for_a_holder_and_goes_over_the_budget_when_nobody_will_let_go_or_it_is_late():
+    from pvisor_host.backend.docker.image.cache.cache import Room, Verdict
+    from pvisor_host.backend.docker.image.cache.ledger import Hold
+
+    held = _image("held", 90 * MB, holds={"x": Hold(process="q")})
+    assert _deciding(held) == Verdict(Room.WAIT)
+    assert _deciding(held, late=True) == Verdict(Room.PULL, over_budget=True)
+    stuck = _image("stuck", 90 * MB, stuck=True)  # the engine would not remove it, and nobody holds anything
+    assert _deciding(stuck) == Verdict(Room.PULL, over_budget=True)
+
+
+def test_the_decision_asks_the_batch_only_while_one_of_its_images_is_spared():
+    from pvisor_host.backend.docker.image.cache.cache import Room, Verdict
+
+    own = _image("own", 90 * MB, used=95.0, session="mine")  # its batch's, used 5 s ago
+    assert _deciding(own, ask=True) == Verdict(Room.ASK)
+    assert _deciding(own, finished=set()) == Verdict(Room.WAIT)  # not done: spared, and its items still to run
+    assert _deciding(own, finished={"own"}) == Verdict(Room.REMOVE, victims=["own"])
+    stale = _image("own", 90 * MB, used=50.0, session="mine")  # unused for longer than SPARE_WAIT: not spared
+    assert _deciding(stale, ask=True) == Verdict(Room.REMOVE, victims=["own"])

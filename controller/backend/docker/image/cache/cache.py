@@ -36,6 +36,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -94,6 +96,49 @@ class CacheEngine(Protocol):
     def remove(self, ref: str, image_id: str) -> bool: ...
 
 
+class Room(StrEnum):
+    """What a look at the ledger for room for a pull came to (:func:`make_room`)."""
+
+    PULL = "pull"
+    """The budget has room (or the pull may go over it): the pull is noted, the image held."""
+    REMOVE = "remove"
+    """Removing these images makes room: they go, then the ledger is looked at again."""
+    WAIT = "wait"
+    """Holders, pulls or removals under way will let go: look again in a moment."""
+    ASK = "ask"
+    """Room is short: the caller is to say which of its images are done (only that decides it now)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """:func:`make_room`'s decision."""
+
+    room: Room
+    victims: list[str] = field(default_factory=list)
+    """For :attr:`Room.REMOVE`: the ledger keys of the images to remove."""
+    over_budget: bool = False
+    """For :attr:`Room.PULL`: the pull goes over the budget."""
+
+
+@dataclass
+class _Reservation:
+    """One :meth:`ImageCache.reserve`: what it carries from one look at the ledger to the next."""
+
+    ref: str
+    token: str
+    deadline: float
+    """When it stops waiting for room and pulls over the budget."""
+    owned: bool
+    evicted: list[str] = field(default_factory=list)
+    """What it removed to make room."""
+    finished: set[str] | None = None
+    """The images of its batch that the batch is done with, when asked (None: not asked since the last look)."""
+    quote: Priced | None = None
+    """What the registry says its pull holds (None: not asked yet, or it could not say)."""
+    quoted: float = -TIDY_EVERY
+    tidied: float = -TIDY_EVERY
+
+
 def _sleep(seconds: float, cancel: threading.Event | None) -> None:
     pause(seconds, cancel, "waiting for room for its image")
 
@@ -148,21 +193,14 @@ class ImageCache:
             UsageError: the pull alone downloads more than ``budget``.
             Interrupted: ``cancel`` was set while it waited.
         """
-        token = uuid.uuid4().hex
-        deadline = self._clock() + WAIT_FOR_ROOM
-        retried_stuck = False
-        evicted: list[str] = []
-        finished: set[str] | None = None
-        quote: Priced | None = None
-        quoted = -TIDY_EVERY
-        tidied = -TIDY_EVERY
+        wanted = _Reservation(ref=ref, token=uuid.uuid4().hex, deadline=self._clock() + WAIT_FOR_ROOM, owned=owned)
         while True:
-            if self._clock() - tidied >= TIDY_EVERY:
+            if self._clock() - wanted.tidied >= TIDY_EVERY:
                 self.tidy()
-                tidied = self._clock()
+                wanted.tidied = self._clock()
             found = self._engine.present(ref)
             if found is not None:
-                held = self._hold_present(ref, found, token)
+                held = self._hold_present(ref, found, wanted.token)
                 if held is not None:
                     try:
                         self._trim(budget)
@@ -171,32 +209,20 @@ class ImageCache:
                         raise
                     return held
             elif not self._pulled_elsewhere(ref):
-                if quote is None and self._clock() - quoted >= TIDY_EVERY:
+                if wanted.quote is None and self._clock() - wanted.quoted >= TIDY_EVERY:
                     # the registry is asked once per reserve (again now and then while it cannot say); the
                     # engine's layers at every look
-                    quote, quoted = self._quote(ref), self._clock()
-                layers, compressed, here = self._price(quote)
-                outcome = self._make_room(
-                    ref, token, layers, compressed, here, budget, owned, finished, evicted,
-                    ask=done is not None and finished is None,
-                    late=self._clock() > deadline,
-                )  # fmt: skip
+                    wanted.quote, wanted.quoted = self._quote(ref), self._clock()
+                outcome = self._make_room(wanted, budget, ask=done is not None and wanted.finished is None)
                 if isinstance(outcome, ImageHold):
                     return outcome
-                if outcome == "ask" and done is not None:
-                    finished = set(done())  # which of its images the batch is done with: needed now, asked now
+                if outcome == Room.ASK and done is not None:
+                    wanted.finished = set(done())  # which of its images the batch is done with: needed now, asked now
                     continue
-                if outcome == "removed":
+                if outcome == Room.REMOVE:
                     continue  # room was made: reserve it now
-                if outcome == "stuck" and not retried_stuck:
-                    retried_stuck = True
-                    self._unstick()
-                    continue
-                if outcome == "stuck":
-                    deadline = self._clock()  # nothing anyone holds will free room: over budget, at once
-                    continue
             self._sleep(POLL, cancel)
-            finished = None  # the batch may be done with more of its images by now: asked again when needed
+            wanted.finished = None  # the batch may be done with more of its images by now: asked again when needed
 
     def fill(
         self,
@@ -428,24 +454,12 @@ class ImageCache:
         ]  # fmt: skip
         return measured, compressed, set(here)
 
-    def _make_room(
-        self,
-        ref: str,
-        token: str,
-        layers: list[Layer] | None,
-        compressed: int,
-        here: set[str],
-        budget: int | None,
-        owned: bool,
-        finished: set[str] | None,
-        evicted: list[str],
-        *,
-        ask: bool,
-        late: bool,
-    ) -> ImageHold | str:
-        """Note the pull when the budget has room (or must give way); else remove what may go, or say why not:
-        ``"removed"`` (images were removed, or marked stuck: look again), ``"wait"`` (holders will let go),
-        ``"stuck"`` (nothing will), ``"ask"`` (room is short: the caller is to say which of its images are done)."""
+    def _make_room(self, wanted: _Reservation, budget: int | None, *, ask: bool) -> ImageHold | Room:
+        """Note the pull when the budget has room (or must give way): its hold; else remove what may go
+        (:attr:`Room.REMOVE`: look again), or say why not (see :class:`Room`). The decision is
+        :func:`make_room`'s."""
+        ref = wanted.ref
+        layers, compressed, here = self._price(wanted.quote)
         if budget is not None and compressed > budget:
             raise UsageError(
                 f"image {ref} downloads {format_size(compressed)} (more unpacked), more than the whole "
@@ -455,94 +469,40 @@ class ImageCache:
         with self._ledger.changing() as state:
             budget = self._keep_to(state, budget)
             if any(i.ref == ref and i.state != "present" for i in state.images.values()):
-                return "wait"  # another holder pulls it (or it is on its way out): this one finds it when it is here
+                return Room.WAIT  # another holder pulls it (or it is on its way out): this one finds it when it is here
             if layers is None:  # unpriced: as large as the largest image here, and pulled while no other is
                 if any(i.state == "pulling" for i in state.images.values()):
-                    return "wait"
+                    return Room.WAIT
                 largest = max((sum(x.size for x in i.layers) for i in state.images.values()), default=0)
-                layers = [Layer(chain=f"unpriced:{token}", size=largest, estimated=True)]
+                layers = [Layer(chain=f"unpriced:{wanted.token}", size=largest, estimated=True)]
             entry = CachedImage(
-                key=f"ref:{ref}:{token}", ref=ref, state="pulling", layers=layers, compressed=compressed,
-                owner=self._me if owned else None, session=self._session, worker=self._me,
-                holds={token: Hold(process=self._me, session=self._session)}, used=self._clock(),
+                key=f"ref:{ref}:{wanted.token}", ref=ref, state="pulling", layers=layers, compressed=compressed,
+                owner=self._me if wanted.owned else None, session=self._session, worker=self._me,
+                holds={wanted.token: Hold(process=self._me, session=self._session)}, used=self._clock(),
             )  # fmt: skip
             used = state.used()
             state.images[entry.key] = entry
             added = state.used() - used
-            room = budget is None or used + added <= budget
             state.budget = budget
-            if not room and ask and any(self._spared(i, set()) and not i.holds for i in state.images.values()):
-                del state.images[entry.key]  # the answer decides something only while one of its images is spared
-                return "ask"
-            victims = [] if room else self._victims(state, entry, here, budget or 0, finished)
-            busy = any(  # someone will let go: a holder, a pull or removal, or the batch's items still to run
-                i.holds or i.state != "present" or (self._spared(i, finished) and i.counts)
-                for k, i in state.images.items() if k != entry.key
-            )  # fmt: skip
-            if room or (victims is None and (late or not busy)):
-                if not room:
+            verdict = make_room(
+                state, entry, here, budget, wanted.finished, ask=ask, late=self._clock() > wanted.deadline
+            )
+            if verdict.room == Room.PULL:
+                if verdict.over_budget:
                     logger.warning(
                         "{}: over the --image-budget of {} ({} held by images in use); pulling it all the same",
                         ref, format_size(budget or 0), format_size(used),
                     )  # fmt: skip
                 return ImageHold(
-                    ref=ref, token=token, key=entry.key, added=added, compressed=compressed, budget=budget,
-                    over_budget=not room, evicted=evicted,
+                    ref=ref, token=wanted.token, key=entry.key, added=added, compressed=compressed, budget=budget,
+                    over_budget=verdict.over_budget, evicted=wanted.evicted,
                 )  # fmt: skip
             del state.images[entry.key]
-            if victims is None:
-                return "wait" if busy else "stuck"
-            for key in victims:
+            for key in verdict.victims:
                 state.images[key].state, state.images[key].worker = "removing", self._me
-        evicted += self._remove(victims, marked=True)  # what would not go is marked stuck: the next round sees it
-        return "removed"
-
-    def _victims(
-        self,
-        state: CacheState,
-        new: CachedImage,
-        here: set[str],
-        budget: int,
-        finished: set[str] | None,
-    ) -> list[str] | None:
-        """The images to remove so that the cache's layers, the new image's included, fit in ``budget``; None
-        when removing every image that may go would not be enough. Least recently used first, but images that
-        share layers with the new one last: removing them would remove layers its pull then downloads again
-        (each such layer is counted at its pull's estimate once its last holder would go)."""
-        others = [i for i in state.images.values() if i.key != new.key and i.counts]
-        cached = {x.chain for i in others for x in i.layers}
-        foreign = here - cached  # layers on the engine that no image of the cache holds: they stay
-
-        def pulled_again(image: CachedImage) -> int:
-            """What the new image would download again if ``image`` alone went."""
-            kept = {x.chain for i in others if i.key != image.key for x in i.layers} | foreign
-            mine = {x.chain for x in image.layers} - kept
-            return sum(x.pull for x in new.layers if x.chain in mine)
-
-        candidates = sorted(
-            (
-                i for i in others
-                if i.state == "present" and not i.holds and not i.stuck and i.worker is None
-                and not self._spared(i, finished)
-            ),
-            key=lambda i: (pulled_again(i), i.used),
-        )  # fmt: skip
-        chosen: list[str] = []
-        for image in candidates:
-            if _used_without(others, new, set(chosen), foreign) <= budget:
-                break
-            chosen.append(image.key)
-        return chosen if chosen and _used_without(others, new, set(chosen), foreign) <= budget else None
-
-    def _spared(self, image: CachedImage, finished: set[str] | None) -> bool:
-        """Whether ``image`` stays for its batch's items still to run: this batch's, not among the ``finished``
-        it named (None: it names none, so nothing is spared), and used within the last :data:`SPARE_WAIT`."""
-        return (
-            finished is not None
-            and image.session == self._session
-            and image.key not in finished
-            and self._clock() - image.used < SPARE_WAIT
-        )
+        if verdict.room == Room.REMOVE:  # what would not go is marked stuck: the next look sees it
+            wanted.evicted += self._remove(verdict.victims, marked=True)
+        return verdict.room
 
     def _remove(self, keys: list[str], *, marked: bool = False) -> list[str]:
         """Remove the images ``keys`` (marked ``removing`` by this process first, unless ``marked``; then only
@@ -611,12 +571,6 @@ class ImageCache:
                     now.state, now.worker = "present", None
                     state.images[now.key] = now
 
-    def _unstick(self) -> None:
-        """Let the images the engine would not remove be tried once more (their container may be gone)."""
-        with self._ledger.changing() as state:
-            for entry in state.images.values():
-                entry.stuck = False
-
     def _settle_failed_pull(self, hold: ImageHold) -> None:
         """A pull failed or was interrupted: forget its note, unless the image arrived all the same (then it is
         this process's to remove, as any it pulled)."""
@@ -631,6 +585,84 @@ class ImageCache:
                 entry.key, entry.state, entry.worker, entry.holds = arrived.id, "present", None, {}
                 state.images[arrived.id] = entry
         hold.key = None
+
+
+def make_room(
+    state: CacheState,
+    new: CachedImage,
+    here: set[str],
+    budget: int | None,
+    finished: set[str] | None,
+    *,
+    ask: bool,
+    late: bool,
+) -> Verdict:
+    """Whether the pull ``new`` (noted in ``state`` already) may go now, and if not what would make room: a pure
+    function of the ledger's state. ``here``: the layers on the engine; ``finished``: the images its batch is done
+    with (see :func:`spared`); ``ask``: the caller can say which those are; ``late``: the wait for room is over.
+
+    Short of room, the batch is asked which of its images are done while one of them is spared; else the images
+    that may go are removed, when that is enough; else the pull waits while someone will let go (a holder, a pull
+    or removal under way, the batch's items still to run), and goes over the budget once nobody will, or once it
+    is late."""
+    if budget is None or state.used() <= budget:
+        return Verdict(Room.PULL)
+    if ask and any(spared(i, new, set()) and not i.holds for i in state.images.values() if i.key != new.key):
+        return Verdict(Room.ASK)  # the answer decides something only while one of its images is spared
+    chosen = victims(state, new, here, budget, finished)
+    if chosen is not None:
+        return Verdict(Room.REMOVE, victims=chosen)
+    busy = any(
+        i.holds or i.state != "present" or (spared(i, new, finished) and i.counts)
+        for k, i in state.images.items()
+        if k != new.key
+    )
+    return Verdict(Room.WAIT) if busy and not late else Verdict(Room.PULL, over_budget=True)
+
+
+def spared(image: CachedImage, new: CachedImage, finished: set[str] | None) -> bool:
+    """Whether ``image`` stays for its batch's items still to run, while ``new`` is pulled: it is of ``new``'s
+    batch, not among the ``finished`` that batch named (None: it names none, so nothing is spared), and used within
+    the last :data:`SPARE_WAIT`."""
+    return (
+        finished is not None
+        and image.session == new.session
+        and image.key not in finished
+        and new.used - image.used < SPARE_WAIT
+    )
+
+
+def victims(
+    state: CacheState, new: CachedImage, here: set[str], budget: int, finished: set[str] | None
+) -> list[str] | None:
+    """The images to remove so that the cache's layers, the new image's included, fit in ``budget``; None when
+    removing every image that may go would not be enough. Least recently used first, but images that share
+    layers with the new one last: removing them would remove layers its pull then downloads again (each such
+    layer is counted at its pull's estimate once its last holder would go)."""
+    others = [i for i in state.images.values() if i.key != new.key and i.counts]
+    cached = {x.chain for i in others for x in i.layers}
+    foreign = here - cached  # layers on the engine that no image of the cache holds: they stay
+
+    def pulled_again(image: CachedImage) -> int:
+        """What the new image would download again if ``image`` alone went."""
+        kept = {x.chain for i in others if i.key != image.key for x in i.layers} | foreign
+        mine = {x.chain for x in image.layers} - kept
+        return sum(x.pull for x in new.layers if x.chain in mine)
+
+    candidates = sorted(
+        (
+            i for i in others
+            if i.state == "present" and not i.holds and not i.stuck and i.worker is None
+            and not spared(i, new, finished)
+        ),
+        key=lambda i: (pulled_again(i), i.used),
+    )  # fmt: skip
+    chosen: list[str] = []
+    for image in candidates:
+        if _used_without(others, new, set(chosen), foreign) <= budget:
+            break
+        chosen.append(image.key)
+    return chosen if chosen and _used_without(others, new, set(chosen), foreign) <= budget else None
 
 
 def _used_without(others: list[CachedImage], new: CachedImage, gone: set[str], foreign: set[str]) -> int:
