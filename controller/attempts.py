@@ -225,5 +225,6 @@ def _keep(
     cassette = upstream.cassette if upstream is not None else None
     tape = out / MODEL_CASSETTE
     if keep_tape and cassette is not None and not cassette.replaying and tape.is_file():
+        cassette.dir.mkdir(parents=True, exist_ok=True)
         write_atomic(cassette.tape(prepared.name), tape.read_bytes())
     return final

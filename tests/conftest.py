@@ -149,6 +149,42 @@ def run_cli(
     return CliResult(process.returncode, stdout, stderr)
 
 
+def invoke_cli(*args: str | Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> CliResult:
+    """Run the CLI's own ``main`` in this process, as :func:`run_cli` runs it in a child (for the refusals the
+    host decides, which need no engine and no Ctrl-C: a child costs half a second each). Its environment,
+    working directory, signal handlers and log sinks are this process's again afterwards."""
+    import io
+
+    from loguru import logger
+
+    from pvisor_host.cli.main import main
+
+    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
+    environment, directory = dict(os.environ), os.getcwd()
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.environ.update(env or {})
+    os.environ.pop("PVISOR_HOST_DEBUG", None)
+    code: int | str | None = 0
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                main([str(arg) for arg in args])
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        os.chdir(directory)
+        os.environ.clear()
+        os.environ.update(environment)
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+        logger.remove()  # the CLI's sink writes to the captured stream
+        logger.disable("pvisor_host")
+    assert isinstance(code, int), code
+    return CliResult(code, stdout.getvalue(), stderr.getvalue())
+
+
 def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start ``pvisor-host`` as a real process in the background (for signals and live inspection)."""
     return subprocess.Popen(

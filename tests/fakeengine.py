@@ -108,7 +108,8 @@ class FakeEngine:
         return {"DOCKER_HOST": f"unix://{self.socket}"}
 
     def __enter__(self) -> FakeEngine:
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # shutdown() waits for the loop's next look: every 20 ms, not the default half second
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -409,7 +409,8 @@ class StubServer:
         else:
             self.httpd = _TCPServer((host, port), _Handler)
         self.httpd.model = self.model
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # shutdown() waits for the loop's next look: every 20 ms, not the default half second
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
 
     @property
     def base_url(self) -> str:

@@ -198,16 +198,24 @@ def check_out_dir(out: Path | None, run_id: str) -> Path:
             raise UsageError(
                 f"--out {path} is not empty", hint="pass a new directory; pvisor-host never overwrites a run"
             )
+    unwritable = _unwritable(path)
+    if unwritable is not None:
+        raise UsageError(f"--out {path} is not writable ({unwritable})")
+    return path
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why no file could be made at ``path`` (a directory that may not exist yet), None: one could. Its nearest
+    existing directory takes an unnamed temporary file (``O_TMPFILE`` where supported): proof that leaves no
+    trace."""
     existing = path
     while not existing.exists():
         existing = existing.parent
     try:
-        # An unnamed temporary file (O_TMPFILE where supported): proves writability, leaves no trace.
         with tempfile.TemporaryFile(dir=existing):
-            pass
+            return None
     except OSError as exc:
-        raise UsageError(f"--out {path} is not writable ({existing}: {exc.strerror})") from None
-    return path
+        return f"{existing}: {exc.strerror}"
 
 
 # -- the individual checks ---------------------------------------------------------------------------------
@@ -220,7 +228,8 @@ def _env_values(spec: ReplaySpec) -> None:
 
 
 def _cassette_dir(spec: ReplaySpec) -> None:
-    """A cassette served back must be a directory; one to record into must be a directory we can make."""
+    """A cassette served back must be a directory; one to record into must be a directory we can make (nothing is
+    made here)."""
     cassette = spec.continuation.cassette if spec.continuation is not None else None
     if cassette is None:
         return
@@ -229,10 +238,11 @@ def _cassette_dir(spec: ReplaySpec) -> None:
         if not cassette.dir.is_dir():
             raise UsageError(f"{flag}: no such directory", hint="record one with --model-cassette record DIR")
         return
-    try:
-        cassette.dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{flag}: cannot make the directory ({exc.strerror})") from None
+    if cassette.dir.exists() and not cassette.dir.is_dir():
+        raise UsageError(f"{flag}: not a directory")
+    unwritable = _unwritable(cassette.dir)  # made when the tape is written, at the end of the run
+    if unwritable is not None:
+        raise UsageError(f"{flag}: cannot make the directory ({unwritable})")
 
 
 def _tape(spec: ReplaySpec, name: str) -> None:

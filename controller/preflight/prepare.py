@@ -9,6 +9,7 @@ follow from the image (:func:`assemble`), and the run directory is created last.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -170,11 +171,25 @@ def sandbox_user(checked: CheckedInputs, image: ImageRef, profile: SandboxProfil
 
 
 def _create_out_dir(path: Path) -> None:
-    """Create the run directory (checked by :func:`~.checks.check_out_dir`) and prove it takes a file."""
+    """Create the run directory (checked by :func:`~.checks.check_out_dir`, but an image's build or pull may have
+    taken minutes since): it must still be new or empty, and take a file; a directory made here is removed again
+    when it does not."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True)
+    except FileExistsError:
+        if not path.is_dir() or any(path.iterdir()):
+            raise UsageError(f"--out {path} is no longer empty (another run?)", hint="pass a new directory") from None
+        made = False
+    except OSError as exc:
+        raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None
+    else:
+        made = True
+    try:
         probe = path / ".pvisor-host-write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
+        if made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
         raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None

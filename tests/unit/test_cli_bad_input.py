@@ -1,5 +1,6 @@
 """Bad input to `pvisor-host replay`: one clear line on stderr, a documented exit code, no traceback,
-nothing created — all decided on the host before the engine is even asked (real CLI processes; the
+nothing created — all decided on the host before the engine is even asked (the CLI's own ``main`` in this
+process, and in a real process where the process itself matters: no engine, ``--debug``, a usage error; the
 real host pvisor does the trajectory and boundary checks)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import invoke_cli, run_cli
 from trajgen import claude_files_session, codex_files_session, write_jsonl
 
 # An address where no engine answers: proves these errors come before any engine call.
@@ -27,9 +28,11 @@ def claude(tmp_path) -> Path:
     return write_jsonl(tmp_path / "claude.jsonl", claude_files_session())
 
 
-def replay(tmp_path: Path, *args: str | Path, env: dict[str, str] | None = None):
+def replay(tmp_path: Path, *args: str | Path, env: dict[str, str] | None = None, process: bool = False):
+    """``replay --out <tmp>/out ARGS`` in this process (``process``: in a child of its own)."""
     out = tmp_path / "out"
-    result = run_cli("replay", "--out", out, *args, env={**NO_ENGINE, **(env or {})}, cwd=tmp_path)
+    run = run_cli if process else invoke_cli
+    result = run("replay", "--out", out, *args, env={**NO_ENGINE, **(env or {})}, cwd=tmp_path)
     return result, out
 
 
@@ -151,6 +154,20 @@ def test_out_not_empty(tmp_path, claude):
     result, out = replay(tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *REPLAY_ONLY)
     assert_one_line(result, 2, f"--out {out} is not empty (pass a new directory; pvisor-host never overwrites a run)")
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_a_refused_replay_makes_no_cassette_directory(tmp_path, claude):
+    """``--model-cassette record DIR`` is checked (it could be made) but made only when a tape is written."""
+    tapes = tmp_path / "tapes" / "new"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    model = ("--model-base-url", "http://127.0.0.1:9/v1", "--model", "m", "--model-api-key-env", "PVH_TEST_KEY")
+    result, out = replay(
+        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", *model,
+        "--model-cassette", "record", tapes, env={"PVH_TEST_KEY": "sk-test"},
+    )  # fmt: skip
+    assert_one_line(result, 2, f"--out {out} is not empty (pass a new directory; pvisor-host never overwrites a run)")
+    assert not (tmp_path / "tapes").exists()
 
 
 def test_out_is_a_file(tmp_path, claude):
@@ -293,8 +310,9 @@ def test_bad_model_gateway_options(tmp_path, claude, extra, env, line):
 
 def test_engine_unreachable_is_a_missing_prerequisite(tmp_path, claude):
     result, out = replay(
-        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", "--mode", "replay-only"
-    )
+        tmp_path, "--agent", "claude-code", "--trajectory", claude, "--after-step", "1", "--mode", "replay-only",
+        process=True,
+    )  # fmt: skip
     assert result.code == 3
     assert len(result.error_lines) == 1 and "Traceback" not in result.stderr
     assert result.error_lines[0].startswith(

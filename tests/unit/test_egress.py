@@ -142,7 +142,7 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def upstream():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server.server_address[1]
     server.shutdown()
     server.server_close()

@@ -12,7 +12,7 @@ import pytest
 
 from pvisor_host.errors import ExitCode
 
-from conftest import run_cli
+from conftest import invoke_cli, run_cli
 from fakeengine import FakeEngine, dropping, failing
 from trajgen import claude_files_session, write_jsonl
 
@@ -51,10 +51,16 @@ def commands(tmp_path: Path, trajectory: Path) -> dict[str, tuple[list[str | Pat
 @pytest.mark.parametrize(
     "command", ["build", "replay", "batch", "batch --plan", "gc", "images", "images prune", "doctor", "agents"]
 )
-def test_an_engine_failure_is_exit_6_and_one_line_naming_the_action(tmp_path, trajectory, command, answer, words):
+def test_an_engine_failure_is_exit_6_and_one_line_naming_the_action(
+    tmp_path, trajectory, command, answer, words, monkeypatch
+):
+    """In this process, the retries' backoff skipped (tenacity's sleep, the clock seam it has)."""
+    import tenacity
+
+    monkeypatch.setattr(tenacity.nap.time, "sleep", lambda seconds: None)
     args, start = commands(tmp_path, trajectory)[command]
     with FakeEngine(answer) as engine:
-        result = run_cli(*args, env=engine.env, cwd=tmp_path)
+        result = invoke_cli(*args, env=engine.env, cwd=tmp_path)
     assert result.code == ExitCode.INFRASTRUCTURE, result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr, result.stderr
     errors = [line for line in result.error_lines if line.startswith("pvisor-host: error: ")]
