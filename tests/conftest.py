@@ -151,35 +151,52 @@ def run_cli(
 
 def invoke_cli(*args: str | Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> CliResult:
     """Run the CLI's own ``main`` in this process, as :func:`run_cli` runs it in a child (for the refusals the
-    host decides, which need no engine and no Ctrl-C: a child costs half a second each). Its environment,
-    working directory, signal handlers and log sinks are this process's again afterwards."""
+    host decides, which need no engine and no Ctrl-C: a child costs half a second each). Warnings are shown as
+    in a real process, not raised; an exit 130 is returned, not made with ``os._exit``. Afterwards the
+    environment, working directory, signal handlers and the interrupt counter are this process's again, and
+    loguru has its default sink and pvisor-host's records disabled, as the library leaves them."""
+    import importlib
     import io
 
     from loguru import logger
 
-    from pvisor_host.cli.main import main
+    from pvisor_host import signals as pvh_signals
 
-    signals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
+    cli_main = importlib.import_module("pvisor_host.cli.main")  # the module (the package exports its function)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
     environment, directory = dict(os.environ), os.getcwd()
+    insisting, exit_interrupted = pvh_signals._INSISTING, cli_main.exit_interrupted
+    enabled = insisting.enabled
     stdout, stderr = io.StringIO(), io.StringIO()
     os.environ.update(env or {})
     os.environ.pop("PVISOR_HOST_DEBUG", None)
     code: int | str | None = 0
+    cli_main.exit_interrupted = lambda: sys.exit(130)  # type: ignore[assignment]
     try:
         if cwd is not None:
             os.chdir(cwd)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with (
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("default")
             try:
-                main([str(arg) for arg in args])
+                cli_main.main([str(arg) for arg in args])
             except SystemExit as exc:
                 code = exc.code
     finally:
+        cli_main.exit_interrupted = exit_interrupted
         os.chdir(directory)
         os.environ.clear()
         os.environ.update(environment)
-        for sig, handler in signals.items():
+        for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        insisting.settle()
+        insisting.enabled, insisting.interrupts = enabled, 0
         logger.remove()  # the CLI's sink writes to the captured stream
+        logger.add(sys.stderr)
         logger.disable("pvisor_host")
     assert isinstance(code, int), code
     return CliResult(code, stdout.getvalue(), stderr.getvalue())

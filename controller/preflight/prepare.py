@@ -177,7 +177,9 @@ def _create_out_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True)
     except FileExistsError:
-        if not path.is_dir() or any(path.iterdir()):
+        if not path.is_dir():
+            raise UsageError(f"--out {path} exists and is not a directory") from None
+        if any(path.iterdir()):
             raise UsageError(f"--out {path} is no longer empty (another run?)", hint="pass a new directory") from None
         made = False
     except OSError as exc:

@@ -54,7 +54,8 @@ def commands(tmp_path: Path, trajectory: Path) -> dict[str, tuple[list[str | Pat
 def test_an_engine_failure_is_exit_6_and_one_line_naming_the_action(
     tmp_path, trajectory, command, answer, words, monkeypatch
 ):
-    """In this process, the retries' backoff skipped (tenacity's sleep, the clock seam it has)."""
+    """In this process, the retries' backoff skipped: tenacity sleeps with ``time.sleep``, patched for the whole
+    process (the fake engine waits with ``select``; nothing these commands do sleeps towards a deadline)."""
     import tenacity
 
     monkeypatch.setattr(tenacity.nap.time, "sleep", lambda seconds: None)

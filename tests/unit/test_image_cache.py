@@ -173,7 +173,7 @@ def test_an_image_too_large_once_unpacked_is_not_removed_from_under_another_hold
     assert taken[0].key == engine.registry["grows"].id
 
 
-def test_an_image_the_engine_will_not_remove_is_tried_once_more_then_the_pull_goes_over(cache, engine, clock):
+def test_an_image_the_engine_will_not_remove_is_marked_stuck_and_the_pull_goes_over_at_once(cache, engine, clock):
     refs = swe(engine, 2, envs=2)
     budget = (50 + 250 + 20) * MB + 5 * MB
     cache.release(take(cache, refs[0], budget))
@@ -568,10 +568,13 @@ def test_the_decision_waits_for_a_holder_and_goes_over_the_budget_when_nobody_wi
 
 def test_the_decision_asks_the_batch_only_while_one_of_its_images_is_spared():
     from pvisor_host.backend.docker.image.cache.cache import Room, Verdict
+    from pvisor_host.backend.docker.image.cache.ledger import Hold
 
     own = _image("own", 90 * MB, used=95.0, session="mine")  # its batch's, used 5 s ago
     assert _deciding(own, ask=True) == Verdict(Room.ASK)
     assert _deciding(own, finished=set()) == Verdict(Room.WAIT)  # not done: spared, and its items still to run
     assert _deciding(own, finished={"own"}) == Verdict(Room.REMOVE, victims=["own"])
+    held = _image("own", 90 * MB, used=95.0, session="mine", holds={"x": Hold(process="q")})
+    assert _deciding(held, ask=True) == Verdict(Room.WAIT)  # held: its batch's answer would change nothing
     stale = _image("own", 90 * MB, used=50.0, session="mine")  # unused for longer than SPARE_WAIT: not spared
     assert _deciding(stale, ask=True) == Verdict(Room.REMOVE, victims=["own"])
