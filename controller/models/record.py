@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import BaseModel
 
@@ -25,6 +25,9 @@ from .egress import EgressInfo
 from .image import ImageRef
 from .observations import Observations
 from .result import ReplayResult
+
+if TYPE_CHECKING:
+    from .spec import ReplaySpec
 
 RECORD_SCHEMA: Final = "pvisor-host.record/v1"
 
@@ -61,8 +64,9 @@ class TrajectoryRef(BaseModel):
     """The sha256 of that copy (what pvisor's ``manifest.json`` names), when something was filled."""
 
 
-class Inputs(BaseModel):
-    """The replay request, as run."""
+class PvisorRequest(BaseModel):
+    """What pvisor is asked to replay: the ``pvisor replay`` flags a sandbox runs with (beside its paths), as the
+    record lists them."""
 
     agent: str
     after_step: int
@@ -72,6 +76,31 @@ class Inputs(BaseModel):
     disable_thinking: bool
     allow_stale_observations: bool
     session_id: str | None
+
+    @classmethod
+    def of(cls, spec: ReplaySpec, agent: str) -> PvisorRequest:
+        """The request of ``spec`` for ``agent`` (the agent its profile names)."""
+        return cls(agent=agent, **spec.model_dump(include=set(cls.model_fields) - {"agent"}))
+
+    def options(self) -> list[str]:
+        """The flags that only a value set adds (``--max-steps``, ``--session-id``, ...), in pvisor's order."""
+        flags: list[str] = []
+        if self.max_steps is not None:
+            flags += ["--max-steps", str(self.max_steps)]
+        if self.session_id:
+            flags += ["--session-id", self.session_id]
+        if self.boundary_user_prompt:
+            flags += ["--boundary-user-prompt", self.boundary_user_prompt]
+        if self.disable_thinking:
+            flags.append("--disable-thinking")
+        if self.allow_stale_observations:
+            flags.append("--allow-stale-observations")
+        return flags
+
+
+class Inputs(PvisorRequest):
+    """The replay request, as run."""
+
     workspace_dir: str | None
     workspace_from_image: bool = False
     workspace_path: str

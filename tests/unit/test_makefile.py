@@ -26,6 +26,8 @@ def test_make_test_starts_the_engine_and_leaves_images_to_the_tests_that_need_th
     assert "scripts/ensure-chromium.sh" in commands  # the report's browser tests run, never skip, in CI
     assert "pvisor-host build" not in commands  # session fixtures build exactly the images the tests use
     assert "pytest" in commands
+    # both tiers, which together select what a plain `pytest` does (addopts: not faults): none dropped
+    assert "-m 'not docker and not faults'" in commands and "-m 'docker and not faults'" in commands
 
 
 def test_make_images_builds_the_agents_asked_for():

@@ -68,3 +68,21 @@ def test_workspace_paths():
     for bad in ("/", "/proc/x", "/pvisor-host/run", "/tmp"):
         with pytest.raises(ValueError, match="system directory"):
             check_workspace_path(bad)
+
+
+def test_pvisors_request_is_the_specs_and_its_flags_are_those_set():
+    from pvisor_host.models.record import Inputs, PvisorRequest
+
+    plain = PvisorRequest.of(spec(mode="replay-only"), "claude-code")
+    assert (plain.agent, plain.after_step, plain.mode, plain.options()) == ("claude-code", 1, "replay-only", [])
+    every = PvisorRequest.of(
+        spec(agent=None, max_steps=9, session_id="s-1", boundary_user_prompt="go on", disable_thinking=True,
+             allow_stale_observations=True),
+        "codex",
+    )  # fmt: skip
+    assert every.agent == "codex"
+    assert every.options() == [
+        "--max-steps", "9", "--session-id", "s-1", "--boundary-user-prompt", "go on", "--disable-thinking",
+        "--allow-stale-observations",
+    ]  # fmt: skip
+    assert set(PvisorRequest.model_fields) < set(Inputs.model_fields)  # the record lists the request as run

@@ -6,7 +6,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from ....models.ownership import Ownership
-from ....models.record import Limits, recorded_environment
+from ....models.record import Limits, PvisorRequest, recorded_environment
 from ....models.replay import Attempt, PreparedReplay, SandboxPlan
 from .. import container as sandbox
 from .. import labels as L
@@ -35,34 +35,24 @@ _MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only":
 
 def pvisor_command(prepared: PreparedReplay, attempt: Attempt, trajectory_in_sandbox: str) -> list[str]:
     """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
-    spec = prepared.spec
+    request = PvisorRequest.of(prepared.spec, prepared.profile.agent)
     command = [
         "/bin/sh", f"{INPUT_MOUNT}/entry.sh", prepared.image.pvisor_path, "replay",
-        "--agent", prepared.profile.agent,
+        "--agent", request.agent,
         "--trajectory", trajectory_in_sandbox,
-        "--after-step", str(spec.after_step),
-        *_MODE_FLAGS[spec.mode],
+        "--after-step", str(request.after_step),
+        *_MODE_FLAGS[request.mode],
         "--workspace", prepared.workspace_path,
         "--state-dir", f"{RUN_MOUNT}/state",
         "--output-dir", f"{RUN_MOUNT}/output",
         "--run-id", attempt.run_id,
     ]  # fmt: skip
-    if spec.mode != "prepare-only":
+    if request.mode != "prepare-only":
         if prepared.image.runtime_root:
             command += ["--agent-runtime", prepared.image.runtime_root]
         else:
             command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
-    if spec.max_steps is not None:
-        command += ["--max-steps", str(spec.max_steps)]
-    if spec.session_id:
-        command += ["--session-id", spec.session_id]
-    if spec.boundary_user_prompt:
-        command += ["--boundary-user-prompt", spec.boundary_user_prompt]
-    if spec.disable_thinking:
-        command.append("--disable-thinking")
-    if spec.allow_stale_observations:
-        command.append("--allow-stale-observations")
-    return command
+    return command + request.options()
 
 
 def secret_env(prepared: PreparedReplay, model: ModelAccess | None, host_env: dict[str, str]) -> dict[str, str]:

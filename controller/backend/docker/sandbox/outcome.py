@@ -29,6 +29,7 @@ from ....models.record import (
     Inputs,
     ModelDrift,
     ModelInfo,
+    PvisorRequest,
     ReplayRecord,
     ReplayStatus,
     TrajectoryRef,
@@ -265,14 +266,7 @@ def _inputs(
 ) -> Inputs:
     spec = prepared.spec
     return Inputs(
-        agent=prepared.profile.agent,
-        after_step=spec.after_step,
-        mode=spec.mode,
-        max_steps=spec.max_steps,
-        boundary_user_prompt=spec.boundary_user_prompt,
-        disable_thinking=spec.disable_thinking,
-        allow_stale_observations=spec.allow_stale_observations,
-        session_id=spec.session_id,
+        **PvisorRequest.of(spec, prepared.profile.agent).model_dump(),
         workspace_dir=str(spec.workspace_dir.absolute()) if spec.workspace_dir else None,
         workspace_from_image=spec.image_workspace,
         workspace_path=prepared.workspace_path,
