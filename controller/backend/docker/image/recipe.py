@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -180,22 +181,9 @@ def build_agent_image(
     build = build or BuildOptions()
     if isinstance(profile.install, UnavailableInstall):
         raise UsageError(f"cannot build {profile.agent} {profile.version}: {profile.install.reason}")
-    started = time.monotonic()
-    resolved = resolve_base(client, build.base, force_bootstrap=build.force_bootstrap, suite=profile.suite)
-    ca_bundle = build.ca_bundle if build.ca_bundle is not None else default_ca_bundle()
-    recipe = render(profile, resolved, ca_bundle)
-    existing = find_image(client, recipe.tag)
-    if existing is not None:
-        return _built(recipe, existing, cached=True, started=started)
-    logger.info("building {} (base {}, {})", recipe.tag, resolved.ref, resolved.source)
-    image = _docker_build(client, recipe)
-    try:
-        verify(client, ownership, image.id, profile)
-    except ImageBuildError:
-        _remove_image(client, recipe.tag)
-        raise
-    logger.info("built and verified {} in {:.0f}s", recipe.tag, time.monotonic() - started)
-    return _built(recipe, image, cached=False, started=started)
+    return _build_verified(
+        client, profile, build, profile.suite, lambda image: verify(client, ownership, image.id, profile)
+    )
 
 
 def build_pvisor_image(
@@ -207,21 +195,44 @@ def build_pvisor_image(
         ImageBuildError: the build failed, or the built image does not carry the pinned pvisor.
     """
     build = build or BuildOptions()
+
+    def verify_pvisor(image: Image) -> None:
+        found = probe_image(client, ownership, image.id, entrypoint="/nonexistent", command="-", version_args=[])
+        if found.pvisor_version != f"pvisor {PVISOR_VERSION}":
+            raise ImageBuildError(
+                f"the prepare-only image just built has {found.pvisor_version!r}, not pvisor {PVISOR_VERSION}"
+            )
+
+    return _build_verified(client, None, build, suite, verify_pvisor)
+
+
+def _build_verified(
+    client: docker.DockerClient,
+    profile: AgentProfile | None,
+    build: BuildOptions,
+    suite: str,
+    check: Callable[[Image], object],
+) -> BuiltImage:
+    """The image of ``profile``'s recipe (None: pvisor alone) on a ``suite`` base: found by its tag, else built,
+    then ``check``ed; an image that fails its check is removed again.
+
+    Raises:
+        ImageBuildError: the build failed, or ``check`` refused the image.
+    """
     started = time.monotonic()
     resolved = resolve_base(client, build.base, force_bootstrap=build.force_bootstrap, suite=suite)
     ca_bundle = build.ca_bundle if build.ca_bundle is not None else default_ca_bundle()
-    recipe = render(None, resolved, ca_bundle)
+    recipe = render(profile, resolved, ca_bundle)
     existing = find_image(client, recipe.tag)
     if existing is not None:
         return _built(recipe, existing, cached=True, started=started)
     logger.info("building {} (base {}, {})", recipe.tag, resolved.ref, resolved.source)
     image = _docker_build(client, recipe)
-    found = probe_image(client, ownership, image.id, entrypoint="/nonexistent", command="-", version_args=[])
-    if found.pvisor_version != f"pvisor {PVISOR_VERSION}":
+    try:
+        check(image)
+    except ImageBuildError:
         _remove_image(client, recipe.tag)
-        raise ImageBuildError(
-            f"the prepare-only image just built has {found.pvisor_version!r}, not pvisor {PVISOR_VERSION}"
-        )
+        raise
     logger.info("built and verified {} in {:.0f}s", recipe.tag, time.monotonic() - started)
     return _built(recipe, image, cached=False, started=started)
 
