@@ -139,6 +139,8 @@ def run_attempts(
     try:
         final = _finish(prepared, records, batch, keep_tape=stopped is None)
     except OSError as exc:
+        if stopped is not None:  # Ctrl-C stays the outcome; what failed while keeping its attempt is its cause
+            raise stopped from exc
         if not is_full(exc):
             raise
         raise disk_full(out) from exc

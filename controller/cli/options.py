@@ -57,9 +57,10 @@ class ModelOption:
         return self.field.is_required() and not self.grouped
 
     def parameter(self, *, with_default: bool) -> inspect.Parameter:
-        with_default = with_default if self.show_default is None else self.show_default
         """The command parameter, keyword-only. ``with_default``: the field's default, in the CLI's words
-        (``4g``, ``2h``), which the model reads back as the same value; else ``None`` when not given."""
+        (``4g``, ``2h``), which the model reads back as the same value; else ``None`` when not given (the
+        option's ``show_default``, when set, decides instead)."""
+        with_default = with_default if self.show_default is None else self.show_default
         kind = _cli_type(self.field)
         flags = [self.flag] if self.flag else []
         option = typer.Option(*flags, help=_help(self.field), metavar=_metavar(self.field))

@@ -14,7 +14,6 @@ backend closes.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ from docker.errors import NotFound
 
 from ....errors import UsageError
 from ....files.archive import Budget, extract_tar, tar_stream
-from ....files.trees import Entry, copy_tree, remove_tree
+from ....files.trees import Entry, copy_tree, remove_if_empty, remove_tree
 from ....models.ownership import Ownership
 from ..container import stopped_container
 from ..engine import engine_errors
@@ -155,7 +154,7 @@ class Seeds:
             for key in gone:
                 source, _ = self._made.pop(key)
                 remove_tree(source)
-                _remove_if_empty(source.parent)
+                remove_if_empty(source.parent)
 
     def close(self) -> None:
         """Remove every copy."""
@@ -173,8 +172,3 @@ def _read_only(root: Path) -> None:
             if not os.path.islink(path):
                 os.chmod(path, os.stat(path).st_mode & 0o555)
         os.chmod(directory, 0o555)
-
-
-def _remove_if_empty(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.rmdir()
