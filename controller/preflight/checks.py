@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from ..errors import UsageError
 from ..models.profiles import AgentProfile, UnavailableInstall, get_profile
+from ..models.record import PvisorRequest
 from ..models.replay import PvisorPlan, TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
 from .hostpvisor import prepare_only
@@ -147,14 +148,7 @@ def with_agent(checked: CheckedInputs, profile: AgentProfile) -> AgentChecks:
         budgeted = spec.max_steps is not None and spec.mode != "prepare-only"  # its turns counted for _budget
         plan = survey_plan(profile.agent, checked.trajectory, spec.after_step, count_turns=budgeted)
     elif checked.host_pvisor:
-        _, plan = prepare_only(
-            agent=profile.agent,
-            trajectory=checked.trajectory.path,
-            after_step=spec.after_step,
-            run_id=checked.run_id,
-            session_id=spec.session_id,
-            boundary_user_prompt=spec.boundary_user_prompt,
-        )
+        _, plan = prepare_only(PvisorRequest.of(spec, profile.agent), checked.trajectory.path, checked.run_id)
     if plan is not None:
         _budget(spec, plan)
     return AgentChecks(profile=profile, workspace_path=_workspace_path(spec, checked.trajectory, profile), plan=plan)

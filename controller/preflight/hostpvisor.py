@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from .._version import PVISOR_VERSION
 from ..errors import InfrastructureError, PreflightRejected, PrerequisiteError
+from ..models.record import PvisorRequest
 from ..models.replay import PvisorPlan
 from ..models.result import ReplayResult, ResultFailure, parse_result
 
@@ -74,34 +75,22 @@ def _pvisor_binary() -> Path:
     return candidate
 
 
-def prepare_only(
-    *,
-    agent: str,
-    trajectory: Path,
-    after_step: int,
-    run_id: str,
-    session_id: str | None = None,
-    boundary_user_prompt: str | None = None,
-) -> tuple[ReplayResult, PvisorPlan]:
-    """Run ``pvisor replay --prepare-only`` on the host at one boundary, as the sandbox will run it.
+def prepare_only(request: PvisorRequest, trajectory: Path, run_id: str) -> tuple[ReplayResult, PvisorPlan]:
+    """Run ``pvisor replay --prepare-only`` on the host at the request's boundary, with the request's own flags:
+    as the sandbox will run it.
 
     Raises:
         PreflightRejected: pvisor reported a failure (its category and message are kept).
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
-    extra = ["--run-id", run_id]
-    if session_id:
-        extra += ["--session-id", session_id]
-    if boundary_user_prompt:
-        extra += ["--boundary-user-prompt", boundary_user_prompt]
-    result, manifest = _ask(agent, trajectory, after_step, extra)
+    extra = ["--run-id", run_id, *request.options()]
+    result, manifest = _ask(request.agent, trajectory, request.after_step, extra)
     if result.failure is not None:
         raise PreflightRejected(result.failure.category, result.failure.message)
+    turns = result.prefix_model_turns or request.after_step
     tool_calls = sum(len(batch) for batch in _tools(manifest))
-    return result, PvisorPlan(
-        after_step=after_step, prefix_model_turns=result.prefix_model_turns or after_step, tool_calls=tool_calls
-    )
+    return result, PvisorPlan(after_step=request.after_step, prefix_model_turns=turns, tool_calls=tool_calls)
 
 
 _BATCHES = re.compile(r"^requested after-step (\d+), trajectory has (\d+) complete batches$")

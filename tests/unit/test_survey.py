@@ -185,3 +185,29 @@ def test_a_pvisor_killed_or_failing_on_the_host_is_no_verdict_on_the_file(tmp_pa
     monkeypatch.setattr(hostpvisor, "_prepare_only", lambda *args: spaceless)
     with pytest.raises(InfrastructureError, match="No space left on device"):
         _survey("claude-code", read_trajectory(path))
+
+
+def test_the_single_boundary_pre_flight_asks_pvisor_with_the_sandboxs_own_flags(tmp_path, monkeypatch):
+    """``prepare_only`` hands the host's pvisor the request's flags as the sandbox's command gets them (one
+    :class:`PvisorRequest`), and the real pvisor takes them at that boundary."""
+    from pvisor_host.models.record import PvisorRequest
+    from pvisor_host.preflight import hostpvisor
+
+    trajectory = write_jsonl(tmp_path / "s.jsonl", claude_session("Go.", [bash(n) for n in range(3)]))
+    request = PvisorRequest(agent="claude-code", after_step=2, mode="continue", max_steps=9, session_id="s-1",
+                            boundary_user_prompt="hello", disable_thinking=True,
+                            allow_stale_observations=True)  # fmt: skip
+    asked: list[list[str]] = []
+    real = hostpvisor._prepare_only
+
+    def seen(root: Path, agent: str, path: Path, after_step: int, extra: list[str]) -> object:
+        asked.append([agent, str(path), str(after_step), *extra])
+        return real(root, agent, path, after_step, extra)
+
+    monkeypatch.setattr(hostpvisor, "_prepare_only", seen)
+    result, plan = hostpvisor.prepare_only(request, trajectory, "run-1")
+    assert asked == [["claude-code", str(trajectory), "2", "--run-id", "run-1", *request.options()]]
+    assert request.options() == ["--max-steps", "9", "--session-id", "s-1", "--boundary-user-prompt", "hello",
+                                 "--disable-thinking", "--allow-stale-observations"]  # fmt: skip
+    assert (plan.after_step, plan.prefix_model_turns, plan.tool_calls) == (2, 2, 2)
+    assert result.metadata is not None and result.metadata["boundary_user_prompt"]["requested"] is True
