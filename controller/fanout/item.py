@@ -31,7 +31,7 @@ from ..files.space import disk_full, full_disk_raises
 from ..models.batch import ItemResult
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.profiles import get_profile
-from ..models.record import DISK_FULL, BatchInfo
+from ..models.record import DISK_FULL, BatchInfo, ReplayRecord
 from ..models.replay import TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs, check_inputs
@@ -188,16 +188,18 @@ def finished_earlier(
     *,
     out: Path,
     rerun_failed: bool,
-) -> tuple[str | None, ItemResult | None]:
-    """The item's content key (None: its image is not known yet) and its result from an earlier run that need not
+) -> tuple[str | None, ReplayRecord | None]:
+    """The item's content key (None: its image is not known yet) and its record from an earlier run that need not
     run again (None: it runs), the same for the run and the plan."""
     if image is None:
         return None, None
     key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
-    earlier = finished_record(out / item.id, key, rerun_failed)
-    if earlier is None:
-        return key, None
-    return key, ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
+    return key, finished_record(out / item.id, key, rerun_failed)
+
+
+def skipped_result(item: BatchItem, earlier: ReplayRecord, out: Path) -> ItemResult:
+    """The row of an item that finished earlier (:func:`finished_earlier`): its record's, marked skipped."""
+    return ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
 
 
 def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
@@ -241,7 +243,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
                 item, trajectory, batch.known_image(spec), workspace, out=batch.out, rerun_failed=batch.rerun_failed
             )
             if earlier is not None:
-                return earlier
+                return skipped_result(item, earlier, batch.out)
             checked = check_item(item, batch.out)
             batch.want_image(spec)  # its pull may start now
             asked.set()
@@ -255,7 +257,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
                         item, trajectory, identity, workspace, out=batch.out, rerun_failed=batch.rerun_failed
                     )
                     if earlier is not None:
-                        return earlier
+                        return skipped_result(item, earlier, batch.out)
                 assert key is not None
                 remaining = batch.remaining()  # again: the wait for its image may have taken the rest
                 if remaining is not None and remaining <= 0:

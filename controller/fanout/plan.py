@@ -171,8 +171,8 @@ class _Planner:
         )  # fmt: skip
         if earlier is not None:
             return ItemPlan(
-                id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier.agent,
-                image=earlier.image, reason=f"finished earlier: {earlier.status}", content_key=key,
+                id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier.inputs.agent,
+                image=earlier.image.ref, reason=f"finished earlier: {earlier.status}", content_key=key,
                 earlier=earlier.status,
             )  # fmt: skip
         checked = check_item(item, self.options.out)
