@@ -37,15 +37,10 @@ def cluster(work: Path, *, tasks_only: bool = False) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tests"))
     import docker
 
-    from cluster import remove_engines
-
     client = docker.from_env(timeout=600)
-    try:
-        found = {} if tasks_only else _cluster(work, client)
-        found["task_images"] = _cluster_tasks(work, client)
-        return found
-    finally:
-        remove_engines(client)  # the nodes' engine volumes, kept between the clusters of this run
+    found = {} if tasks_only else _cluster(work, client)
+    found["task_images"] = _cluster_tasks(work, client)
+    return found
 
 
 def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
@@ -66,7 +61,7 @@ def _cluster_tasks(work: Path, client: Any) -> dict[str, Any]:
         manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
         items = len(lines)
         options = ["--inject", "--image-workspace", "--workspace-path", "/app", "--json"]
-        with Cluster(client, nodes=2, slots=slots, fresh=True, registry=registry.for_nodes) as running:
+        with Cluster(client, nodes=2, slots=slots, registry=registry.for_nodes) as running:
             env = {**os.environ, **running.env}
             warm = write_manifest(work / "tasks-warm.jsonl", 3 * slots, "w")  # the agent image to every node
             timed(batch_command(warm, work / "tasks-warm", "replay-only", "--quiet", "--cluster", running.address,

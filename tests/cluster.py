@@ -38,8 +38,6 @@ from trajgen import Call, Turn, claude_session, write_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 RAY = "ray==2.60.0"
 NODE_LABEL = "pvisor-host.test-node"
-#: Node engine volumes kept between the clusters of one test session: ``<prefix><n>``.
-ENGINE_VOLUME = "pvh-test-engine-node"
 NODE_PACKAGES = "docker.io,iptables,procps,ca-certificates,python3,socat,docker-registry"
 NODE_START = r"""#!/bin/sh
 # A test node: its own dockerd, then `pvisor-host node join` (the container's main process).
@@ -151,7 +149,7 @@ def _free_port(host: str) -> int:
 class Cluster:
     """A head on this host and nodes in containers; ``with Cluster(...) as cluster:`` removes all of it."""
 
-    def __init__(self, client, *, nodes: int = 2, slots: int = 2, fresh: bool = False, registry: str = "") -> None:
+    def __init__(self, client, *, nodes: int = 2, slots: int = 2, registry: str = "") -> None:
         self.client = client
         self.image = build_node_image(client)
         self.host = docker0_address(client)
@@ -164,9 +162,7 @@ class Cluster:
         self.token_file.chmod(0o644)  # read by the node's root inside its container
         self.temp_dir = self.scratch / "ray"
         self.nodes: list[str] = []
-        self._engines: dict[str, str] = {}
         self._count, self._slots = nodes, slots
-        self._fresh = fresh
         self._registry = registry
         """``HOST:PORT`` of a registry on the host that nodes reach as ``127.0.0.1:PORT``."""
 
@@ -179,8 +175,7 @@ class Cluster:
         try:
             self.start_head()
             for n in range(self._count):
-                engine = None if self._fresh else f"{ENGINE_VOLUME}{n + 1}"
-                self.add_node(_node_name(n + 1, engine), engine=engine)
+                self.add_node(f"pvh-test-node{n + 1}-{secrets.token_hex(3)}")
             self.wait_for_nodes(self._count)
         except BaseException:
             self.__exit__()
@@ -252,11 +247,10 @@ class Cluster:
 
     # -- nodes ------------------------------------------------------------------------------------------------
 
-    def add_node(self, name: str, *, engine: str | None = None) -> str:
-        """Start a node; its engine's state lives in the volume ``engine`` (kept when the node goes, so that the
-        next cluster's node has the shipped images already; :func:`remove_engines` removes them)."""
+    def add_node(self, name: str) -> str:
+        """Start a node; its engine's state lives in the volume ``<name>-engine``, which a restart of the node's
+        container keeps and :meth:`remove_node` removes."""
         api = self.client.api
-        self._engines[name] = engine or f"{name}-engine"
         host_config = api.create_host_config(
             init=True,
             cap_add=["ALL"],
@@ -264,7 +258,7 @@ class Cluster:
             security_opt=["seccomp=unconfined", "apparmor=unconfined"],
             shm_size="512m",
             binds={
-                self._engines[name]: {"bind": "/var/lib/docker", "mode": "rw"},
+                f"{name}-engine": {"bind": "/var/lib/docker", "mode": "rw"},
                 str(ROOT): {"bind": "/opt/repo", "mode": "ro"},
                 str(self.token_file): {"bind": "/run/cluster-token", "mode": "ro"},
             },
@@ -288,10 +282,8 @@ class Cluster:
 
         with contextlib.suppress(docker.errors.NotFound):
             self.client.containers.get(name).remove(force=True, v=True)
-        engine = self._engines.pop(name, f"{name}-engine")
-        if not engine.startswith(ENGINE_VOLUME):
-            with contextlib.suppress(docker.errors.NotFound):
-                self.client.volumes.get(engine).remove(force=True)
+        with contextlib.suppress(docker.errors.NotFound):
+            self.client.volumes.get(f"{name}-engine").remove(force=True)
         if name in self.nodes:
             self.nodes.remove(name)
 
@@ -322,24 +314,6 @@ class Cluster:
             ["docker", "ps", "-q" + ("a" if all_states else ""), "--filter", "label=pvisor-host.managed"]
         )
         return done.output.decode().split()
-
-
-#: One name per kept engine volume, so that a node that finds what an earlier cluster's node left in that
-#: engine (say, after a test failed half-way) is the same host and ``node join`` sweeps it.
-_ENGINE_NAMES: dict[str, str] = {}
-
-
-def _node_name(n: int, engine: str | None) -> str:
-    if engine is None:
-        return f"pvh-test-node{n}-{secrets.token_hex(3)}"
-    return _ENGINE_NAMES.setdefault(engine, f"pvh-test-node{n}-{secrets.token_hex(3)}")
-
-
-def remove_engines(client) -> None:
-    """Remove the node engine volumes that clusters kept (the end of a test session)."""
-    for volume in client.volumes.list():
-        if volume.name.startswith(ENGINE_VOLUME):
-            volume.remove(force=True)
 
 
 _COUNT_NODES = """

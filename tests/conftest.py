@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +45,24 @@ SLOW_BUILDS = ("mini-swe-agent", "pi-agent", "openhands")
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``docker`` every test that uses an engine fixture, directly or through another fixture; and run
-    the tests of the agents built in the background (:func:`slow_builds`) last, so that their builds overlap
-    the rest of the suite rather than hold up its start."""
+    """Mark ``docker`` every test that uses an engine fixture, directly or through another fixture; run the tests
+    of the agents built in the background (:func:`slow_builds`) last, so that their builds overlap the rest of the
+    suite rather than hold up its start; and just before them the tests on the session's Ray cluster
+    (:func:`ray_cluster`), one after another, so that the cluster is up only while they run."""
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.docker)
-    items.sort(key=_built_in_the_background)  # stable: the order otherwise
+    items.sort(key=lambda item: (_built_in_the_background(item), _on_the_cluster(item)))  # stable otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Once the last test on the session's Ray cluster has torn down, the cluster and its registry go (they are
+    not torn down again at the session's end)."""
+    yield
+    if _on_the_cluster(item) and (nextitem is None or not _on_the_cluster(nextitem)):
+        while _CLUSTER_STOPS:
+            _CLUSTER_STOPS.pop()()
 
 
 #: Every test phase's duration, written when the session ends (``test-durations.tsv`` at the repository's root,
@@ -70,6 +81,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         with DURATIONS.open("a", encoding="utf-8") as out:
             for seconds, when, nodeid in sorted(_durations, reverse=True):
                 out.write(f"{seconds:.2f}\t{when}\t{nodeid}\n")
+
+
+#: How to stop the session's cluster and its registry, last started first (see :func:`pytest_runtest_teardown`).
+_CLUSTER_STOPS: list[Callable[[], None]] = []
+
+
+def _on_the_cluster(item: pytest.Item) -> bool:
+    return "ray_cluster" in getattr(item, "fixturenames", ())
 
 
 def _built_in_the_background(item: pytest.Item) -> bool:
@@ -214,16 +233,21 @@ def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subproces
     )
 
 
-def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeout: float = 90):
-    """The running replay container of ``run_id`` (fails if the CLI exits or nothing appears in time)."""
+def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeout: float = 90, *,
+                     command: str | None = None):  # fmt: skip
+    """The running replay container of ``run_id``, once a process in it runs ``command`` when given (fails if the
+    CLI exits or nothing appears in time)."""
+    import docker.errors
+
     deadline = time.monotonic() + timeout
     while True:
         running = client.containers.list(filters={"label": f"pvisor-host.run={run_id}"})
-        if running:
-            return running[0]
+        with contextlib.suppress(docker.errors.APIError):  # a container that ended between the two calls
+            if running and (command is None or any(command in row[-1] for row in running[0].top()["Processes"])):
+                return running[0]
         if process.poll() is not None or time.monotonic() > deadline:
             _, stderr = process.communicate(timeout=30)
-            pytest.fail(f"no running container for run {run_id}: exit {process.returncode}: {stderr}")
+            pytest.fail(f"no container of run {run_id} ran {command or 'at all'}: exit {process.returncode}: {stderr}")
         time.sleep(0.1)
 
 
@@ -421,6 +445,49 @@ def runtime_volumes_removed_afterwards(docker_client):
     for volume in docker_client.volumes.list(filters={"label": "pvisor-host.role=runtime"}):
         if volume.name not in existing:
             volume.remove(force=True)
+
+
+@pytest.fixture(scope="session")
+def cluster_registry(docker_client) -> Iterator[Any]:
+    """The registry of the cluster tests (``tests/cluster.py``'s ``Registry``), for the session."""
+    from cluster import Registry
+
+    with _stopped_once(Registry(docker_client)) as registry:
+        yield registry
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(docker_client, claude_image, cluster_registry) -> Iterator[Any]:
+    """One Ray cluster for every cluster test of the session (``tests/cluster.py``'s ``Cluster``): two nodes of two
+    slots that reach :func:`cluster_registry`. A test that takes a node down brings it back before it ends: a lost
+    node restarts that node, never the cluster. The cluster tests run last (:func:`pytest_collection_modifyitems`),
+    so it is up only while they run."""
+    from cluster import Cluster
+
+    with _stopped_once(Cluster(docker_client, nodes=2, slots=2, registry=cluster_registry.for_nodes)) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def _stopped_once(resource: Any) -> Iterator[Any]:
+    """``resource`` entered, and exited once: after the last test that uses it (:data:`_CLUSTER_STOPS`), or at the
+    end of the session if that did not come."""
+    entered = resource.__enter__()
+    done = False
+
+    def stop() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            resource.__exit__(None, None, None)
+
+    _CLUSTER_STOPS.append(stop)
+    try:
+        yield entered
+    finally:
+        stop()
+        with contextlib.suppress(ValueError):
+            _CLUSTER_STOPS.remove(stop)
 
 
 @pytest.fixture(scope="session")

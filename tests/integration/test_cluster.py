@@ -20,7 +20,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from cluster import KEY, Cluster, batch, explain, one, records, remove_engines, slow_manifest, summary
+from cluster import KEY, Cluster, batch, explain, one, records, slow_manifest, summary
 from conftest import default_signals, run_cli
 from modelserver import StubServer
 from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl
@@ -60,27 +60,14 @@ def mixed_manifest(root: Path, model_url: str) -> Path:
     return manifest
 
 
-@pytest.fixture(scope="module", autouse=True)
-def node_engines(docker_client):
-    """The nodes' engine volumes live as long as this module: an image is shipped to a node slot only once."""
-    yield
-    remove_engines(docker_client)
-
-
-@pytest.fixture(scope="module")
-def shared_cluster(docker_client, claude_image, node_engines):
-    """One cluster for the whole module: a test that takes a node down brings it back before it ends."""
-    with Cluster(docker_client, nodes=2, slots=2) as running:
-        yield running
-
-
 @pytest.fixture
-def cluster(shared_cluster):
-    """The module's cluster, with both nodes up; after the test, no sandbox of ours is left on a node."""
-    shared_cluster.wait_for_nodes(2)
-    yield shared_cluster
-    for name in shared_cluster.nodes:
-        assert shared_cluster.node_containers(name) == [], f"{name} kept containers of ours"
+def cluster(ray_cluster: Cluster) -> Iterator[Cluster]:
+    """The session's cluster (``conftest.py``), with both nodes up; after the test, no sandbox of ours is left on a
+    node."""
+    ray_cluster.wait_for_nodes(2)
+    yield ray_cluster
+    for name in ray_cluster.nodes:
+        assert ray_cluster.node_containers(name) == [], f"{name} kept containers of ours"
 
 
 def test_a_mixed_batch_across_two_nodes_ends_as_it_does_locally(cluster, tmp_path, claude_image):

@@ -1,8 +1,8 @@
 """A dataset of task images across a cluster: ``batch --cluster --inject`` on a real Ray cluster of two
 engine-in-container nodes and a real registry. The driver resolves each task image to its digest and pulls
 nothing; each node pulls the task images of the items Ray runs there, fills its own runtime volume, and keeps
-its pulls within its own budget; the items of one image go to one node where Ray can. A cluster of its own
-(fresh node engines that pull through the registry), so a module of its own."""
+its pulls within its own budget; the items of one image go to one node where Ray can. On the session's cluster
+and registry (``conftest.py``)."""
 
 from __future__ import annotations
 
@@ -21,38 +21,30 @@ import pytest
 
 from pvisor_host.backend.docker.image.pull import PATIENCE_ENV
 
-from cluster import Cluster, Registry, records, remove_engines, summary
+from cluster import Cluster, Registry, records, summary
 from conftest import default_signals, run_cli
 from registryproxy import RegistryProxy
 from trajgen import Call, Turn, claude_session, write_jsonl
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.usefixtures("runtime_volumes_removed_afterwards")]
 
 IMAGES = 3
 PER_IMAGE = 4
 SESSION = claude_session("Read the task.", [Turn([Call("Bash", {"command": "cat README"}, "task\n")])], cwd="/app")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def node_engines(docker_client, runtime_volumes_removed_afterwards):
-    """The nodes' engines go with the module, and so does the runtime volume the local batch filled here."""
-    yield
-    remove_engines(docker_client)
-
-
 @pytest.fixture(scope="module")
-def setup(docker_client, base_image, claude_image):
-    """The registry with the task images (``task/c0:v1`` ...: the base image and 20 MB of their own each; none
-    on the host's engine), and the cluster whose nodes reach it at the same name. The sizes are each image's own
-    layers': the nodes hold the base image already, so a pull brings (and a node's budget counts) only those."""
-    with Registry(docker_client) as registry:
-        base = int(docker_client.images.get(base_image).attrs["Size"])
-        refs = push_task_images(docker_client, registry, base_image, "v1", [20] * IMAGES + [300])
-        sizes = [int(docker_client.images.get(ref).attrs["Size"]) - base for ref in refs]
-        for ref in refs:
-            docker_client.images.remove(ref)
-        with Cluster(docker_client, nodes=2, slots=2, fresh=True, registry=registry.for_nodes) as cluster:
-            yield cluster, registry, refs, sizes
+def setup(docker_client, base_image, ray_cluster, cluster_registry):
+    """The session's cluster and its registry, with the task images (``task/c0:v1`` ...: the base image and 20 MB
+    of their own each; none on the host's engine or a node's). The sizes are each image's own layers': the nodes
+    hold the base image already, so a pull brings (and a node's budget counts) only those."""
+    base = int(docker_client.images.get(base_image).attrs["Size"])
+    refs = push_task_images(docker_client, cluster_registry, base_image, "v1", [20] * IMAGES + [300])
+    sizes = [int(docker_client.images.get(ref).attrs["Size"]) - base for ref in refs]
+    for ref in refs:
+        docker_client.images.remove(ref)
+    ray_cluster.wait_for_nodes(2)
+    return ray_cluster, cluster_registry, refs, sizes
 
 
 def push_task_images(docker_client, registry: Registry, base_image: str, tag: str, megabytes: list[int]) -> list[str]:
@@ -168,7 +160,10 @@ def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_pa
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGINT)
             stdout, stderr = process.communicate(timeout=120)
+        finally:
+            node.start()  # the session's cluster gets its node back (it joins again, and sweeps)
     assert process.returncode == 0, stderr[-3000:]
+    cluster.wait_for_nodes(2)
     assert summary(out)["counts"] == {"ok": 4}
     ran = records(out)
     assert sorted(ran) == [f"c{IMAGES}-v1-{n}" for n in range(4)]  # every item, each once
@@ -212,11 +207,6 @@ def test_node_join_restarted_mid_dataset_orphans_no_task_image(setup, docker_cli
     refs = push_task_images(docker_client, registry, base_image, "v2", [20] * IMAGES)  # no node holds them yet
     for ref in refs:
         docker_client.images.remove(ref)
-    for name in cluster.nodes:  # the node an earlier test killed comes back
-        node = docker_client.containers.get(name)
-        if node.status != "running":
-            node.start()
-    cluster.wait_for_nodes(2)
     path = manifest(tmp_path / "data", refs[:IMAGES], PER_IMAGE)
     command = [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(path), "--agent", "claude-code",
                "--inject", "--mode", "replay-only", "--out", str(tmp_path / "out"), "--quiet", "--cluster",
