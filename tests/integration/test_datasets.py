@@ -176,11 +176,15 @@ def test_kill_9_mid_pull_then_the_same_batch_resumes_and_gc_cleans_up(docker_cli
     process = start_cli("batch", data, "--agent", "claude-code", "--inject", "--image-workspace",
                         "--workspace-path", "/app", "--mode", "replay-only", "--out", tmp_path / "out",
                         "--workers", "1", "--pull-workers", "2")  # fmt: skip
+    big_blobs = f"/v2/{big.split('/', 1)[1].split(':')[0]}/blobs/"
+
+    def big_layer_on_its_way() -> bool:  # its config and its layer are being served (the base's are here)
+        return sum(s.method == "GET" and s.status == 200 and s.path.startswith(big_blobs) for s in proxy.requests) >= 2
+
     deadline = time.monotonic() + 120
-    while not (present(docker_client, small) and any("/blobs/" in s.path for s in proxy.requests[-3:])):
+    while not (present(docker_client, small) and big_layer_on_its_way()):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
         time.sleep(0.2)
-    time.sleep(2)  # the big one is on its way
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=30)
     proxy.slow_blobs = None

@@ -466,8 +466,7 @@ def test_interrupt_removes_the_container_and_records_interrupted(tmp_path, claud
     out = tmp_path / "run"
     run_id = f"interrupt-{signal_number}"
     process = start_cli(*REPLAY_ONLY, "--trajectory", trajectory, "--out", out, "--run-id", run_id)
-    wait_for_running(docker_client, run_id, process)
-    time.sleep(0.5)  # let pvisor start the sleeping tool
+    wait_for_running(docker_client, run_id, process, command="sleep 60")  # pvisor runs the sleeping tool
     process.send_signal(signal_number)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr

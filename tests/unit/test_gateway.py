@@ -9,10 +9,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pvisor_host.backend.docker.gateway import Gateway, network_gateway
+from pvisor_host.gateway.upstream import Tries
 from pvisor_host.models.spec import ModelUpstream
 
 from modelserver import StubServer
@@ -230,12 +232,25 @@ def test_failures_beyond_the_budget_reach_the_agent_with_their_status_and_every_
     assert all(r["status"] == 500 and "retry_after" not in r for r in entry["retries"])
 
 
-def test_a_refused_connection_is_retried_until_the_upstream_comes_back(tmp_path):
+def test_a_refused_connection_is_retried_until_the_upstream_comes_back(tmp_path, monkeypatch):
     with StubServer() as probe:  # a free port, free again
         port = probe.httpd.server_address[1]
     config = ModelUpstream(base_url=f"http://127.0.0.1:{port}/v1", model="m", api_key_env="X", network="unix")
+    refused = threading.Event()
+    note = Tries.note
+
+    def noted(tries: Tries, state: Any) -> None:  # tenacity's before_sleep: a try was refused
+        note(tries, state)
+        refused.set()
+
+    monkeypatch.setattr(Tries, "note", noted)
     started: list[StubServer] = []
-    later = threading.Timer(1.0, lambda: started.append(StubServer(port=port).__enter__()))
+
+    def come_back() -> None:  # once the gateway has been refused
+        if refused.wait(60):
+            started.append(StubServer(port=port).__enter__())
+
+    later = threading.Thread(target=come_back)
     with Gateway(config, REAL_KEY) as gateway:
         access = gateway.access("run-9", tmp_path / "j.jsonl")
         later.start()
