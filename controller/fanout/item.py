@@ -29,13 +29,12 @@ from ..errors import DiskFull, EngineUnresponsive, InfrastructureError, Interrup
 from ..files.digest import tree_sha256
 from ..files.space import disk_full, full_disk_raises
 from ..models.batch import ItemResult
-from ..models.image import BuildOptions, ImageRequest, ResolvedImage
-from ..models.profiles import get_profile
+from ..models.image import BuildOptions, ResolvedImage
 from ..models.record import DISK_FULL, BatchInfo, ReplayRecord
 from ..models.replay import TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs, check_inputs
-from ..preflight.prepare import image_request, prepare, prepare_image
+from ..preflight.prepare import agent_image_request, image_request, prepare, prepare_image
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
@@ -108,7 +107,7 @@ class BatchContext:
             self._agent_image(spec.agent)
 
     def _agent_image(self, agent: str) -> ResolvedImage:
-        request = ImageRequest(profile=get_profile(agent))
+        request = agent_image_request(agent)
         return self._images.get(request.key, lambda: prepare_image(self.backend, request, self.build))
 
     def _windowed(self, spec: ReplaySpec) -> bool:

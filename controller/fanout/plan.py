@@ -27,10 +27,9 @@ from ..files.digest import tree_sha256
 from ..files.space import tree_bytes
 from ..models.batch import BatchSummary
 from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
-from ..models.profiles import get_profile
 from ..models.record import Limits
 from ..models.spec import ReplaySpec
-from ..preflight.prepare import assemble, check_before_image, image_request
+from ..preflight.prepare import agent_image_request, assemble, check_before_image, image_request
 from ..preflight.trajectory import read_trajectory
 from ..units import format_size
 from .item import check_item, finished_earlier
@@ -219,7 +218,7 @@ class _Planner:
                 return None
             agent_image = None
             if spec.inject and spec.agent is not None:  # the agent image its runtime comes from, by its tag
-                agent_image = self._preview(ImageRequest(profile=get_profile(spec.agent)))[1].image.ref
+                agent_image = self._preview(agent_image_request(spec.agent))[1].image.ref
             return cost.id, agent_image
         try:
             _, preview = self._preview(image_request(spec))
