@@ -162,6 +162,8 @@ class Cluster:
         self.token_file.chmod(0o644)  # read by the node's root inside its container
         self.temp_dir = self.scratch / "ray"
         self.nodes: list[str] = []
+        self.closed = False
+        """Whether it was stopped (a test that gets it afterwards fails at once: :meth:`heal`)."""
         self._count, self._slots = nodes, slots
         self._registry = registry
         """``HOST:PORT`` of a registry on the host that nodes reach as ``127.0.0.1:PORT``."""
@@ -183,6 +185,7 @@ class Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.closed = True
         for name in list(self.nodes):
             self.remove_node(name)
         self.stop_head()
@@ -295,6 +298,31 @@ class Cluster:
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         return int(done.stdout.strip() or -1)
+
+    def heal(self) -> None:
+        """Every node back and joined, as a test that took one down and failed before it brought it back may have
+        left it: unpaused, on its network, running; a node whose container runs but that the head lost (its
+        raylet was marked dead) is restarted, and joins again."""
+        import docker.errors
+
+        if self.closed:
+            raise AssertionError("the session's cluster was stopped before this test (cluster tests run together)")
+        for name in self.nodes:
+            node = self.client.containers.get(name)
+            if node.status == "paused":
+                node.unpause()
+            if "bridge" not in (node.attrs["NetworkSettings"]["Networks"] or {}):
+                self.client.networks.get("bridge").connect(node)
+            node.reload()
+            if node.status != "running":
+                node.start()
+        try:
+            self.wait_for_nodes(len(self.nodes), timeout=60)
+        except AssertionError:
+            for name in self.nodes:
+                with contextlib.suppress(docker.errors.APIError):
+                    self.client.containers.get(name).restart(timeout=0)
+            self.wait_for_nodes(len(self.nodes))
 
     def wait_for_nodes(self, count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout

@@ -60,7 +60,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Once the last test on the session's Ray cluster has torn down, the cluster and its registry go (they are
     not torn down again at the session's end)."""
     yield
-    if _on_the_cluster(item) and (nextitem is None or not _on_the_cluster(nextitem)):
+    if _LAST_ON_THE_CLUSTER and item is _LAST_ON_THE_CLUSTER[0]:
         while _CLUSTER_STOPS:
             _CLUSTER_STOPS.pop()()
 
@@ -85,10 +85,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 #: How to stop the session's cluster and its registry, last started first (see :func:`pytest_runtest_teardown`).
 _CLUSTER_STOPS: list[Callable[[], None]] = []
+_LAST_ON_THE_CLUSTER: list[pytest.Item] = []
 
 
 def _on_the_cluster(item: pytest.Item) -> bool:
-    return "ray_cluster" in getattr(item, "fixturenames", ())
+    return bool({"ray_cluster", "cluster_registry"} & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note the last test on the session's cluster, in the order the session runs them (``--ff`` and the like
+    reorder after the sort above)."""
+    _LAST_ON_THE_CLUSTER[:] = [item for item in session.items if _on_the_cluster(item)][-1:]
 
 
 def _built_in_the_background(item: pytest.Item) -> bool:
@@ -242,11 +249,16 @@ def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeou
     deadline = time.monotonic() + timeout
     while True:
         running = client.containers.list(filters={"label": f"pvisor-host.run={run_id}"})
-        with contextlib.suppress(docker.errors.APIError):  # a container that ended between the two calls
-            if running and (command is None or any(command in row[-1] for row in running[0].top()["Processes"])):
+        try:
+            if running and (command is None or any(row[-1] == command for row in running[0].top()["Processes"])):
                 return running[0]
+        except docker.errors.APIError as exc:  # a container that ended between the two calls
+            if exc.status_code not in (404, 409):
+                raise
         if process.poll() is not None or time.monotonic() > deadline:
-            _, stderr = process.communicate(timeout=30)
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)  # the CLI removes its sandbox
+            _, stderr = process.communicate(timeout=60)
             pytest.fail(f"no container of run {run_id} ran {command or 'at all'}: exit {process.returncode}: {stderr}")
         time.sleep(0.1)
 
@@ -466,6 +478,14 @@ def ray_cluster(docker_client, claude_image, cluster_registry) -> Iterator[Any]:
 
     with _stopped_once(Cluster(docker_client, nodes=2, slots=2, registry=cluster_registry.for_nodes)) as cluster:
         yield cluster
+
+
+@pytest.fixture(autouse=True)
+def cluster_whole(request: pytest.FixtureRequest) -> None:
+    """Before each test on the session's cluster, every node back and joined (``tests/cluster.py``'s
+    ``Cluster.heal``): a test that fails after taking a node down cannot fail the ones after it."""
+    if "ray_cluster" in request.fixturenames:
+        request.getfixturevalue("ray_cluster").heal()
 
 
 @contextlib.contextmanager

@@ -112,7 +112,10 @@ class Probe(BaseModel):
 
 
 def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
-    """Run ``pvisor replay --prepare-only`` at ``after_step`` on the host and say what it found.
+    """Run ``pvisor replay --prepare-only`` at ``after_step`` on the host and say what it found: the trajectory's
+    verdict at that boundary, shared by every item that replays the file to it, so no item's flags are passed
+    (in prepare-only none of them changes what pvisor parses and selects: ``--max-steps`` is not checked, stale
+    observations only when tools run, and the other values are checked on the host as pvisor checks them).
 
     Raises:
         ResultProtocolError: pvisor printed no v3 result.

@@ -62,9 +62,8 @@ def mixed_manifest(root: Path, model_url: str) -> Path:
 
 @pytest.fixture
 def cluster(ray_cluster: Cluster) -> Iterator[Cluster]:
-    """The session's cluster (``conftest.py``), with both nodes up; after the test, no sandbox of ours is left on a
-    node."""
-    ray_cluster.wait_for_nodes(2)
+    """The session's cluster (``conftest.py``), with both nodes up (``cluster_whole``); after the test, no sandbox
+    of ours is left on a node."""
     yield ray_cluster
     for name in ray_cluster.nodes:
         assert ray_cluster.node_containers(name) == [], f"{name} kept containers of ours"

@@ -43,7 +43,6 @@ def setup(docker_client, base_image, ray_cluster, cluster_registry):
     sizes = [int(docker_client.images.get(ref).attrs["Size"]) - base for ref in refs]
     for ref in refs:
         docker_client.images.remove(ref)
-    ray_cluster.wait_for_nodes(2)
     return ray_cluster, cluster_registry, refs, sizes
 
 
@@ -163,7 +162,6 @@ def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_pa
         finally:
             node.start()  # the session's cluster gets its node back (it joins again, and sweeps)
     assert process.returncode == 0, stderr[-3000:]
-    cluster.wait_for_nodes(2)
     assert summary(out)["counts"] == {"ok": 4}
     ran = records(out)
     assert sorted(ran) == [f"c{IMAGES}-v1-{n}" for n in range(4)]  # every item, each once

@@ -16,7 +16,6 @@ def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(
     docker_client, tmp_path, claude_image, ray_cluster, cluster_registry
 ):
     cluster, registry = ray_cluster, cluster_registry
-    cluster.wait_for_nodes(2)
     image_id = docker_client.images.get(claude_image).id
     repository, _, tag = claude_image.rpartition(":")
     for name in cluster.nodes:  # the cluster's other tests shipped it (docker load): no node has it now
@@ -29,7 +28,7 @@ def test_with_a_registry_the_nodes_pull_the_image_by_its_digest(
     assert result.code == 0, result.stderr
     assert summary(tmp_path / "out")["counts"] == {"ok": 4}
     pushed = registry.digests(repository)
-    assert len(pushed) == 1  # pushed once, under its content-hash tag
+    assert len(pushed) == 1  # under its content-hash tag, whichever batch of the session pushed it first
     assert claude_image in docker_client.images.get(image_id).tags  # the driver's engine keeps its own name
     for name in cluster.nodes:  # each node pulled exactly that digest (a load sets none) and has the tag
         done = docker_client.containers.get(name).exec_run(
