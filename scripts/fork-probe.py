@@ -1,116 +1,285 @@
 #!/usr/bin/env python3
-"""Can a pvisor-host sandbox be checkpointed mid-replay and restored K times? The probe behind the fork section
-of docs/performance.md (issue 40). Not part of the suite: it needs gVisor (``runsc``) registered with the engine
+"""Can a pvisor-host sandbox be checkpointed and restored K times? The probes behind the fork section of
+docs/performance.md (issue 40). Not part of the suite: they need gVisor (``runsc``) registered with the engine
 and the engine's experimental mode on (``"experimental": true`` in daemon.json: Docker 20.10 restores a
-checkpoint only then), and it leaves the engine as it found it.
+checkpoint only then), and they leave the engine as they found it.
 
-    python scripts/fork-probe.py [K]
+    python scripts/fork-probe.py [K]              # mid-call: checkpoint during a replayed tool call
+    python scripts/fork-probe.py --boundary [K]   # at the boundary: K live continuations from one prefix
 
-It replays a two-call trajectory under ``--runtime runsc`` (the second call sleeps 15 s), checkpoints the
-sandbox 6 s into that sleep with ``runsc checkpoint`` (Docker's own checkpoint API fails here once the image
-passes a few MB: "failed to read checkpoint reader: failed to Lchown .../checkpoint.img"), copies the
-sandbox's bind-mounted directories (owners kept), then creates K containers with the same configuration
-(the hardening included) and each its own copies, puts the image in each one's checkpoint directory (Docker
-20.10 refuses ``--checkpoint-dir``: "custom checkpointdir is not supported"), and starts each from it. Each
-copy's pvisor finishes the interrupted call and writes its own v3 result; the first call ran once.
+``FORK_PROBE_RUNTIME`` names the engine's gVisor runtime (default ``runsc``) and ``FORK_PROBE_RUNSC`` its binary
+(default ``runsc`` on the PATH): the boundary needs gVisor 20240729 or later (docs/performance.md says why).
+
+**Mid-call** replays a two-call trajectory under ``--runtime runsc`` (the second call sleeps 15 s), checkpoints
+the sandbox 6 s into that sleep, and restores it K times; each copy's pvisor finishes the interrupted call and
+writes its own v3 result; the first call ran once.
+
+**At the boundary** runs a real continuation (Claude Code 2.1.220 behind pvisor-host's model gateway, a stub
+model) in an image whose agent entrypoint is a gate: pvisor's version probe passes through it; the agent's
+launch, which comes once pvisor has replayed the prefix and rebuilt the context, marks the boundary in the run
+directory and waits for a go-ahead file in the input directory before it execs the real CLI. The probe
+checkpoints the sandbox at that mark, then restores it K times, each copy with its own copies of the mounted
+directories and its own gateway socket (a gateway of its own forwarding to a stub model of its own, which
+answers with a command naming the copy), and gives each its go-ahead. pvisor, still the parent, finishes each
+copy's continuation and writes its own v3 result; the prefix's tool calls ran once, and no model call came
+before the boundary.
+
+In both, the checkpoint is ``runsc checkpoint`` (Docker's own checkpoint API fails here once the image passes a
+few MB: "failed to read checkpoint reader: failed to Lchown .../checkpoint.img"), each copy is a container with
+the original's configuration (the hardening included) and its own copies of the bind-mounted directories
+(owners kept), the image goes into each one's checkpoint directory (Docker 20.10 refuses ``--checkpoint-dir``:
+"custom checkpointdir is not supported"), and each starts from it.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import docker
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from trajgen import Call, Turn, claude_session, write_jsonl  # noqa: E402
+from modelserver import StubServer  # noqa: E402
+from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl  # noqa: E402
 
 #: Where Docker 20.10's runc.v2 shim keeps its runtimes' state, runsc's included.
 RUNSC_ROOT = "/var/run/docker/runtime-runc/moby"
+#: The engine's name of the gVisor runtime to probe, and its binary (``FORK_PROBE_RUNTIME``, ``FORK_PROBE_RUNSC``).
+RUNTIME = os.environ.get("FORK_PROBE_RUNTIME", "runsc")
+RUNSC = os.environ.get("FORK_PROBE_RUNSC", "runsc")
+#: The gate at the agent's entrypoint (``$0.real`` is the real CLI): see the module docstring.
+GATE = """#!/bin/sh
+case "${1:-}" in --version | -v | -V) exec "$0.real" "$@" ;; esac
+: >/pvisor-host/run/fork.reached
+until [ -e /pvisor-host/input/fork.go ]; do sleep 0.05; done
+exec "$0.real" "$@"
+"""
+KEY_ENV = "PVH_FORK_PROBE_KEY"
 
 
-def main(forks: int) -> int:
+def mid_call(forks: int) -> int:
     client = docker.from_env(timeout=300)
-    api = client.api
-    if not client.version().get("Experimental"):
-        sys.stderr.write("fork-probe: the engine's experimental mode is off: Docker restores a checkpoint only then\n")
-        return 3
     work = Path(tempfile.mkdtemp(prefix="pvh-fork-"))
     trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork.", [
         Turn([Call("Bash", {"command": "echo prefix >> a.txt && head -c 50000000 /dev/urandom > /tmp/blob"}, "")]),
         Turn([Call("Bash", {"command": "sleep 15; echo after >> a.txt; cat a.txt"}, "prefix\nafter\n")]),
     ]))  # fmt: skip
-    replay = subprocess.Popen(
-        [sys.executable, "-m", "pvisor_host", "replay", "--agent", "claude-code", "--trajectory", str(trajectory),
-         "--after-step", "2", "--mode", "replay-only", "--runtime", "runsc", "--out", str(work / "prefix")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (running := client.containers.list(filters={"label": "pvisor-host.role=replay", "status": "running"})):
-        if replay.poll() is not None or time.monotonic() > deadline:
-            sys.stderr.write(f"fork-probe: the replay did not start: {replay.communicate()[1][-2000:]}\n")
-            return 1
-        time.sleep(0.1)
-    sandbox = running[0]
-    sandbox.reload()
-    attrs = sandbox.attrs
+    replay = _replay(trajectory, work / "prefix", "--after-step", "2", "--mode", "replay-only")
+    sandbox = _running(client, replay)
     time.sleep(6)  # into the second call's sleep
-    image = work / "checkpoint"
-    started = time.monotonic()
-    subprocess.run(["runsc", "--root", RUNSC_ROOT, "checkpoint", "--image-path", str(image), sandbox.id], check=True)
-    taken = time.monotonic() - started
-    mounts = work / "mounts"
-    mounts.mkdir()
-    for mount in attrs["HostConfig"]["Mounts"]:
-        if mount["Type"] == "bind":
-            subprocess.run(["cp", "-a", mount["Source"], str(mounts / _name(mount["Target"]))], check=True)
+    attrs, figures = _checkpoint(sandbox, work)
     replay.communicate(timeout=120)  # the prefix's controller sees its sandbox gone, and removes it
-    size = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
-    figures: dict[str, object] = {"checkpoint_seconds": round(taken, 2), "checkpoint_mib": round(size / 2**20, 1)}
-    restores, copies = [], []
+    copies: list[str] = []
     try:
-        for k in range(forks):
-            own = work / f"fork{k}"
-            own.mkdir()
-            host = copy.deepcopy(attrs["HostConfig"])
-            for mount in host["Mounts"]:
-                if mount["Type"] == "bind":
-                    mount["Source"] = str(own / _name(mount["Target"]))
-                    subprocess.run(["cp", "-a", str(mounts / _name(mount["Target"])), mount["Source"]], check=True)
-            config = attrs["Config"]
-            created = api.create_container(
-                config["Image"], command=config["Cmd"], entrypoint=config["Entrypoint"], user=config["User"],
-                working_dir=config["WorkingDir"], environment=config["Env"], host_config=host,
-                labels=config["Labels"], name=f"{attrs['Name'].lstrip('/')}-fork{k}",
-            )  # fmt: skip
-            copies.append(created["Id"])
-            target = Path(f"/var/lib/docker/containers/{created['Id']}/checkpoints/probe")
-            shutil.copytree(image, target)
-            started = time.monotonic()
-            answer = api._post(api._url("/containers/{0}/start", created["Id"]), params={"checkpoint": "probe"})
-            api._raise_for_status(answer)
-            restores.append(round(time.monotonic() - started, 2))
+        restores = [_restore(client, attrs, work, k, copies) for k in range(forks)]
         outcomes = []
         for k, container_id in enumerate(copies):
-            code = api.wait(container_id, timeout=120)["StatusCode"]
-            logs = work / f"fork{k}" / _name("/pvisor-host/logs")
-            result = json.loads((logs / "stdout.log").read_text().splitlines()[-1])
-            workspace = (work / f"fork{k}" / _name("/workspace") / "a.txt").read_text()
-            outcomes.append({"exit": code, "failure": result["failure"], "a.txt": workspace})
+            code = client.api.wait(container_id, timeout=120)["StatusCode"]
+            outcomes.append({"exit": code, "failure": _result(work / f"fork{k}")["failure"],
+                             "a.txt": (work / f"fork{k}" / _name("/workspace") / "a.txt").read_text()})  # fmt: skip
     finally:
         for container_id in copies:
-            api.remove_container(container_id, force=True)
+            client.api.remove_container(container_id, force=True)
     figures |= {"restore_seconds": restores, "forks": outcomes}
     sys.stdout.write(json.dumps(figures, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(o["exit"] == 0 and o["a.txt"] == "prefix\nafter\n" for o in outcomes) else 1
+
+
+def at_boundary(forks: int) -> int:
+    from pvisor_host.backend.docker.gateway import Gateway
+    from pvisor_host.models.spec import ModelUpstream
+
+    client = docker.from_env(timeout=300)
+    work = Path(tempfile.mkdtemp(prefix="pvh-fork-"))
+    gated = _gated_image(client)
+    trajectory = write_jsonl(work / "t.jsonl", claude_files_session())
+    stubs: list[StubServer] = []
+    gateways: list[Any] = []
+    copies: list[str] = []
+    try:
+        with StubServer(command="echo prefix-model > continued.txt") as first:
+            started = time.monotonic()
+            replay = _replay(
+                trajectory, work / "prefix", "--after-step", "4", "--mode", "continue", "--max-steps", "8",
+                "--image", gated, "--model-base-url", first.base_url, "--model", "stub-model",
+                "--model-api-key-env", KEY_ENV, "--timeout", "5m",
+            )  # fmt: skip
+            sandbox = _running(client, replay)
+            _until(lambda: any((work / "prefix").glob("**/run/fork.reached")), replay, "the gate was not reached")
+            prefix_seconds = time.monotonic() - started
+            attrs, figures = _checkpoint(sandbox, work, skip=("/pvisor-host/gateway",))
+            replay.communicate(timeout=120)
+            calls_before_the_gate = len(first.model.model_requests())
+        env = dict(line.split("=", 1) for line in (work / "mounts" / _name("/pvisor-host/input") / "env.sh")
+                   .read_text().splitlines())  # fmt: skip
+        token = shlex.split(env["OPENAI_API_KEY"])[0]  # the run's gateway token, in pvisor's memory in every copy
+        uid = int(attrs["Config"]["User"].split(":")[0])
+        restores = []
+        for k in range(forks):
+            stub = StubServer(command=f"echo fork-{k} > continued.txt").__enter__()
+            stubs.append(stub)
+            upstream = ModelUpstream(base_url=stub.base_url, model="stub-model", api_key_env=KEY_ENV)
+            gateway = Gateway(upstream, "sk-fork-probe", sandbox_uid=uid).start()
+            gateways.append(gateway)
+            proxy = gateway._proxy  # the copy's identity is its socket: the token every copy holds is its run here
+            proxy._runs[token] = proxy._runs.pop(proxy.grant(f"fork{k}", work / f"journal{k}.jsonl"))
+            restores.append(_restore(client, attrs, work, k, copies, sockets={"/pvisor-host/gateway": gateway}))
+        released = time.monotonic()
+        for k in range(forks):
+            (work / f"fork{k}" / _name("/pvisor-host/input") / "fork.go").touch()
+        outcomes = []
+        for k, container_id in enumerate(copies):
+            code = client.api.wait(container_id, timeout=300)["StatusCode"]
+            result = _result(work / f"fork{k}")
+            workspace = work / f"fork{k}" / _name("/workspace")
+            continued = workspace / "continued.txt"
+            outcomes.append({
+                "exit": code, "phase": result.get("phase"), "failure": result.get("failure"),
+                "continued.txt": continued.read_text() if continued.exists() else None,
+                "g.txt": (workspace / "g.txt").read_text(), "model_calls": len(stubs[k].model.model_requests()),
+            })  # fmt: skip
+        continued_seconds = time.monotonic() - released
+    finally:
+        for container_id in copies:
+            client.api.remove_container(container_id, force=True)
+        for gateway in gateways:
+            gateway.close()
+        for stub in stubs:
+            stub.__exit__()
+        client.images.remove(gated, force=True)
+    figures |= {"prefix_seconds": round(prefix_seconds, 1), "restore_seconds": restores,
+                "continuations_seconds": round(continued_seconds, 1), "model_calls_before_the_gate":
+                calls_before_the_gate, "forks": outcomes}  # fmt: skip
+    sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    good = [o["exit"] == 0 and o["failure"] is None and o["continued.txt"] == f"fork-{k}\n" and o["model_calls"] > 0
+            and o["g.txt"] == "hello from write\n" for k, o in enumerate(outcomes)]  # fmt: skip
+    return 0 if all(good) and calls_before_the_gate == 0 else 1
+
+
+# -- what both share ----------------------------------------------------------------------------------------
+
+
+def _replay(trajectory: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pvisor_host", "replay", "--agent", "claude-code", "--trajectory", str(trajectory),
+         "--runtime", RUNTIME, "--out", str(out), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, KEY_ENV: "sk-fork-probe"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C, even from a background job
+    )  # fmt: skip
+
+
+def _until(done: Callable[[], bool], replay: subprocess.Popen[str], what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if replay.poll() is not None or time.monotonic() > deadline:
+            replay.send_signal(signal.SIGINT)  # the controller removes its sandbox
+            raise SystemExit(f"fork-probe: {what}: {replay.communicate(timeout=120)[1][-2000:]}")
+        time.sleep(0.05)
+
+
+def _running(client: docker.DockerClient, replay: subprocess.Popen[str]) -> Any:
+    if not client.version().get("Experimental"):
+        replay.send_signal(signal.SIGINT)
+        replay.communicate(timeout=120)
+        raise SystemExit("fork-probe: the engine's experimental mode is off: Docker restores a checkpoint only then")
+    found: list[Any] = []
+
+    def running() -> bool:
+        found[:] = client.containers.list(filters={"label": "pvisor-host.role=replay", "status": "running"})
+        return bool(found)
+
+    _until(running, replay, "the replay did not start")
+    found[0].reload()
+    return found[0]
+
+
+def _checkpoint(sandbox: Any, work: Path, skip: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Checkpoint the sandbox into ``work/checkpoint`` and copy its bind-mounted directories (but ``skip``) into
+    ``work/mounts``: its configuration, and the figures."""
+    attrs = sandbox.attrs
+    image = work / "checkpoint"
+    started = time.monotonic()
+    subprocess.run([RUNSC, "--root", RUNSC_ROOT, "checkpoint", "--image-path", str(image), sandbox.id], check=True)
+    taken = time.monotonic() - started
+    mounts = work / "mounts"
+    mounts.mkdir()
+    for mount in attrs["HostConfig"]["Mounts"]:
+        if mount["Type"] == "bind" and mount["Target"] not in skip:
+            subprocess.run(["cp", "-a", mount["Source"], str(mounts / _name(mount["Target"]))], check=True)
+    size = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
+    return attrs, {"checkpoint_seconds": round(taken, 2), "checkpoint_mib": round(size / 2**20, 1)}
+
+
+def _restore(client: docker.DockerClient, attrs: dict[str, Any], work: Path, k: int, copies: list[str], *,
+             sockets: dict[str, Any] | None = None) -> float:  # fmt: skip
+    """Create copy ``k`` (its own copies of the mounted directories; ``sockets``: a mount target served by a
+    gateway of its own instead) and start it from the checkpoint: the seconds the start took."""
+    api = client.api
+    own = work / f"fork{k}"
+    own.mkdir()
+    host = copy.deepcopy(attrs["HostConfig"])
+    for mount in host["Mounts"]:
+        if mount["Type"] != "bind":
+            continue
+        if sockets and mount["Target"] in sockets:
+            mount["Source"] = str(Path(sockets[mount["Target"]].address).parent)
+            continue
+        mount["Source"] = str(own / _name(mount["Target"]))
+        subprocess.run(["cp", "-a", str(work / "mounts" / _name(mount["Target"])), mount["Source"]], check=True)
+    config = attrs["Config"]
+    created = api.create_container(
+        config["Image"], command=config["Cmd"], entrypoint=config["Entrypoint"], user=config["User"],
+        working_dir=config["WorkingDir"], environment=config["Env"], host_config=host,
+        labels=config["Labels"], name=f"{attrs['Name'].lstrip('/')}-fork{k}",
+    )  # fmt: skip
+    copies.append(created["Id"])
+    shutil.copytree(work / "checkpoint", Path(f"/var/lib/docker/containers/{created['Id']}/checkpoints/probe"))
+    started = time.monotonic()
+    answer = api._post(api._url("/containers/{0}/start", created["Id"]), params={"checkpoint": "probe"})
+    api._raise_for_status(answer)
+    return round(time.monotonic() - started, 2)
+
+
+def _result(own: Path) -> dict[str, Any]:
+    """pvisor's v3 result: the last line of the copy's stdout."""
+    lines = (own / _name("/pvisor-host/logs") / "stdout.log").read_text().splitlines()
+    return dict(json.loads(lines[-1])) if lines else {"failure": "no result"}
+
+
+def _gated_image(client: docker.DockerClient) -> str:
+    """pvisor-host's Claude Code image with :data:`GATE` at the agent's entrypoint (the CLI moved beside it)."""
+    from pvisor_host.backend.docker import DockerBackend
+    from pvisor_host.models.image import BuildOptions, BuildPlan
+    from pvisor_host.models.ownership import Ownership
+    from pvisor_host.models.profiles import get_profile
+
+    profile = get_profile("claude-code")
+    built = DockerBackend(client, Ownership.current()).ensure_image(BuildPlan(profile=profile), BuildOptions()).built
+    assert built is not None
+    entry, user = profile.entrypoint, client.images.get(built.tag).attrs["Config"].get("User") or "root"
+    with tempfile.TemporaryDirectory() as context:
+        (Path(context) / "gate").write_text(GATE)
+        (Path(context) / "gate").chmod(0o755)
+        (Path(context) / "Dockerfile").write_text(f"FROM {built.tag}\nUSER root\nRUN mv {entry} {entry}.real\n"
+                                                  f"COPY gate {entry}\nUSER {user}\n")  # fmt: skip
+        image, _ = client.images.build(path=context, rm=True, forcerm=True)
+    tag = f"pvh-fork-probe/gated:{image.id.removeprefix('sha256:')[:12]}"
+    image.tag(*tag.split(":"))
+    return tag
 
 
 def _name(target: str) -> str:
@@ -118,4 +287,7 @@ def _name(target: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 3))
+    arguments = sys.argv[1:]
+    boundary = "--boundary" in arguments
+    count = int(next((a for a in arguments if a != "--boundary"), "3"))
+    sys.exit(at_boundary(count) if boundary else mid_call(count))
