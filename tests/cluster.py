@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -78,8 +79,18 @@ def node_image_tag() -> str:
     return f"pvisor-host-test/node:{hashlib.sha256(material.encode()).hexdigest()[:12]}"
 
 
+#: One build of the node image at a time: a test session starts it on a thread of its own (``conftest.py``'s
+#: ``slow_builds``), and a test that needs the image first waits for that build instead of making its own.
+_NODE_IMAGE = threading.Lock()
+
+
 def build_node_image(client) -> str:
     """The node image (built when missing); its tag."""
+    with _NODE_IMAGE:
+        return _build_node_image(client)
+
+
+def _build_node_image(client) -> str:
     import docker.errors
 
     tag = node_image_tag()

@@ -437,15 +437,21 @@ def agent_image(backend, slow_builds):
 @pytest.fixture(scope="session", autouse=True)
 def slow_builds(request) -> Iterator[dict[str, Any]]:
     """The :data:`SLOW_BUILDS` images, built one after another on a thread of their own from the session's start
-    when a selected test needs ``agent_image`` (futures, by agent); none otherwise."""
+    when a selected test needs ``agent_image`` (futures, by agent); none otherwise. Before them, on the same
+    thread, the cluster node image (``tests/cluster.py``, which the tests' registries run in too: minutes on a new
+    machine, needed half-way through the suite, where the first test to need it waits for it; nothing when it
+    is there)."""
     if not any("agent_image" in getattr(item, "fixturenames", ()) for item in request.session.items):
         yield {}
         return
     import concurrent.futures
 
+    from cluster import build_node_image
+
     backend = request.getfixturevalue("backend")
     request.getfixturevalue("claude_image")  # the base the agents share is bootstrapped once, here, first
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slow-build") as pool:
+        pool.submit(build_node_image, request.getfixturevalue("docker_client"))
         yield {agent: pool.submit(build_image, backend, agent) for agent in SLOW_BUILDS}
 
 
