@@ -33,9 +33,11 @@ the original's configuration (the hardening included) and its own copies of the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -48,11 +50,12 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import docker.errors
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from modelserver import StubServer  # noqa: E402
-from trajgen import Call, Turn, claude_files_session, claude_session, write_jsonl  # noqa: E402
+from trajgen import Call, Turn, claude_session, write_jsonl  # noqa: E402
 
 #: Where Docker 20.10's runc.v2 shim keeps its runtimes' state, runsc's included.
 RUNSC_ROOT = "/var/run/docker/runtime-runc/moby"
@@ -71,30 +74,26 @@ KEY_ENV = "PVH_FORK_PROBE_KEY"
 
 def mid_call(forks: int) -> int:
     client = docker.from_env(timeout=300)
-    work = Path(tempfile.mkdtemp(prefix="pvh-fork-"))
-    trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork.", [
-        Turn([Call("Bash", {"command": "echo prefix >> a.txt && head -c 50000000 /dev/urandom > /tmp/blob"}, "")]),
-        Turn([Call("Bash", {"command": "sleep 15; echo after >> a.txt; cat a.txt"}, "prefix\nafter\n")]),
-    ]))  # fmt: skip
-    replay = _replay(trajectory, work / "prefix", "--after-step", "2", "--mode", "replay-only")
-    sandbox = _running(client, replay)
-    time.sleep(6)  # into the second call's sleep
-    attrs, figures = _checkpoint(sandbox, work)
-    replay.communicate(timeout=120)  # the prefix's controller sees its sandbox gone, and removes it
-    copies: list[str] = []
-    try:
-        restores = [_restore(client, attrs, work, k, copies) for k in range(forks)]
+    with contextlib.ExitStack() as cleanup:
+        work = _work(cleanup)
+        trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork.", [
+            Turn([Call("Bash", {"command": "echo prefix >> a.txt && head -c 50000000 /dev/urandom > /tmp/blob"},
+                       "")]),
+            Turn([Call("Bash", {"command": "sleep 15; echo after >> a.txt; cat a.txt"}, "prefix\nafter\n")]),
+        ]))  # fmt: skip
+        replay = _replay(cleanup, trajectory, work / "prefix", "--after-step", "2", "--mode", "replay-only")
+        sandbox = _running(client, replay)
+        time.sleep(6)  # into the second call's sleep
+        attrs, figures = _checkpoint(sandbox, work, replay)
+        replay.communicate(timeout=120)  # the prefix's controller sees its sandbox gone, and removes it
+        restores = [_restore(cleanup, client, attrs, work, k) for k in range(forks)]
         outcomes = []
-        for k, container_id in enumerate(copies):
+        for k, container_id in enumerate(restores):
             code = client.api.wait(container_id, timeout=120)["StatusCode"]
-            outcomes.append({"exit": code, "failure": _result(work / f"fork{k}")["failure"],
+            outcomes.append({"exit": code, "failure": _result(work / f"fork{k}").get("failure"),
                              "a.txt": (work / f"fork{k}" / _name("/workspace") / "a.txt").read_text()})  # fmt: skip
-    finally:
-        for container_id in copies:
-            client.api.remove_container(container_id, force=True)
-    figures |= {"restore_seconds": restores, "forks": outcomes}
+        figures |= {"restore_seconds": list(restores.values()), "forks": outcomes}
     sys.stdout.write(json.dumps(figures, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
     return 0 if all(o["exit"] == 0 and o["a.txt"] == "prefix\nafter\n" for o in outcomes) else 1
 
 
@@ -103,103 +102,119 @@ def at_boundary(forks: int) -> int:
     from pvisor_host.models.spec import ModelUpstream
 
     client = docker.from_env(timeout=300)
-    work = Path(tempfile.mkdtemp(prefix="pvh-fork-"))
-    gated = _gated_image(client)
-    trajectory = write_jsonl(work / "t.jsonl", claude_files_session())
-    stubs: list[StubServer] = []
-    gateways: list[Any] = []
-    copies: list[str] = []
-    try:
-        with StubServer(command="echo prefix-model > continued.txt") as first:
-            started = time.monotonic()
-            replay = _replay(
-                trajectory, work / "prefix", "--after-step", "4", "--mode", "continue", "--max-steps", "8",
-                "--image", gated, "--model-base-url", first.base_url, "--model", "stub-model",
-                "--model-api-key-env", KEY_ENV, "--timeout", "5m",
-            )  # fmt: skip
-            sandbox = _running(client, replay)
-            _until(lambda: any((work / "prefix").glob("**/run/fork.reached")), replay, "the gate was not reached")
-            prefix_seconds = time.monotonic() - started
-            attrs, figures = _checkpoint(sandbox, work, skip=("/pvisor-host/gateway",))
-            replay.communicate(timeout=120)
-            calls_before_the_gate = len(first.model.model_requests())
+    with contextlib.ExitStack() as cleanup:
+        work = _work(cleanup)
+        gated = _gated_image(client)
+        cleanup.callback(client.images.remove, gated, force=True)  # the last thing done (the copies go first)
+        # The prefix appends to once.txt (a copy that ran it again would have it twice), then writes f.txt.
+        trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork at the boundary.", [
+            Turn([Call("Bash", {"command": "echo once >> once.txt", "description": "note it"}, "")]),
+            Turn([Call("Bash", {"command": "echo hi > f.txt", "description": "create f.txt"}, "")]),
+            Turn(text="Done."),
+        ]))  # fmt: skip
+        first = cleanup.enter_context(StubServer(command="echo prefix-model > continued.txt"))
+        started = time.monotonic()
+        replay = _replay(
+            cleanup, trajectory, work / "prefix", "--after-step", "2", "--mode", "continue", "--max-steps", "8",
+            "--image", gated, "--model-base-url", first.base_url, "--model", "stub-model",
+            "--model-api-key-env", KEY_ENV, "--timeout", "5m",
+        )  # fmt: skip
+        sandbox = _running(client, replay)
+        _until(lambda: any((work / "prefix").glob("**/run/fork.reached")), replay, "the gate was not reached")
+        to_the_gate = time.monotonic() - started
+        attrs, figures = _checkpoint(sandbox, work, replay, skip=("/pvisor-host/gateway",))
+        replay.communicate(timeout=120)
+        calls_before_the_gate = len(first.model.model_requests())
         env = dict(line.split("=", 1) for line in (work / "mounts" / _name("/pvisor-host/input") / "env.sh")
                    .read_text().splitlines())  # fmt: skip
         token = shlex.split(env["OPENAI_API_KEY"])[0]  # the run's gateway token, in pvisor's memory in every copy
         uid = int(attrs["Config"]["User"].split(":")[0])
-        restores = []
+        stubs = []
+        restores: dict[str, float] = {}
         for k in range(forks):
-            stub = StubServer(command=f"echo fork-{k} > continued.txt").__enter__()
+            stub = cleanup.enter_context(StubServer(command=f"echo fork-{k} > continued.txt"))
             stubs.append(stub)
             upstream = ModelUpstream(base_url=stub.base_url, model="stub-model", api_key_env=KEY_ENV)
-            gateway = Gateway(upstream, "sk-fork-probe", sandbox_uid=uid).start()
-            gateways.append(gateway)
-            proxy = gateway._proxy  # the copy's identity is its socket: the token every copy holds is its run here
+            gateway = cleanup.enter_context(Gateway(upstream, "sk-fork-probe", sandbox_uid=uid))
+            proxy = gateway._proxy  # a gateway per copy: the token every copy holds is that copy's run there
             proxy._runs[token] = proxy._runs.pop(proxy.grant(f"fork{k}", work / f"journal{k}.jsonl"))
-            restores.append(_restore(client, attrs, work, k, copies, sockets={"/pvisor-host/gateway": gateway}))
+            restores |= _restore(cleanup, client, attrs, work, k, sockets={"/pvisor-host/gateway": gateway})
         released = time.monotonic()
         for k in range(forks):
             (work / f"fork{k}" / _name("/pvisor-host/input") / "fork.go").touch()
         outcomes = []
-        for k, container_id in enumerate(copies):
+        for k, container_id in enumerate(restores):
             code = client.api.wait(container_id, timeout=300)["StatusCode"]
             result = _result(work / f"fork{k}")
             workspace = work / f"fork{k}" / _name("/workspace")
-            continued = workspace / "continued.txt"
             outcomes.append({
                 "exit": code, "phase": result.get("phase"), "failure": result.get("failure"),
-                "continued.txt": continued.read_text() if continued.exists() else None,
-                "g.txt": (workspace / "g.txt").read_text(), "model_calls": len(stubs[k].model.model_requests()),
+                **{name: _text(workspace / name) for name in ("once.txt", "f.txt", "continued.txt")},
+                "model_calls": len(stubs[k].model.model_requests()),
             })  # fmt: skip
-        continued_seconds = time.monotonic() - released
-    finally:
-        for container_id in copies:
-            client.api.remove_container(container_id, force=True)
-        for gateway in gateways:
-            gateway.close()
-        for stub in stubs:
-            stub.__exit__()
-        client.images.remove(gated, force=True)
-    figures |= {"prefix_seconds": round(prefix_seconds, 1), "restore_seconds": restores,
-                "continuations_seconds": round(continued_seconds, 1), "model_calls_before_the_gate":
-                calls_before_the_gate, "forks": outcomes}  # fmt: skip
+        continued = time.monotonic() - released
+        figures |= {"to_the_gate_seconds": round(to_the_gate, 1), "restore_seconds": list(restores.values()),
+                    "continuations_seconds": round(continued, 1), "model_calls_before_the_gate":
+                    calls_before_the_gate, "forks": outcomes}  # fmt: skip
     sys.stdout.write(json.dumps(figures, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
-    good = [o["exit"] == 0 and o["failure"] is None and o["continued.txt"] == f"fork-{k}\n" and o["model_calls"] > 0
-            and o["g.txt"] == "hello from write\n" for k, o in enumerate(outcomes)]  # fmt: skip
+    good = [(o["exit"], o["phase"], o["failure"], o["once.txt"], o["f.txt"], o["continued.txt"]) ==
+            (0, "continued", None, "once\n", "hi\n", f"fork-{k}\n") and o["model_calls"] > 0
+            for k, o in enumerate(outcomes)]  # fmt: skip
     return 0 if all(good) and calls_before_the_gate == 0 else 1
 
 
 # -- what both share ----------------------------------------------------------------------------------------
 
 
-def _replay(trajectory: Path, out: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _work(cleanup: contextlib.ExitStack) -> Path:
+    work = Path(tempfile.mkdtemp(prefix="pvh-fork-"))
+    cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+    return work
+
+
+def _replay(cleanup: contextlib.ExitStack, trajectory: Path, out: Path, *args: str) -> subprocess.Popen[str]:
+    """``pvisor-host replay`` of the prefix, under its own run id; interrupted (and waited for) when the probe ends
+    while it still runs."""
+    run_id = f"fork-probe-{secrets.token_hex(4)}"
+    replay = subprocess.Popen(
         [sys.executable, "-m", "pvisor_host", "replay", "--agent", "claude-code", "--trajectory", str(trajectory),
-         "--runtime", RUNTIME, "--out", str(out), *args],
+         "--runtime", RUNTIME, "--out", str(out), "--run-id", run_id, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, KEY_ENV: "sk-fork-probe"},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C, even from a background job
     )  # fmt: skip
+    replay.run_id = run_id  # type: ignore[attr-defined]
+    cleanup.callback(_stop, replay)
+    return replay
+
+
+def _stop(replay: subprocess.Popen[str]) -> None:
+    if replay.poll() is not None:
+        return
+    replay.send_signal(signal.SIGCONT)
+    replay.send_signal(signal.SIGINT)  # the controller removes its sandbox
+    try:
+        replay.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        replay.kill()
+        replay.communicate()
 
 
 def _until(done: Callable[[], bool], replay: subprocess.Popen[str], what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if replay.poll() is not None or time.monotonic() > deadline:
-            replay.send_signal(signal.SIGINT)  # the controller removes its sandbox
-            raise SystemExit(f"fork-probe: {what}: {replay.communicate(timeout=120)[1][-2000:]}")
+            _stop(replay)
+            raise SystemExit(f"fork-probe: {what}: {replay.stderr.read()[-2000:] if replay.stderr else ''}")
         time.sleep(0.05)
 
 
 def _running(client: docker.DockerClient, replay: subprocess.Popen[str]) -> Any:
     if not client.version().get("Experimental"):
-        replay.send_signal(signal.SIGINT)
-        replay.communicate(timeout=120)
         raise SystemExit("fork-probe: the engine's experimental mode is off: Docker restores a checkpoint only then")
     found: list[Any] = []
 
     def running() -> bool:
-        found[:] = client.containers.list(filters={"label": "pvisor-host.role=replay", "status": "running"})
+        found[:] = client.containers.list(filters={"label": f"pvisor-host.run={replay.run_id}", "status": "running"})
         return bool(found)
 
     _until(running, replay, "the replay did not start")
@@ -207,27 +222,35 @@ def _running(client: docker.DockerClient, replay: subprocess.Popen[str]) -> Any:
     return found[0]
 
 
-def _checkpoint(sandbox: Any, work: Path, skip: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+def _checkpoint(sandbox: Any, work: Path, replay: subprocess.Popen[str],
+                skip: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
     """Checkpoint the sandbox into ``work/checkpoint`` and copy its bind-mounted directories (but ``skip``) into
-    ``work/mounts``: its configuration, and the figures."""
+    ``work/mounts``, with its controller stopped meanwhile (it would remove them once it sees the sandbox gone):
+    the sandbox's configuration, and the figures."""
     attrs = sandbox.attrs
     image = work / "checkpoint"
-    started = time.monotonic()
-    subprocess.run([RUNSC, "--root", RUNSC_ROOT, "checkpoint", "--image-path", str(image), sandbox.id], check=True)
-    taken = time.monotonic() - started
-    mounts = work / "mounts"
-    mounts.mkdir()
-    for mount in attrs["HostConfig"]["Mounts"]:
-        if mount["Type"] == "bind" and mount["Target"] not in skip:
-            subprocess.run(["cp", "-a", mount["Source"], str(mounts / _name(mount["Target"]))], check=True)
+    replay.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        subprocess.run([RUNSC, "--root", RUNSC_ROOT, "checkpoint", "--image-path", str(image), sandbox.id],
+                       check=True)  # fmt: skip
+        taken = time.monotonic() - started
+        mounts = work / "mounts"
+        mounts.mkdir()
+        for mount in attrs["HostConfig"]["Mounts"]:
+            if mount["Type"] == "bind" and mount["Target"] not in skip:
+                subprocess.run(["cp", "-a", mount["Source"], str(mounts / _name(mount["Target"]))], check=True)
+    finally:
+        replay.send_signal(signal.SIGCONT)
     size = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
     return attrs, {"checkpoint_seconds": round(taken, 2), "checkpoint_mib": round(size / 2**20, 1)}
 
 
-def _restore(client: docker.DockerClient, attrs: dict[str, Any], work: Path, k: int, copies: list[str], *,
-             sockets: dict[str, Any] | None = None) -> float:  # fmt: skip
+def _restore(cleanup: contextlib.ExitStack, client: docker.DockerClient, attrs: dict[str, Any], work: Path, k: int,
+             *, sockets: dict[str, Any] | None = None) -> dict[str, float]:  # fmt: skip
     """Create copy ``k`` (its own copies of the mounted directories; ``sockets``: a mount target served by a
-    gateway of its own instead) and start it from the checkpoint: the seconds the start took."""
+    gateway of its own instead), removed when the probe ends, and start it from the checkpoint: its id, and the
+    seconds its start took."""
     api = client.api
     own = work / f"fork{k}"
     own.mkdir()
@@ -246,12 +269,21 @@ def _restore(client: docker.DockerClient, attrs: dict[str, Any], work: Path, k: 
         working_dir=config["WorkingDir"], environment=config["Env"], host_config=host,
         labels=config["Labels"], name=f"{attrs['Name'].lstrip('/')}-fork{k}",
     )  # fmt: skip
-    copies.append(created["Id"])
+    cleanup.callback(_remove, api, created["Id"])
     shutil.copytree(work / "checkpoint", Path(f"/var/lib/docker/containers/{created['Id']}/checkpoints/probe"))
     started = time.monotonic()
     answer = api._post(api._url("/containers/{0}/start", created["Id"]), params={"checkpoint": "probe"})
     api._raise_for_status(answer)
-    return round(time.monotonic() - started, 2)
+    return {created["Id"]: round(time.monotonic() - started, 2)}
+
+
+def _remove(api: Any, container_id: str) -> None:
+    with contextlib.suppress(docker.errors.APIError):
+        api.remove_container(container_id, force=True)
+
+
+def _text(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
 
 
 def _result(own: Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ is stopped by its own process ids (``ray stop`` would kill every Ray process of 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -79,18 +80,36 @@ def node_image_tag() -> str:
     return f"pvisor-host-test/node:{hashlib.sha256(material.encode()).hexdigest()[:12]}"
 
 
-#: One build of the node image at a time: a test session starts it on a thread of its own (``conftest.py``'s
-#: ``slow_builds``), and a test that needs the image first waits for that build instead of making its own.
+#: Seconds a build of the node image may take (pip's download, then mmdebstrap): a hang fails it, not the suite.
+BUILD_TIMEOUT = 1800
+#: The build started ahead (:func:`start_node_image`), whose result (or error) every caller then gets.
+_AHEAD: list[concurrent.futures.Future[str]] = []
 _NODE_IMAGE = threading.Lock()
 
 
+def start_node_image(client) -> None:
+    """Build the node image on a thread of its own from now (a test session does at its start, when a selected
+    test needs the image: minutes on a new machine); :func:`build_node_image` then waits for that build."""
+    if _AHEAD:
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-image")
+    _AHEAD.append(pool.submit(_build_once, client, dict(os.environ)))  # the environment as it is now, whole
+    pool.shutdown(wait=False)
+
+
 def build_node_image(client) -> str:
-    """The node image (built when missing); its tag."""
+    """The node image (built when missing, or the build started ahead, whose error is raised here); its tag."""
+    if _AHEAD:
+        return _AHEAD[0].result(timeout=BUILD_TIMEOUT)
+    return _build_once(client, dict(os.environ))
+
+
+def _build_once(client, environ: dict[str, str]) -> str:
     with _NODE_IMAGE:
-        return _build_node_image(client)
+        return _build_node_image(client, environ)
 
 
-def _build_node_image(client) -> str:
+def _build_node_image(client, environ: dict[str, str]) -> str:
     import docker.errors
 
     tag = node_image_tag()
@@ -102,7 +121,7 @@ def _build_node_image(client) -> str:
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "-d", str(wheels),
              *_dependencies()],
-            check=True,
+            check=True, env=environ, timeout=BUILD_TIMEOUT,
         )  # fmt: skip
         start = Path(scratch) / "node-start.sh"
         start.write_text(NODE_START)
@@ -126,8 +145,10 @@ def _build_node_image(client) -> str:
             *(f"--customize-hook={hook}" for hook in hooks),
             "bookworm", "-",
         ]  # fmt: skip
-        environment = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CERT")}
+        environment = {k: v for k, v in environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CERT")}
         with subprocess.Popen(command, stdout=subprocess.PIPE, env=environment) as process:
+            hung = threading.Timer(BUILD_TIMEOUT, process.kill)  # its output then ends, and so does the import
+            hung.start()
             repository, _, version = tag.partition(":")
             client.api.import_image_from_stream(
                 process.stdout,
@@ -140,7 +161,11 @@ def _build_node_image(client) -> str:
                     'ENTRYPOINT ["/node-start.sh"]',
                 ],
             )
-        assert process.returncode == 0, f"mmdebstrap exited {process.returncode}"
+            hung.cancel()
+        if process.returncode != 0:  # killed, or failed: what the engine made of its output is no node image
+            with contextlib.suppress(docker.errors.ImageNotFound):
+                client.images.remove(tag, force=True)
+            raise AssertionError(f"mmdebstrap exited {process.returncode}")
     return tag
 
 
@@ -312,28 +337,38 @@ class Cluster:
 
     def heal(self) -> None:
         """Every node back and joined, as a test that took one down and failed before it brought it back may have
-        left it: unpaused, on its network, running; a node whose container runs but that the head lost (its
-        raylet was marked dead) is restarted, and joins again."""
+        left it: unpaused, on its network, running (a node the head marked dead exits by itself once it can reach
+        the head again, and is started again here). Nodes that still have not joined after a minute are restarted
+        (every node: which of them the head lost is not told here)."""
         import docker.errors
 
         if self.closed:
             raise AssertionError("the session's cluster was stopped before this test (cluster tests run together)")
+        deadline = time.monotonic() + 60
+        while True:
+            for name in list(self.nodes):
+                try:
+                    node = self.client.containers.get(name)
+                except docker.errors.NotFound:
+                    self.nodes.remove(name)
+                    self.add_node(name)  # its engine's volume is still there
+                    continue
+                if node.status == "paused":
+                    node.unpause()
+                if "bridge" not in (node.attrs["NetworkSettings"]["Networks"] or {}):
+                    self.client.networks.get("bridge").connect(node)
+                node.reload()
+                if node.status not in ("running", "restarting"):
+                    node.start()
+            if self.alive_engine_nodes() >= len(self.nodes):
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1)
         for name in self.nodes:
-            node = self.client.containers.get(name)
-            if node.status == "paused":
-                node.unpause()
-            if "bridge" not in (node.attrs["NetworkSettings"]["Networks"] or {}):
-                self.client.networks.get("bridge").connect(node)
-            node.reload()
-            if node.status != "running":
-                node.start()
-        try:
-            self.wait_for_nodes(len(self.nodes), timeout=60)
-        except AssertionError:
-            for name in self.nodes:
-                with contextlib.suppress(docker.errors.APIError):
-                    self.client.containers.get(name).restart(timeout=0)
-            self.wait_for_nodes(len(self.nodes))
+            with contextlib.suppress(docker.errors.APIError):
+                self.client.containers.get(name).restart(timeout=0)
+        self.wait_for_nodes(len(self.nodes))
 
     def wait_for_nodes(self, count: int, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout

@@ -57,12 +57,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Once the last test on the session's Ray cluster has torn down, the cluster and its registry go (they are
-    not torn down again at the session's end)."""
-    yield
-    if _LAST_ON_THE_CLUSTER and item is _LAST_ON_THE_CLUSTER[0]:
-        while _CLUSTER_STOPS:
-            _CLUSTER_STOPS.pop()()
+    """Once the last test on the session's Ray cluster has torn down (or failed to), the cluster and its registry
+    go (they are not torn down again at the session's end)."""
+    try:
+        return (yield)
+    finally:
+        if _LAST_ON_THE_CLUSTER and item is _LAST_ON_THE_CLUSTER[0]:
+            while _CLUSTER_STOPS:
+                _CLUSTER_STOPS.pop()()
 
 
 #: Every test phase's duration, written when the session ends (``test-durations.tsv`` at the repository's root,
@@ -258,7 +260,11 @@ def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeou
         if process.poll() is not None or time.monotonic() > deadline:
             if process.poll() is None:
                 process.send_signal(signal.SIGINT)  # the CLI removes its sandbox
-            _, stderr = process.communicate(timeout=60)
+            try:
+                _, stderr = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                _, stderr = process.communicate()
             pytest.fail(f"no container of run {run_id} ran {command or 'at all'}: exit {process.returncode}: {stderr}")
         time.sleep(0.1)
 
@@ -435,23 +441,43 @@ def agent_image(backend, slow_builds):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def node_image_ahead(request: pytest.FixtureRequest) -> None:
+    """The cluster node image (``tests/cluster.py``: the cluster's nodes and the tests' registries run in it),
+    built on a thread of its own from the session's start when a selected test needs it (:func:`node_image`):
+    minutes on a new machine, which the first test to need it, half-way through the suite, would otherwise wait
+    for; nothing when it is there."""
+    if not any("node_image" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        return
+    try:
+        client = request.getfixturevalue("docker_client")
+        request.getfixturevalue("claude_image")  # after the base every test needs, not in its way
+    except (pytest.skip.Exception, pytest.fail.Exception):  # no engine: the tests that need one say so
+        return
+    from cluster import start_node_image
+
+    start_node_image(client)
+
+
+@pytest.fixture(scope="session")
+def node_image(docker_client) -> str:
+    """The cluster node image's tag, once it is built (see :func:`node_image_ahead`)."""
+    from cluster import build_node_image
+
+    return build_node_image(docker_client)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def slow_builds(request) -> Iterator[dict[str, Any]]:
     """The :data:`SLOW_BUILDS` images, built one after another on a thread of their own from the session's start
-    when a selected test needs ``agent_image`` (futures, by agent); none otherwise. Before them, on the same
-    thread, the cluster node image (``tests/cluster.py``, which the tests' registries run in too: minutes on a new
-    machine, needed half-way through the suite, where the first test to need it waits for it; nothing when it
-    is there)."""
+    when a selected test needs ``agent_image`` (futures, by agent); none otherwise."""
     if not any("agent_image" in getattr(item, "fixturenames", ()) for item in request.session.items):
         yield {}
         return
     import concurrent.futures
 
-    from cluster import build_node_image
-
     backend = request.getfixturevalue("backend")
     request.getfixturevalue("claude_image")  # the base the agents share is bootstrapped once, here, first
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slow-build") as pool:
-        pool.submit(build_node_image, request.getfixturevalue("docker_client"))
         yield {agent: pool.submit(build_image, backend, agent) for agent in SLOW_BUILDS}
 
 
@@ -466,7 +492,7 @@ def runtime_volumes_removed_afterwards(docker_client):
 
 
 @pytest.fixture(scope="session")
-def cluster_registry(docker_client) -> Iterator[Any]:
+def cluster_registry(docker_client, node_image) -> Iterator[Any]:
     """The registry of the cluster tests (``tests/cluster.py``'s ``Registry``), for the session."""
     from cluster import Registry
 

@@ -41,7 +41,7 @@ def task_dockerfile(base: str, n: int, megabytes: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def registry(docker_client):
+def registry(docker_client, node_image):
     with Registry(docker_client) as running:
         yield running
 

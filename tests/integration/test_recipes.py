@@ -102,7 +102,7 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, docker_client, claude_image) -> Iterator[dict[str, Any]]:
+def project(tmp_path_factory, docker_client, claude_image, node_image) -> Iterator[dict[str, Any]]:
     """A repository as the recipes expect it (trajectories/, cassettes/ recorded against a stub model), and the
     registry holding the pushed sandbox image."""
     repo = tmp_path_factory.mktemp("repo")
