@@ -21,8 +21,8 @@ directory and waits for a go-ahead file in the input directory before it execs t
 checkpoints the sandbox at that mark, then restores it K times, each copy with its own copies of the mounted
 directories and its own gateway socket (a gateway of its own forwarding to a stub model of its own, which
 answers with a command naming the copy), and gives each its go-ahead. pvisor, still the parent, finishes each
-copy's continuation and writes its own v3 result; the prefix's tool calls ran once, and no model call came
-before the boundary.
+copy's continuation and writes its own v3 result; the prefix's appending call is in each copy once, and no
+model call came before the boundary.
 
 In both, the checkpoint is ``runsc checkpoint`` (Docker's own checkpoint API fails here once the image passes a
 few MB: "failed to read checkpoint reader: failed to Lchown .../checkpoint.img"), each copy is a container with
@@ -86,7 +86,9 @@ def mid_call(forks: int) -> int:
         time.sleep(6)  # into the second call's sleep
         attrs, figures = _checkpoint(sandbox, work, replay)
         replay.communicate(timeout=120)  # the prefix's controller sees its sandbox gone, and removes it
-        restores = [_restore(cleanup, client, attrs, work, k) for k in range(forks)]
+        restores: dict[str, float] = {}
+        for k in range(forks):
+            restores |= _restore(cleanup, client, attrs, work, k)
         outcomes = []
         for k, container_id in enumerate(restores):
             code = client.api.wait(container_id, timeout=120)["StatusCode"]
