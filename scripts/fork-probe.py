@@ -73,7 +73,7 @@ KEY_ENV = "PVH_FORK_PROBE_KEY"
 
 
 def mid_call(forks: int) -> int:
-    client = docker.from_env(timeout=300)
+    client = _engine()
     with contextlib.ExitStack() as cleanup:
         work = _work(cleanup)
         trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork.", [
@@ -95,19 +95,19 @@ def mid_call(forks: int) -> int:
             outcomes.append({"exit": code, "failure": _result(work / f"fork{k}").get("failure"),
                              "a.txt": (work / f"fork{k}" / _name("/workspace") / "a.txt").read_text()})  # fmt: skip
         figures |= {"restore_seconds": list(restores.values()), "forks": outcomes}
-    sys.stdout.write(json.dumps(figures, indent=2) + "\n")
-    return 0 if all(o["exit"] == 0 and o["a.txt"] == "prefix\nafter\n" for o in outcomes) else 1
+        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+    good = [(o["exit"], o["failure"], o["a.txt"]) == (0, None, "prefix\nafter\n") for o in outcomes]
+    return 0 if len(good) == forks > 0 and all(good) else 1
 
 
 def at_boundary(forks: int) -> int:
     from pvisor_host.backend.docker.gateway import Gateway
     from pvisor_host.models.spec import ModelUpstream
 
-    client = docker.from_env(timeout=300)
+    client = _engine()
     with contextlib.ExitStack() as cleanup:
         work = _work(cleanup)
-        gated = _gated_image(client)
-        cleanup.callback(client.images.remove, gated, force=True)  # the last thing done (the copies go first)
+        gated = _gated_image(client, cleanup)
         # The prefix appends to once.txt (a copy that ran it again would have it twice), then writes f.txt.
         trajectory = write_jsonl(work / "t.jsonl", claude_session("Fork at the boundary.", [
             Turn([Call("Bash", {"command": "echo once >> once.txt", "description": "note it"}, "")]),
@@ -158,11 +158,11 @@ def at_boundary(forks: int) -> int:
         figures |= {"to_the_gate_seconds": round(to_the_gate, 1), "restore_seconds": list(restores.values()),
                     "continuations_seconds": round(continued, 1), "model_calls_before_the_gate":
                     calls_before_the_gate, "forks": outcomes}  # fmt: skip
-    sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+        sys.stdout.write(json.dumps(figures, indent=2) + "\n")
     good = [(o["exit"], o["phase"], o["failure"], o["once.txt"], o["f.txt"], o["continued.txt"]) ==
             (0, "continued", None, "once\n", "hi\n", f"fork-{k}\n") and o["model_calls"] > 0
             for k, o in enumerate(outcomes)]  # fmt: skip
-    return 0 if all(good) and calls_before_the_gate == 0 else 1
+    return 0 if len(good) == forks > 0 and all(good) and calls_before_the_gate == 0 else 1
 
 
 # -- what both share ----------------------------------------------------------------------------------------
@@ -182,37 +182,45 @@ def _replay(cleanup: contextlib.ExitStack, trajectory: Path, out: Path, *args: s
         [sys.executable, "-m", "pvisor_host", "replay", "--agent", "claude-code", "--trajectory", str(trajectory),
          "--runtime", RUNTIME, "--out", str(out), "--run-id", run_id, *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, KEY_ENV: "sk-fork-probe"},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Ctrl-C, even from a background job
+        # Its own session: a Ctrl-C of the probe reaches it once, through _stop (a second one would make it give up
+        # on its cleanup); SIGINT at its default even when the probe runs as a background job.
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     replay.run_id = run_id  # type: ignore[attr-defined]
     cleanup.callback(_stop, replay)
     return replay
 
 
-def _stop(replay: subprocess.Popen[str]) -> None:
-    if replay.poll() is not None:
-        return
-    replay.send_signal(signal.SIGCONT)
-    replay.send_signal(signal.SIGINT)  # the controller removes its sandbox
+def _stop(replay: subprocess.Popen[str]) -> str:
+    """Interrupt the prefix's controller once (it removes its sandbox) and wait for it: its stderr."""
+    if replay.poll() is None:
+        replay.send_signal(signal.SIGCONT)
+        replay.send_signal(signal.SIGINT)
     try:
-        replay.communicate(timeout=120)
+        return replay.communicate(timeout=120)[1] or ""
     except subprocess.TimeoutExpired:
         replay.kill()
-        replay.communicate()
+        return replay.communicate()[1] or ""
+    except ValueError:  # read already
+        return ""
 
 
 def _until(done: Callable[[], bool], replay: subprocess.Popen[str], what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         if replay.poll() is not None or time.monotonic() > deadline:
-            _stop(replay)
-            raise SystemExit(f"fork-probe: {what}: {replay.stderr.read()[-2000:] if replay.stderr else ''}")
+            raise SystemExit(f"fork-probe: {what}: {_stop(replay)[-2000:]}")
         time.sleep(0.05)
 
 
-def _running(client: docker.DockerClient, replay: subprocess.Popen[str]) -> Any:
+def _engine() -> docker.DockerClient:
+    client = docker.from_env(timeout=300)
     if not client.version().get("Experimental"):
         raise SystemExit("fork-probe: the engine's experimental mode is off: Docker restores a checkpoint only then")
+    return client
+
+
+def _running(client: docker.DockerClient, replay: subprocess.Popen[str]) -> Any:
     found: list[Any] = []
 
     def running() -> bool:
@@ -294,7 +302,7 @@ def _result(own: Path) -> dict[str, Any]:
     return dict(json.loads(lines[-1])) if lines else {"failure": "no result"}
 
 
-def _gated_image(client: docker.DockerClient) -> str:
+def _gated_image(client: docker.DockerClient, cleanup: contextlib.ExitStack) -> str:
     """pvisor-host's Claude Code image with :data:`GATE` at the agent's entrypoint (the CLI moved beside it)."""
     from pvisor_host.backend.docker import DockerBackend
     from pvisor_host.models.image import BuildOptions, BuildPlan
@@ -311,9 +319,15 @@ def _gated_image(client: docker.DockerClient) -> str:
         (Path(context) / "Dockerfile").write_text(f"FROM {built.tag}\nUSER root\nRUN mv {entry} {entry}.real\n"
                                                   f"COPY gate {entry}\nUSER {user}\n")  # fmt: skip
         image, _ = client.images.build(path=context, rm=True, forcerm=True)
+    cleanup.callback(_remove_image, client, image.id)  # done last of all (the copies that use it go first)
     tag = f"pvh-fork-probe/gated:{image.id.removeprefix('sha256:')[:12]}"
     image.tag(*tag.split(":"))
     return tag
+
+
+def _remove_image(client: docker.DockerClient, image_id: str) -> None:
+    with contextlib.suppress(docker.errors.APIError):
+        client.images.remove(image_id, force=True)
 
 
 def _name(target: str) -> str:

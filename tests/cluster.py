@@ -89,18 +89,27 @@ _NODE_IMAGE = threading.Lock()
 
 def start_node_image(client) -> None:
     """Build the node image on a thread of its own from now (a test session does at its start, when a selected
-    test needs the image: minutes on a new machine); :func:`build_node_image` then waits for that build."""
+    test needs the image: minutes on a new machine); :func:`build_node_image` then waits for that build. The
+    thread is a daemon: a session that ends first does not wait for it."""
     if _AHEAD:
         return
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-image")
-    _AHEAD.append(pool.submit(_build_once, client, dict(os.environ)))  # the environment as it is now, whole
-    pool.shutdown(wait=False)
+    future: concurrent.futures.Future[str] = concurrent.futures.Future()
+    environ = dict(os.environ)  # the environment as it is now, whole
+
+    def build() -> None:
+        try:
+            future.set_result(_build_once(client, environ))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever needs the image
+            future.set_exception(exc)
+
+    _AHEAD.append(future)
+    threading.Thread(target=build, name="node-image", daemon=True).start()
 
 
 def build_node_image(client) -> str:
     """The node image (built when missing, or the build started ahead, whose error is raised here); its tag."""
     if _AHEAD:
-        return _AHEAD[0].result(timeout=BUILD_TIMEOUT)
+        return _AHEAD[0].result()  # the build's own steps are bounded (BUILD_TIMEOUT)
     return _build_once(client, dict(os.environ))
 
 
@@ -146,22 +155,26 @@ def _build_node_image(client, environ: dict[str, str]) -> str:
             "bookworm", "-",
         ]  # fmt: skip
         environment = {k: v for k, v in environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CERT")}
-        with subprocess.Popen(command, stdout=subprocess.PIPE, env=environment) as process:
-            hung = threading.Timer(BUILD_TIMEOUT, process.kill)  # its output then ends, and so does the import
+        with subprocess.Popen(command, stdout=subprocess.PIPE, env=environment, start_new_session=True) as process:
+            # mmdebstrap's work is done by a child of its own: a hang ends the whole group (the import then ends)
+            hung = threading.Timer(BUILD_TIMEOUT, os.killpg, (process.pid, signal.SIGKILL))
+            hung.daemon = True
             hung.start()
             repository, _, version = tag.partition(":")
-            client.api.import_image_from_stream(
-                process.stdout,
-                repository=repository,
-                tag=version,
-                changes=[
-                    "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
-                    "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
-                    f'LABEL {NODE_LABEL}="image"',
-                    'ENTRYPOINT ["/node-start.sh"]',
-                ],
-            )
-            hung.cancel()
+            try:
+                client.api.import_image_from_stream(
+                    process.stdout,
+                    repository=repository,
+                    tag=version,
+                    changes=[
+                        "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
+                        "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
+                        f'LABEL {NODE_LABEL}="image"',
+                        'ENTRYPOINT ["/node-start.sh"]',
+                    ],
+                )
+            finally:
+                hung.cancel()
         if process.returncode != 0:  # killed, or failed: what the engine made of its output is no node image
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(tag, force=True)

@@ -449,9 +449,10 @@ def node_image_ahead(request: pytest.FixtureRequest) -> None:
     if not any("node_image" in getattr(item, "fixturenames", ()) for item in request.session.items):
         return
     try:
+        request.getfixturevalue("nothing_left_behind")  # its sweep and its count come first
         client = request.getfixturevalue("docker_client")
         request.getfixturevalue("claude_image")  # after the base every test needs, not in its way
-    except (pytest.skip.Exception, pytest.fail.Exception):  # no engine: the tests that need one say so
+    except (Exception, pytest.skip.Exception, pytest.fail.Exception):  # noqa: BLE001 - the tests that need these say why
         return
     from cluster import start_node_image
 

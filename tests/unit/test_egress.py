@@ -3,6 +3,7 @@ upstreams on 127.0.0.1, names resolved by a table (the proxy's resolver seam), n
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import ipaddress
 import json
@@ -172,9 +173,11 @@ def _ask(path: Path, raw: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(str(path))
-        sock.sendall(raw)
-        if not raw:
-            sock.shutdown(socket.SHUT_WR)
+        if raw:
+            sock.sendall(raw)
+        else:  # nothing to say: a proxy that refuses before reading a byte may have answered and closed already
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
