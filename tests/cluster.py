@@ -84,7 +84,6 @@ def node_image_tag() -> str:
 BUILD_TIMEOUT = 1800
 #: The build started ahead (:func:`start_node_image`), whose result (or error) every caller then gets.
 _AHEAD: list[concurrent.futures.Future[str]] = []
-_NODE_IMAGE = threading.Lock()
 
 
 def start_node_image(client) -> None:
@@ -98,7 +97,7 @@ def start_node_image(client) -> None:
 
     def build() -> None:
         try:
-            future.set_result(_build_once(client, environ))
+            future.set_result(_build_node_image(client, environ))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever needs the image
             future.set_exception(exc)
 
@@ -110,12 +109,7 @@ def build_node_image(client) -> str:
     """The node image (built when missing, or the build started ahead, whose error is raised here); its tag."""
     if _AHEAD:
         return _AHEAD[0].result()  # the build's own steps are bounded (BUILD_TIMEOUT)
-    return _build_once(client, dict(os.environ))
-
-
-def _build_once(client, environ: dict[str, str]) -> str:
-    with _NODE_IMAGE:
-        return _build_node_image(client, environ)
+    return _build_node_image(client, dict(os.environ))
 
 
 def _build_node_image(client, environ: dict[str, str]) -> str:
