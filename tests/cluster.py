@@ -108,7 +108,7 @@ def start_node_image(client) -> None:
 def build_node_image(client) -> str:
     """The node image (built when missing, or the build started ahead, whose error is raised here); its tag."""
     if _AHEAD:
-        return _AHEAD[0].result()  # the build's own steps are bounded (BUILD_TIMEOUT)
+        return _AHEAD[0].result()  # bounded by the build's own limits, and by pytest's timeout of a test's setup
     return _build_node_image(client, dict(os.environ))
 
 
@@ -149,26 +149,26 @@ def _build_node_image(client, environ: dict[str, str]) -> str:
             "bookworm", "-",
         ]  # fmt: skip
         environment = {k: v for k, v in environ.items() if k not in ("PIP_FIND_LINKS", "PIP_CERT")}
-        with subprocess.Popen(command, stdout=subprocess.PIPE, env=environment, start_new_session=True) as process:
-            # mmdebstrap's work is done by a child of its own: a hang ends the whole group (the import then ends)
-            hung = threading.Timer(BUILD_TIMEOUT, os.killpg, (process.pid, signal.SIGKILL))
-            hung.daemon = True
-            hung.start()
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, env=environment, start_new_session=True)
+        # mmdebstrap's work is done by a child of its own: a hang is ended in the whole group, with SIGTERM (its
+        # worker then ends, and mmdebstrap cleans its chroot up); the import, and the wait below, end with it
+        hung = threading.Timer(BUILD_TIMEOUT, os.killpg, (process.pid, signal.SIGTERM))
+        hung.daemon = True
+        hung.start()
+        with process:  # its exit closes the pipe and waits for mmdebstrap
             repository, _, version = tag.partition(":")
-            try:
-                client.api.import_image_from_stream(
-                    process.stdout,
-                    repository=repository,
-                    tag=version,
-                    changes=[
-                        "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
-                        "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
-                        f'LABEL {NODE_LABEL}="image"',
-                        'ENTRYPOINT ["/node-start.sh"]',
-                    ],
-                )
-            finally:
-                hung.cancel()
+            client.api.import_image_from_stream(
+                process.stdout,
+                repository=repository,
+                tag=version,
+                changes=[
+                    "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
+                    "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
+                    f'LABEL {NODE_LABEL}="image"',
+                    'ENTRYPOINT ["/node-start.sh"]',
+                ],
+            )
+        hung.cancel()  # after the wait for mmdebstrap (Popen's exit), which it bounds too
         if process.returncode != 0:  # killed, or failed: what the engine made of its output is no node image
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(tag, force=True)
@@ -319,7 +319,8 @@ class Cluster:
             environment={"PVISOR_HOST_CLUSTER_TOKEN_FILE": "/run/cluster-token", "PVH_TEST_REGISTRY": self._registry},
             host_config=host_config,
         )
-        self.nodes.append(name)
+        if name not in self.nodes:
+            self.nodes.append(name)
         api.start(created["Id"])
         return name
 
@@ -357,8 +358,7 @@ class Cluster:
                 try:
                     node = self.client.containers.get(name)
                 except docker.errors.NotFound:
-                    self.nodes.remove(name)
-                    self.add_node(name)  # its engine's volume is still there
+                    self.add_node(name)  # its engine's volume is still there; it stays listed whatever happens
                     continue
                 if node.status == "paused":
                     node.unpause()

@@ -250,7 +250,7 @@ def wait_for_running(client, run_id: str, process: subprocess.Popen[str], timeou
 
     deadline = time.monotonic() + timeout
     while True:
-        running = client.containers.list(filters={"label": f"pvisor-host.run={run_id}"})
+        running = client.containers.list(filters={"label": f"pvisor-host.run={run_id}"}, ignore_removed=True)
         try:
             if running and (command is None or any(row[-1] == command for row in running[0].top()["Processes"])):
                 return running[0]
