@@ -466,16 +466,21 @@ def test_a_second_ctrl_c_ends_the_batch_within_its_bound_while_the_engine_is_pau
 
 def test_two_batches_side_by_side_finish_correctly_and_never_touch_each_other(tmp_path, docker_client):
     before = {c.id for c in ours(docker_client)}
-    big = manifest(tmp_path / "big", 500)
+    big = manifest(tmp_path / "big", 200)
     small = manifest(tmp_path / "small", 40)
     seen: dict[str, set[str]] = {}
+    together = threading.Event()  # a moment when both batches had sandboxes on the engine
     stop = threading.Event()
 
     def watch() -> None:  # which batch's sessions the running sandboxes belong to
         while not stop.is_set():
+            now = set()
             for c in ours(docker_client, role="replay"):
                 labels = c.attrs.get("Labels") or {}
+                now.add(labels.get("pvisor-host.session", "?"))
                 seen.setdefault(labels.get("pvisor-host.session", "?"), set()).add(c.attrs["Names"][0])
+            if len(now) == 2:
+                together.set()
             time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -488,12 +493,13 @@ def test_two_batches_side_by_side_finish_correctly_and_never_touch_each_other(tm
     watcher.join(timeout=5)
     assert first.returncode == 0, stderr
     assert second.code == 0, second.stderr
-    assert json.loads((tmp_path / "out-big" / "summary.json").read_text())["counts"] == {"ok": 500}
+    assert json.loads((tmp_path / "out-big" / "summary.json").read_text())["counts"] == {"ok": 200}
     assert json.loads((tmp_path / "out-small" / "summary.json").read_text())["counts"] == {"ok": 40}
     assert len(seen) == 2  # two sessions, each cancelling and removing only its own
+    assert together.is_set(), "the two batches never had sandboxes at the same time"
     big_ids = {r["run_id"] for r in records(tmp_path / "out-big").values()}
     small_ids = {r["run_id"] for r in records(tmp_path / "out-small").values()}
-    assert len(big_ids) == 500 and len(small_ids) == 40 and not big_ids & small_ids
+    assert len(big_ids) == 200 and len(small_ids) == 40 and not big_ids & small_ids
     nothing_of_ours_left(docker_client, before)
 
 
