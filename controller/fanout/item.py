@@ -5,8 +5,8 @@ An item goes through the same decisions in the same order whether it runs or ``b
 (:mod:`.plan`), so the plan says what the run does:
 
 1. its trajectory is read (once per version of the file);
-2. an item that finished in an earlier run with the same content key is skipped (:func:`finished_earlier`), when
-   its image can be told without making it;
+2. an item that finished in an earlier run with the same content key is skipped
+   (:func:`~.resume.finished_earlier`), when its image can be told without making it;
 3. its host checks (:func:`check_item`: the options, the trajectory, pvisor's pre-flight), once;
 4. its image: made ready (the run) or previewed (the plan), then the checks that need it (the agent from its
    label, the runtime, the workspace in it, its user: :func:`~pvisor_host.preflight.prepare.prepare`).
@@ -26,20 +26,19 @@ from .._log import logger
 from ..attempts import RetryPolicy, run_attempts
 from ..backend.base import AnyBackend, ModelGateway
 from ..errors import DiskFull, EngineUnresponsive, InfrastructureError, Interrupted, PvisorHostError
-from ..files.digest import tree_sha256
+from ..files.digest import tree_digest
 from ..files.space import disk_full, full_disk_raises
 from ..models.batch import ItemResult
-from ..models.image import BuildOptions, ResolvedImage
+from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.record import DISK_FULL, BatchInfo, ReplayRecord
-from ..models.replay import TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs, check_inputs
-from ..preflight.prepare import agent_image_request, image_request, prepare, prepare_image
+from ..preflight.prepare import image_request, prepare, prepare_image
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
-from .resume import ImageIdentity, content_key, finished_record, item_run_id, set_aside
+from .resume import ImageIdentity, finished_earlier, item_run_id, set_aside
 
 
 class BatchContext:
@@ -94,20 +93,19 @@ class BatchContext:
 
     def image(self, spec: ReplaySpec) -> ResolvedImage:
         """The item's image, made ready once for every item that asks for the same one."""
-        request = image_request(spec)
-        return self._images.get(request.key, lambda: prepare_image(self.backend, request, self.build))
+        return self._ready(image_request(spec))
 
     def prepare_ahead(self, spec: ReplaySpec) -> None:
         """What can be made ready before the first item, in the iterating thread (so that Ctrl-C stops a build
         at once): an agent image, or for a task image the agent image its runtime is injected from. A task
         image itself is pulled just in time (:class:`ImageWindow`)."""
+        request = image_request(spec)
         if not self._windowed(spec):
-            self.image(spec)
-        elif spec.inject and spec.agent is not None:
-            self._agent_image(spec.agent)
+            self._ready(request)
+        elif request.runtime_image is not None:
+            self._ready(request.runtime_image)
 
-    def _agent_image(self, agent: str) -> ResolvedImage:
-        request = agent_image_request(agent)
+    def _ready(self, request: ImageRequest) -> ResolvedImage:
         return self._images.get(request.key, lambda: prepare_image(self.backend, request, self.build))
 
     def _windowed(self, spec: ReplaySpec) -> bool:
@@ -128,10 +126,11 @@ class BatchContext:
 
     def agent_tag(self, spec: ReplaySpec) -> str | None:
         """The agent image an injected runtime comes from (made ready before the first item), else None."""
-        if not spec.inject or spec.agent is None:
+        runtime = image_request(spec).runtime_image
+        if runtime is None:
             return None
         try:
-            made = self._agent_image(spec.agent)
+            made = self._ready(runtime)
         except PvisorHostError:
             return None
         return made.built.tag if made.built is not None else made.image.ref
@@ -163,7 +162,7 @@ class BatchContext:
     def workspace_sha256(self, path: Path | None) -> str | None:
         if path is None:
             return None
-        return self._workspaces.get(path, lambda: tree_sha256(path))
+        return self._workspaces.get(path, lambda: tree_digest(path).sha256)
 
     def close(self) -> None:
         for gateway in self._gateways.values():
@@ -179,25 +178,8 @@ def check_item(item: BatchItem, out: Path) -> CheckedInputs:
     return check_inputs(item.spec, per_file=True, run_id=item_run_id(item.id), out_dir=out / item.id)
 
 
-def finished_earlier(
-    item: BatchItem,
-    trajectory: TrajectoryInfo,
-    image: ImageIdentity | None,
-    workspace_sha256: str | None,
-    *,
-    out: Path,
-    rerun_failed: bool,
-) -> tuple[str | None, ReplayRecord | None]:
-    """The item's content key (None: its image is not known yet) and its record from an earlier run that need not
-    run again (None: it runs), the same for the run and the plan."""
-    if image is None:
-        return None, None
-    key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
-    return key, finished_record(out / item.id, key, rerun_failed)
-
-
 def skipped_result(item: BatchItem, earlier: ReplayRecord, out: Path) -> ItemResult:
-    """The row of an item that finished earlier (:func:`finished_earlier`): its record's, marked skipped."""
+    """The row of an item that finished earlier (:func:`~.resume.finished_earlier`): its record's, marked skipped."""
     return ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
 
 

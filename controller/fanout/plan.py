@@ -23,20 +23,19 @@ from pydantic import BaseModel
 
 from ..backend.base import AnyBackend
 from ..errors import ExitCode, PvisorHostError
-from ..files.digest import tree_sha256
-from ..files.space import tree_bytes
+from ..files.digest import Tree, tree_digest
 from ..models.batch import BatchSummary
 from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
 from ..models.record import Limits
 from ..models.spec import ReplaySpec
-from ..preflight.prepare import agent_image_request, assemble, check_before_image, image_request
+from ..preflight.prepare import assemble, check_before_image, image_request
 from ..preflight.trajectory import read_trajectory
 from ..units import format_size
-from .item import check_item, finished_earlier
+from .item import check_item
 from .manifest import BatchItem
 from .memo import Memo
 from .options import BatchOptions
-from .resume import ImageIdentity
+from .resume import ImageIdentity, finished_earlier
 
 
 class ItemPlan(BaseModel):
@@ -156,17 +155,17 @@ class _Planner:
         self.options = options
         self.images = images
         self.previews: Memo[tuple[ImagePlan, ImagePreview]] = Memo()
-        self.workspaces: Memo[str] = Memo()
-        self.sizes: Memo[int] = Memo()
+        self.workspaces: Memo[Tree] = Memo()
 
     def plan(self, item: BatchItem) -> ItemPlan:
         spec = item.spec
+        request = image_request(spec)
         trajectory = read_trajectory(spec.trajectory)
         cost = self._cost(spec.image)
         workspace = self._workspace(spec.workspace_dir)
         key, earlier = finished_earlier(
-            item, trajectory, self._identity(spec, cost), workspace, out=self.options.out,
-            rerun_failed=self.options.rerun_failed,
+            item, trajectory, self._identity(request, cost), workspace.sha256 if workspace else None,
+            out=self.options.out, rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
         if earlier is not None:
             return ItemPlan(
@@ -177,7 +176,7 @@ class _Planner:
         checked = check_item(item, self.options.out)
         if cost is not None and not cost.present:
             return _unpulled(item, checked.spec, cost)
-        plan, preview = self._preview(image_request(spec))
+        plan, preview = self._preview(request)
         agent, runtime = check_before_image(checked, self.backend, plan.profile)
         sandbox = self.backend.describe_sandbox(assemble(checked, agent, preview.image, runtime))
         upstream = spec.continuation
@@ -188,7 +187,7 @@ class _Planner:
             model_gateway=upstream.network if upstream is not None else None, content_key=key,
             image_present=True if spec.image is not None else None, pull_bytes=0 if spec.image is not None else None,
         )  # fmt: skip
-        result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, self.sizes)
+        result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, workspace)
         return result
 
     def _preview(self, request: ImageRequest) -> tuple[ImagePlan, ImagePreview]:
@@ -208,20 +207,19 @@ class _Planner:
             self.images.costs[ref] = self.backend.image_cost(ref)
         return self.images.costs[ref]
 
-    def _workspace(self, source: Path | None) -> str | None:
-        return self.workspaces.get(source, lambda: tree_sha256(source)) if source is not None else None
+    def _workspace(self, source: Path | None) -> Tree | None:
+        """The workspace directory's digest and size, read once per directory."""
+        return self.workspaces.get(source, lambda: tree_digest(source)) if source is not None else None
 
-    def _identity(self, spec: ReplaySpec, cost: ImageCost | None) -> ImageIdentity | None:
+    def _identity(self, request: ImageRequest, cost: ImageCost | None) -> ImageIdentity | None:
         """The image as a content key sees it, told without making it (as the run tells it: :mod:`.item`)."""
         if cost is not None and not cost.present:
             if cost.id is None:
                 return None
-            agent_image = None
-            if spec.inject and spec.agent is not None:  # the agent image its runtime comes from, by its tag
-                agent_image = self._preview(agent_image_request(spec.agent))[1].image.ref
-            return cost.id, agent_image
+            runtime = request.runtime_image  # the agent image an injected runtime comes from, by its tag
+            return cost.id, self._preview(runtime)[1].image.ref if runtime is not None else None
         try:
-            _, preview = self._preview(image_request(spec))
+            _, preview = self._preview(request)
         except PvisorHostError:  # the item meets it again after its host checks, as the run's does
             return None
         return (preview.image.id, preview.image.agent_image) if preview.exists else None
@@ -248,12 +246,11 @@ def _unpulled(item: BatchItem, spec: ReplaySpec, cost: ImageCost) -> ItemPlan:
 RUN_BYTES = 256 * 1024
 
 
-def _write_bytes(spec: ReplaySpec, sizes: Memo[int]) -> int | None:
+def _write_bytes(spec: ReplaySpec, workspace: Tree | None) -> int | None:
     """About how many bytes an item's run directory takes (see :attr:`ItemPlan.write_bytes`): a changed
     workspace is not known before the replay, so ``changes`` counts as its record's share only."""
     if spec.collect_mode != "full":
         return RUN_BYTES
-    if spec.workspace_dir is not None:
-        source = spec.workspace_dir
-        return RUN_BYTES + sizes.get(source, lambda: tree_bytes(source))
+    if workspace is not None:
+        return RUN_BYTES + workspace.bytes
     return None if spec.image_workspace else RUN_BYTES

@@ -22,8 +22,9 @@ from pathlib import Path
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
 from ..models.record import ReplayRecord, load_record
-from ..models.replay import STAGING_NAME
+from ..models.replay import STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
+from .manifest import BatchItem
 
 #: Options that do not change an item's outcome, so changing them does not rerun it.
 NOT_OUTCOME: dict[str, bool | set[str]] = {
@@ -66,6 +67,23 @@ def finished_record(run_dir: Path, key: str, rerun_failed: bool) -> ReplayRecord
     if rerun_failed and record.status != "ok":
         return None
     return record
+
+
+def finished_earlier(
+    item: BatchItem,
+    trajectory: TrajectoryInfo,
+    image: ImageIdentity | None,
+    workspace_sha256: str | None,
+    *,
+    out: Path,
+    rerun_failed: bool,
+) -> tuple[str | None, ReplayRecord | None]:
+    """The item's content key (None: its image is not known yet) and its record from an earlier run that need not
+    run again (None: it runs), the same for the run and the plan."""
+    if image is None:
+        return None, None
+    key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
+    return key, finished_record(out / item.id, key, rerun_failed)
 
 
 def set_aside(out: Path, item_id: str) -> None:

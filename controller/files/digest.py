@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, NamedTuple, Protocol
 
 #: Bytes read (and written) at a time.
 CHUNK = 1024 * 1024
@@ -35,9 +35,19 @@ def hash_file(path: Path) -> tuple[int, str]:
         return copy_hashing(handle)
 
 
-def tree_sha256(root: Path) -> str:
-    """A digest of a directory's names, kinds, executable bits and contents (symlinks by target)."""
+class Tree(NamedTuple):
+    """A directory tree as a replay's inputs see it."""
+
+    sha256: str
+    """A digest of its names, kinds, executable bits and contents (symlinks by target)."""
+    bytes: int
+    """The bytes of its regular files (symlinks not followed)."""
+
+
+def tree_digest(root: Path) -> Tree:
+    """The digest and size of a directory tree, in one pass over it."""
     digest = hashlib.sha256()
+    total = 0
     for directory, children, files in os.walk(root):
         children.sort()
         for name in sorted(files) + [c + "/" for c in children]:
@@ -49,5 +59,7 @@ def tree_sha256(root: Path) -> str:
                 digest.update(f"D {relative}\n".encode())
             elif path.is_file():
                 executable = os.access(path, os.X_OK)
-                digest.update(f"F {relative} {executable} {hash_file(path)[1]}\n".encode())
-    return digest.hexdigest()
+                size, sha256 = hash_file(path)
+                total += size
+                digest.update(f"F {relative} {executable} {sha256}\n".encode())
+    return Tree(digest.hexdigest(), total)

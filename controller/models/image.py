@@ -118,6 +118,12 @@ class ImageRequest(BaseModel):
         agent = self.profile.agent if self.profile is not None else None
         return self.image, agent, self.inject, self.pvisor_only and self.image is None
 
+    @property
+    def runtime_image(self) -> ImageRequest | None:
+        """The agent's own image, which an injected runtime comes from (None: nothing is injected, or the image's
+        label names the agent)."""
+        return ImageRequest(profile=self.profile) if self.inject and self.profile is not None else None
+
 
 class _Plan(BaseModel):
     model_config = ConfigDict(frozen=True)

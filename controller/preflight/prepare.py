@@ -29,11 +29,6 @@ def image_request(spec: ReplaySpec) -> ImageRequest:
     return _request(spec, get_profile(spec.agent) if spec.agent is not None else None)
 
 
-def agent_image_request(agent: str) -> ImageRequest:
-    """The agent's own image, the one an injected runtime comes from."""
-    return ImageRequest(profile=get_profile(agent))
-
-
 def _request(spec: ReplaySpec, profile: AgentProfile | None) -> ImageRequest:
     """The image a replay of ``profile``'s agent (None: the image's label names it) asks for: the one place that
     says it."""

@@ -16,7 +16,7 @@ from pvisor_host.errors import ExitCode, UsageError
 from pvisor_host.fanout.manifest import BatchInput
 from pvisor_host.fanout.resume import content_key
 from pvisor_host.fanout.summary import allowed_failures, exit_code, junit, markdown, parse_fail_on, summarize
-from pvisor_host.files.digest import tree_sha256
+from pvisor_host.files.digest import tree_digest
 from pvisor_host.models.batch import ItemResult, VerificationStats, percentile
 from pvisor_host.models.record import ModelDrift
 from pvisor_host.models.spec import ReplaySpec
@@ -223,13 +223,16 @@ def test_the_content_key_changes_with_what_changes_the_outcome_only():
 
 def test_tree_digest_sees_content_names_and_modes(tmp_path):
     (tmp_path / "a").write_text("1")
-    first = tree_sha256(tmp_path)
+    first = tree_digest(tmp_path).sha256
     (tmp_path / "a").write_text("2")
-    second = tree_sha256(tmp_path)
+    second = tree_digest(tmp_path).sha256
     (tmp_path / "a").chmod(0o755)
-    third = tree_sha256(tmp_path)
+    third = tree_digest(tmp_path).sha256
     (tmp_path / "sub").mkdir()
-    assert len({first, second, third, tree_sha256(tmp_path)}) == 4
+    assert len({first, second, third, tree_digest(tmp_path).sha256}) == 4
+    (tmp_path / "sub" / "b").write_bytes(b"x" * 1000)
+    (tmp_path / "link").symlink_to(tmp_path / "sub" / "b")  # by its target, not its bytes
+    assert tree_digest(tmp_path).bytes == 1001
 
 
 def results() -> list[ItemResult]:
