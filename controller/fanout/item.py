@@ -7,7 +7,7 @@ An item goes through the same decisions in the same order whether it runs or ``b
 1. its trajectory is read (once per version of the file);
 2. an item that finished in an earlier run with the same content key is skipped
    (:func:`~.resume.finished_earlier`), when its image can be told without making it;
-3. its host checks (:func:`check_item`: the options, the trajectory, pvisor's pre-flight), once;
+3. its host checks (:func:`~.resume.check_item`: the options, the trajectory, pvisor's pre-flight), once;
 4. its image: made ready (the run) or previewed (the plan), then the checks that need it (the agent from its
    label, the runtime, the workspace in it, its user: :func:`~pvisor_host.preflight.prepare.prepare`).
 
@@ -32,13 +32,13 @@ from ..models.batch import ItemResult
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.record import DISK_FULL, BatchInfo, ReplayRecord
 from ..models.spec import ModelUpstream, ReplaySpec
-from ..preflight.checks import CheckedInputs, check_inputs
+from ..preflight.checks import CheckedInputs
 from ..preflight.prepare import image_request, prepare, prepare_image
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
 from .memo import Memo
-from .resume import ImageIdentity, finished_earlier, item_run_id, set_aside
+from .resume import ImageIdentity, check_item, finished_earlier, set_aside
 
 
 class BatchContext:
@@ -169,15 +169,6 @@ class BatchContext:
             gateway.close()
 
 
-def check_item(item: BatchItem, out: Path) -> CheckedInputs:
-    """The item's host checks, the same for the run and the plan (pvisor's verdict from its trajectory's survey).
-
-    Raises:
-        UsageError: the first problem found, in one line.
-    """
-    return check_inputs(item.spec, per_file=True, run_id=item_run_id(item.id), out_dir=out / item.id)
-
-
 def skipped_result(item: BatchItem, earlier: ReplayRecord, out: Path) -> ItemResult:
     """The row of an item that finished earlier (:func:`~.resume.finished_earlier`): its record's, marked skipped."""
     return ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
@@ -225,7 +216,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
             )
             if earlier is not None:
                 return skipped_result(item, earlier, batch.out)
-            checked = check_item(item, batch.out)
+            checked = check_item(item, trajectory, batch.out)
             batch.want_image(spec)  # its pull may start now
             asked.set()
             waiting = time.monotonic()

@@ -44,10 +44,10 @@ from ..errors import UsageError
 from ..models.batch import ROW_COLUMNS, ItemKeys
 from ..models.profiles import get_profile
 from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
-from ..preflight.checks import check_options
+from ..preflight.checks import check_options, detect_agent
 from ..preflight.prepare import image_request
 from ..preflight.survey import boundaries
-from ..preflight.trajectory import check_stat, detect_agent, read_trajectory
+from ..preflight.trajectory import check_stat, read_trajectory
 from .steps import StepSelection, parse_steps
 from .tables import ColumnMap, Row, read_rows, strict_columns, text_cells
 from .templates import Template, is_template, parse_template, path_fields

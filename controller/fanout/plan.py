@@ -31,11 +31,10 @@ from ..models.spec import ReplaySpec
 from ..preflight.prepare import assemble, check_before_image, image_request
 from ..preflight.trajectory import read_trajectory
 from ..units import format_size
-from .item import check_item
 from .manifest import BatchItem
 from .memo import Memo
 from .options import BatchOptions
-from .resume import ImageIdentity, finished_earlier
+from .resume import ImageIdentity, check_item, finished_earlier
 
 
 class ItemPlan(BaseModel):
@@ -163,9 +162,11 @@ class _Planner:
         trajectory = read_trajectory(spec.trajectory)
         cost = self._cost(spec.image)
         workspace = self._workspace(spec.workspace_dir)
+        write_bytes = _write_bytes(spec, workspace)
+        identity = self._identity(request, cost)
         key, earlier = finished_earlier(
-            item, trajectory, self._identity(request, cost), workspace.sha256 if workspace else None,
-            out=self.options.out, rerun_failed=self.options.rerun_failed,
+            item, trajectory, identity, workspace.sha256 if workspace else None, out=self.options.out,
+            rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
         if earlier is not None:
             return ItemPlan(
@@ -173,7 +174,7 @@ class _Planner:
                 image=earlier.image.ref, reason=f"finished earlier: {earlier.status}", content_key=key,
                 earlier=earlier.status,
             )  # fmt: skip
-        checked = check_item(item, self.options.out)
+        checked = check_item(item, trajectory, self.options.out)
         if cost is not None and not cost.present:
             return _unpulled(item, checked.spec, cost)
         plan, preview = self._preview(request)
@@ -187,7 +188,7 @@ class _Planner:
             model_gateway=upstream.network if upstream is not None else None, content_key=key,
             image_present=True if spec.image is not None else None, pull_bytes=0 if spec.image is not None else None,
         )  # fmt: skip
-        result.collect, result.write_bytes = spec.collect_mode, _write_bytes(spec, workspace)
+        result.collect, result.write_bytes = spec.collect_mode, write_bytes
         return result
 
     def _preview(self, request: ImageRequest) -> tuple[ImagePlan, ImagePreview]:

@@ -1,4 +1,5 @@
-"""Resuming a batch: an item's content key, what an earlier run left for it, and setting that aside.
+"""An item across the runs of its batch: what an earlier run left for it (its content key, its record), the host
+checks it runs under its run id and directory when it runs again, and setting that earlier run aside.
 
 An item whose record says its filesystem was full (``disk_full``) is never finished: it runs again.
 
@@ -24,6 +25,7 @@ from ..models.batch import FINAL_STATUSES
 from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
+from ..preflight.checks import CheckedInputs, check_trajectory_inputs
 from .manifest import BatchItem
 
 #: Options that do not change an item's outcome, so changing them does not rerun it.
@@ -84,6 +86,17 @@ def finished_earlier(
         return None, None
     key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
     return key, finished_record(out / item.id, key, rerun_failed)
+
+
+def check_item(item: BatchItem, trajectory: TrajectoryInfo, out: Path) -> CheckedInputs:
+    """The item's host checks, the same for the run and the plan (pvisor's verdict from its trajectory's survey).
+
+    Raises:
+        UsageError: the first problem found, in one line.
+    """
+    return check_trajectory_inputs(
+        item.spec, trajectory, per_file=True, run_id=item_run_id(item.id), out_dir=out / item.id
+    )
 
 
 def set_aside(out: Path, item_id: str) -> None:

@@ -9,10 +9,11 @@ They come in two kinds, and both are functions of values read once:
   agent's, pvisor's own pre-flight accepts the boundary (``--prepare-only`` on the host, or the trajectory's
   survey for a batch), the step budget fits the prefix, and the workspace path.
 
-:func:`check_inputs` runs them in that order: the options that need no agent, the run directory, then, once the
-agent is known (from ``--agent`` or the trajectory's format; else later from the image's label), the agent's
-options and the trajectory's checks (:func:`with_agent`, the same for both). It returns what they found as one
-value, :class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
+:func:`check_inputs` reads the trajectory and runs them in that order (:func:`check_trajectory_inputs`, for a
+trajectory read already): the options that need no agent, the run directory, then, once the agent is known
+(from ``--agent`` or the trajectory's format; else later from the image's label), the agent's options and the
+trajectory's checks (:func:`with_agent`, the same for both). It returns what they found as one value,
+:class:`CheckedInputs` (the agent's profile, looked up once, in it). Any failure is a one-line
 :class:`~pvisor_host.errors.UsageError` (or ``PrerequisiteError``), and nothing has been created. The checks
 that need the engine (the runtime, the image's user) are :mod:`.prepare`'s.
 """
@@ -25,17 +26,18 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
 from ..errors import UsageError
-from ..models.profiles import AgentProfile, UnavailableInstall, get_profile
+from ..models.profiles import AgentProfile, UnavailableInstall, all_profiles, get_profile
 from ..models.record import PvisorRequest
 from ..models.replay import PvisorPlan, TrajectoryInfo
 from ..models.spec import ModelUpstream, ReplaySpec, check_workspace_path, default_user, parse_user
 from .hostpvisor import prepare_only
 from .survey import survey_plan
-from .trajectory import agent_of, check_agent, read_trajectory
+from .trajectory import read_trajectory
 
 DEFAULT_WORKSPACE = "/workspace"
 _GATEWAY_HINT = "pass --model-base-url URL --model NAME --model-api-key-env VAR: a host-side gateway keeps the key"
@@ -79,17 +81,31 @@ def new_run_id() -> str:
     return f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def check_inputs(
+def check_inputs(spec: ReplaySpec, **options: Any) -> CheckedInputs:
+    """:func:`check_trajectory_inputs` of the spec's trajectory, read first (once per version of the file).
+
+    Raises:
+        UsageError: the first problem found, in one line.
+        PrerequisiteError: the host's pvisor is missing.
+    """
+    started = time.monotonic()
+    checked = check_trajectory_inputs(spec, read_trajectory(spec.trajectory), **options)
+    return checked.model_copy(update={"seconds": time.monotonic() - started})
+
+
+def check_trajectory_inputs(
     spec: ReplaySpec,
+    trajectory: TrajectoryInfo,
     *,
     host_pvisor: bool = True,
     per_file: bool = False,
     run_id: str | None = None,
     out_dir: Path | None = None,
 ) -> CheckedInputs:
-    """Every check that needs no engine (see the module docstring), the agent's included when it is known: from
-    ``--agent``, else from the trajectory's format (with ``--image`` alone and a format no profile knows, the
-    image's label names it later: :func:`with_agent`). The agent's profile is looked up once, here.
+    """Every check that needs no engine (see the module docstring) of ``spec`` and its ``trajectory`` (read
+    already), the agent's included when it is known: from ``--agent``, else from the trajectory's format (with
+    ``--image`` alone and a format no profile knows, the image's label names it later: :func:`with_agent`). The
+    agent's profile is looked up once, here.
 
     ``host_pvisor=False`` leaves the trajectory and boundary checks to the pvisor in the sandbox;
     ``per_file=True`` answers them from one survey of the trajectory for all its boundaries (a batch:
@@ -101,7 +117,6 @@ def check_inputs(
         PrerequisiteError: the host's pvisor is missing.
     """
     started = time.monotonic()
-    trajectory = read_trajectory(spec.trajectory)
     if spec.agent is None:  # with --image (not injected) the image's label may name it
         spec = spec.model_copy(update={"agent": agent_of(trajectory, required=spec.image is None or spec.inject)})
     _plain_options(spec)
@@ -174,6 +189,58 @@ def _agent_options(spec: ReplaySpec, profile: AgentProfile) -> None:
             f"cannot build {profile.agent} {profile.version} here: {profile.install.reason}",
             hint="pvisor-host agents lists what can be built",
         )
+
+
+# -- which agent's trajectory it is ------------------------------------------------------------------------
+
+
+def detect_agent(trajectory: TrajectoryInfo) -> str:
+    """The agent whose native format the trajectory is, from the profiles' fingerprints.
+
+    Raises:
+        UsageError: no profile's fingerprint matches, or more than one does (one line, naming them).
+    """
+    found = sorted(trajectory.agents)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        problem = f"could be a trajectory of {', '.join(found)}; pass agent explicitly"
+        raise _not_replayable(trajectory, problem, f"pass --agent {found[0]}")
+    raise _not_replayable(
+        trajectory,
+        f"is no trajectory format pvisor replays (none of {', '.join(sorted(all_profiles()))})",
+        "pass agent explicitly if it is one",
+    )
+
+
+def agent_of(trajectory: TrajectoryInfo, *, required: bool) -> str | None:
+    """:func:`detect_agent`'s answer; where the agent is not ``required`` (an image's label may name it), None
+    when the trajectory cannot tell (no profile's format, or several).
+
+    Raises:
+        UsageError: as :func:`detect_agent`, when ``required``.
+    """
+    try:
+        return detect_agent(trajectory)
+    except UsageError:
+        if required:
+            raise
+        return None
+
+
+def check_agent(trajectory: TrajectoryInfo, profile: AgentProfile) -> None:
+    """Refuse a trajectory that is recognisably another agent's format."""
+    found = sorted(trajectory.agents)
+    if found and profile.agent not in found:
+        raise _not_replayable(
+            trajectory,
+            f"looks like a {', '.join(found)} trajectory, not {profile.agent} ({profile.trajectory.description})",
+            f"pass --agent {found[0]}" if len(found) == 1 else None,
+        )
+
+
+def _not_replayable(trajectory: TrajectoryInfo, problem: str, hint: str | None) -> UsageError:
+    return UsageError(f"trajectory {trajectory.path}: {problem}", hint=hint)
 
 
 # -- the run directory -------------------------------------------------------------------------------------

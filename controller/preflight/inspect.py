@@ -16,9 +16,10 @@ from pydantic import BaseModel
 from ..errors import UsageError
 from ..models.profiles import get_profile
 from ..models.result import ResultFailure
+from .checks import detect_agent
 from .hostpvisor import probe
 from .survey import Survey, survey
-from .trajectory import detect_agent, read_trajectory
+from .trajectory import read_trajectory
 
 
 class TrajectoryReport(BaseModel):

@@ -5,9 +5,9 @@ its size and sha256, that it is UTF-8 text (no NUL byte) of at most 256 MiB, whi
 objects match, the working directory and agent version each format records, and an upper bound of its complete
 tool batches per agent (what :mod:`.survey` asks pvisor first). A dataset asks for many boundaries of one file:
 the value is kept per version of the file (path, size, modification time), so the file is read once however many
-items name it. Every check below is a function of that value; pvisor itself validates the format
-(:mod:`.hostpvisor`), and this module catches what it reports poorly or late: a missing, empty, binary or
-oversized file, and a trajectory of another agent.
+items name it. pvisor itself validates the format (:mod:`.hostpvisor`); this module catches what it reports
+poorly or late: a missing, empty, binary or oversized file. Which agent's trajectory it is (and whether it is
+another agent's than the one asked for) :mod:`.checks` tells from that value.
 """
 
 from __future__ import annotations
@@ -330,51 +330,3 @@ def _workspace(head: list[dict[str, Any]], profile: AgentProfile) -> str | None:
 
 def _version(head: list[dict[str, Any]], profile: AgentProfile) -> str | None:
     return next(_first(head, profile.trajectory.version_hint), None)
-
-
-# -- checks: functions of what was read ------------------------------------------------------------------------
-
-
-def detect_agent(trajectory: TrajectoryInfo) -> str:
-    """The agent whose native format the trajectory is, from the profiles' fingerprints.
-
-    Raises:
-        UsageError: no profile's fingerprint matches, or more than one does (one line, naming them).
-    """
-    found = sorted(trajectory.agents)
-    if len(found) == 1:
-        return found[0]
-    if found:
-        problem = f"could be a trajectory of {', '.join(found)}; pass agent explicitly"
-        raise _fail(trajectory.path, problem, f"pass --agent {found[0]}")
-    raise _fail(
-        trajectory.path,
-        f"is no trajectory format pvisor replays (none of {', '.join(sorted(all_profiles()))})",
-        "pass agent explicitly if it is one",
-    )
-
-
-def agent_of(trajectory: TrajectoryInfo, *, required: bool) -> str | None:
-    """:func:`detect_agent`'s answer; where the agent is not ``required`` (an image's label may name it), None
-    when the trajectory cannot tell (no profile's format, or several).
-
-    Raises:
-        UsageError: as :func:`detect_agent`, when ``required``.
-    """
-    try:
-        return detect_agent(trajectory)
-    except UsageError:
-        if required:
-            raise
-        return None
-
-
-def check_agent(trajectory: TrajectoryInfo, profile: AgentProfile) -> None:
-    """Refuse a trajectory that is recognisably another agent's format."""
-    found = sorted(trajectory.agents)
-    if found and profile.agent not in found:
-        raise _fail(
-            trajectory.path,
-            f"looks like a {', '.join(found)} trajectory, not {profile.agent} ({profile.trajectory.description})",
-            f"pass --agent {found[0]}" if len(found) == 1 else None,
-        )

@@ -4,7 +4,8 @@ import pytest
 
 from pvisor_host.errors import UsageError
 from pvisor_host.models import profiles
-from pvisor_host.preflight.trajectory import MAX_TRAJECTORY_BYTES, check_agent, detect_agent, read_trajectory
+from pvisor_host.preflight.checks import check_agent, detect_agent
+from pvisor_host.preflight.trajectory import MAX_TRAJECTORY_BYTES, read_trajectory
 
 from trajgen import (
     claude_files_session,
