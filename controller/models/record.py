@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -64,6 +64,10 @@ class TrajectoryRef(BaseModel):
     """The sha256 of that copy (what pvisor's ``manifest.json`` names), when something was filled."""
 
 
+#: ``pvisor replay``'s flag for each mode (``continue`` is its default).
+_MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
+
+
 class PvisorRequest(BaseModel):
     """What pvisor is asked to replay: the ``pvisor replay`` flags a sandbox runs with (beside its paths), as the
     record lists them."""
@@ -81,6 +85,33 @@ class PvisorRequest(BaseModel):
     def of(cls, spec: ReplaySpec, agent: str) -> PvisorRequest:
         """The request of ``spec`` for ``agent`` (the agent its profile names)."""
         return cls(agent=agent, **spec.model_dump(include=set(cls.model_fields) - {"agent"}))
+
+    @classmethod
+    def at(cls, agent: str, after_step: int) -> PvisorRequest:
+        """A boundary of ``agent``'s trajectory with no flag of any run's (a survey's probe of the file)."""
+        return cls(agent=agent, after_step=after_step, mode="prepare-only", max_steps=None, boundary_user_prompt=None,
+                   disable_thinking=False, allow_stale_observations=False, session_id=None)  # fmt: skip
+
+    def argv(
+        self,
+        *,
+        trajectory: str,
+        workspace: str,
+        state_dir: str,
+        output_dir: str,
+        run_id: str,
+        agent_flags: Sequence[str] = (),
+        prepare_only: bool = False,
+    ) -> list[str]:
+        """``pvisor replay``'s arguments (after the binary) for this request at these paths: the sandbox's command
+        (``agent_flags``: where the agent's runtime is) and the host's pre-flight of it (``prepare_only``: pvisor
+        parses and selects the prefix and runs nothing) are this one list."""
+        mode = "prepare-only" if prepare_only else self.mode
+        return [
+            "replay", "--agent", self.agent, "--trajectory", trajectory, "--after-step", str(self.after_step),
+            *_MODE_FLAGS[mode], "--workspace", workspace, "--state-dir", state_dir, "--output-dir", output_dir,
+            "--run-id", run_id, *agent_flags, *self.options(),
+        ]  # fmt: skip
 
     def options(self) -> list[str]:
         """The flags that only a value set adds (``--max-steps``, ``--session-id``, ...), in pvisor's order."""

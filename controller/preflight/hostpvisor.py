@@ -84,8 +84,7 @@ def prepare_only(request: PvisorRequest, trajectory: Path, run_id: str) -> tuple
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
-    extra = ["--run-id", run_id, *request.options()]
-    result, manifest = _ask(request.agent, trajectory, request.after_step, extra)
+    result, manifest = _ask(request, trajectory, run_id)
     if result.failure is not None:
         raise PreflightRejected(result.failure.category, result.failure.message)
     turns = result.prefix_model_turns or request.after_step
@@ -121,14 +120,14 @@ def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
-    result, manifest = _ask(agent, trajectory.absolute(), after_step, ["--run-id", "probe"])
+    result, manifest = _ask(PvisorRequest.at(agent, after_step), trajectory.absolute(), "probe")
     if result.failure is not None:
         found = _BATCHES.match(result.failure.message)
         return Probe(after_step=after_step, failure=result.failure, complete=int(found.group(2)) if found else None)
     return Probe(after_step=after_step, prefix_model_turns=result.prefix_model_turns, batches=_tools(manifest))
 
 
-def _ask(agent: str, trajectory: Path, after_step: int, extra: list[str]) -> tuple[ReplayResult, dict[str, Any]]:
+def _ask(request: PvisorRequest, trajectory: Path, run_id: str) -> tuple[ReplayResult, dict[str, Any]]:
     """pvisor's result and (when it wrote one) its ``manifest.json``, from a ``--prepare-only`` run in a scratch
     directory. A refusal of the request itself (clap's usage errors print no JSON) is a ``configuration_error``
     result; a pvisor that was killed, or failed for the host's reasons, is an infrastructure error.
@@ -139,7 +138,7 @@ def _ask(agent: str, trajectory: Path, after_step: int, extra: list[str]) -> tup
     """
     with _scratch() as scratch:
         root = Path(scratch)
-        done = _prepare_only(root, agent, trajectory, after_step, extra)
+        done = _prepare_only(root, request, trajectory, run_id)
         if done.returncode < 0:
             raise InfrastructureError(f"the host's pvisor was killed by signal {-done.returncode} during pre-flight")
         if done.returncode != 0 and not done.stdout.strip():
@@ -154,7 +153,6 @@ def _ask(agent: str, trajectory: Path, after_step: int, extra: list[str]) -> tup
             raise InfrastructureError(
                 f"the host's pvisor failed during pre-flight ({result.failure.category}): {result.failure.message}"
             )
-        run_id = extra[extra.index("--run-id") + 1]
         manifest = _read_json(root / "output" / run_id / "manifest.json") if result.failure is None else {}
     return result, manifest
 
@@ -195,18 +193,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _prepare_only(
-    root: Path, agent: str, trajectory: Path, after_step: int, extra: list[str]
+    root: Path, request: PvisorRequest, trajectory: Path, run_id: str
 ) -> subprocess.CompletedProcess[bytes]:
-    """``pvisor replay --prepare-only`` with its workspace, state and output under the scratch ``root``."""
+    """``pvisor replay --prepare-only`` of ``request`` (the sandbox's command line, its paths under the scratch
+    ``root``)."""
     with _RUNS_LOCK:
         _RUNS[0] += 1
     (root / "workspace").mkdir()
-    command = [
-        str(pvisor_binary()), "replay", "--agent", agent, "--trajectory", str(trajectory),
-        "--after-step", str(after_step), "--prepare-only", "--workspace", str(root / "workspace"),
-        "--state-dir", str(root / "state"), "--output-dir", str(root / "output"), *extra,
-    ]  # fmt: skip
-    return _run(command, timeout=_TIMEOUT, cwd=root)
+    argv = request.argv(
+        trajectory=str(trajectory), workspace=str(root / "workspace"), state_dir=str(root / "state"),
+        output_dir=str(root / "output"), run_id=run_id, prepare_only=True,
+    )  # fmt: skip
+    return _run([str(pvisor_binary()), *argv], timeout=_TIMEOUT, cwd=root)
 
 
 _RUNS = [0]

@@ -188,8 +188,9 @@ def test_a_pvisor_killed_or_failing_on_the_host_is_no_verdict_on_the_file(tmp_pa
 
 
 def test_the_single_boundary_pre_flight_asks_pvisor_with_the_sandboxs_own_flags(tmp_path, monkeypatch):
-    """``prepare_only`` hands the host's pvisor the request's flags as the sandbox's command gets them (one
-    :class:`PvisorRequest`), and the real pvisor takes them at that boundary."""
+    """``prepare_only`` runs the host's pvisor with the sandbox's own command line (one
+    :meth:`PvisorRequest.argv`), but for its paths, ``--prepare-only`` and the agent's runtime; the real pvisor
+    takes every flag at that boundary."""
     from pvisor_host.models.record import PvisorRequest
     from pvisor_host.preflight import hostpvisor
 
@@ -198,16 +199,27 @@ def test_the_single_boundary_pre_flight_asks_pvisor_with_the_sandboxs_own_flags(
                             boundary_user_prompt="hello", disable_thinking=True,
                             allow_stale_observations=True)  # fmt: skip
     asked: list[list[str]] = []
-    real = hostpvisor._prepare_only
+    real = hostpvisor._run
 
-    def seen(root: Path, agent: str, path: Path, after_step: int, extra: list[str]) -> object:
-        asked.append([agent, str(path), str(after_step), *extra])
-        return real(root, agent, path, after_step, extra)
+    def seen(command: list[str], **kwargs: object) -> object:
+        asked.append(command)
+        return real(command, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(hostpvisor, "_prepare_only", seen)
+    monkeypatch.setattr(hostpvisor, "_run", seen)
     result, plan = hostpvisor.prepare_only(request, trajectory, "run-1")
-    assert asked == [["claude-code", str(trajectory), "2", "--run-id", "run-1", *request.options()]]
-    assert request.options() == ["--max-steps", "9", "--session-id", "s-1", "--boundary-user-prompt", "hello",
-                                 "--disable-thinking", "--allow-stale-observations"]  # fmt: skip
+    (command,) = asked
+    scratch = command[command.index("--workspace") + 1].removesuffix("/workspace")
+    assert command[1:] == [
+        "replay", "--agent", "claude-code", "--trajectory", str(trajectory), "--after-step", "2", "--prepare-only",
+        "--workspace", f"{scratch}/workspace", "--state-dir", f"{scratch}/state", "--output-dir", f"{scratch}/output",
+        "--run-id", "run-1", "--max-steps", "9", "--session-id", "s-1", "--boundary-user-prompt", "hello",
+        "--disable-thinking", "--allow-stale-observations",
+    ]  # fmt: skip
+    sandbox = request.argv(trajectory=str(trajectory), workspace=f"{scratch}/workspace", state_dir=f"{scratch}/state",
+                           output_dir=f"{scratch}/output", run_id="run-1",
+                           agent_flags=["--agent-entrypoint", "claude"])  # fmt: skip
+    assert [a for a in sandbox if a not in ("--agent-entrypoint", "claude")] == [
+        a for a in command[1:] if a != "--prepare-only"
+    ]  # the sandbox's command is the same list, in continue mode with its agent
     assert (plan.after_step, plan.prefix_model_turns, plan.tool_calls) == (2, 2, 2)
     assert result.metadata is not None and result.metadata["boundary_user_prompt"]["requested"] is True

@@ -30,29 +30,23 @@ PINNED_ENV = {"PYTHONHASHSEED": "0", "TZ": "UTC", "LANG": "C.UTF-8"}
 SELF_GRACE = 30
 #: Seconds a verifying sandbox waits for the host's go-ahead after pvisor has ended (the host collects first).
 GO_AHEAD_WAIT = 300
-_MODE_FLAGS = {"continue": [], "replay-only": ["--replay-only"], "prepare-only": ["--prepare-only"]}
 
 
 def pvisor_command(prepared: PreparedReplay, attempt: Attempt, trajectory_in_sandbox: str) -> list[str]:
     """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
     request = PvisorRequest.of(prepared.spec, prepared.profile.agent)
-    command = [
-        "/bin/sh", f"{INPUT_MOUNT}/entry.sh", prepared.image.pvisor_path, "replay",
-        "--agent", request.agent,
-        "--trajectory", trajectory_in_sandbox,
-        "--after-step", str(request.after_step),
-        *_MODE_FLAGS[request.mode],
-        "--workspace", prepared.workspace_path,
-        "--state-dir", f"{RUN_MOUNT}/state",
-        "--output-dir", f"{RUN_MOUNT}/output",
-        "--run-id", attempt.run_id,
-    ]  # fmt: skip
-    if request.mode != "prepare-only":
-        if prepared.image.runtime_root:
-            command += ["--agent-runtime", prepared.image.runtime_root]
-        else:
-            command += ["--agent-entrypoint", prepared.image.agent_entrypoint]
-    return command + request.options()
+    image = prepared.image
+    if request.mode == "prepare-only":  # pvisor alone: no agent to start
+        agent_flags = []
+    elif image.runtime_root:
+        agent_flags = ["--agent-runtime", image.runtime_root]
+    else:
+        agent_flags = ["--agent-entrypoint", image.agent_entrypoint]
+    argv = request.argv(
+        trajectory=trajectory_in_sandbox, workspace=prepared.workspace_path, state_dir=f"{RUN_MOUNT}/state",
+        output_dir=f"{RUN_MOUNT}/output", run_id=attempt.run_id, agent_flags=agent_flags,
+    )  # fmt: skip
+    return ["/bin/sh", f"{INPUT_MOUNT}/entry.sh", image.pvisor_path, *argv]
 
 
 def secret_env(prepared: PreparedReplay, model: ModelAccess | None, host_env: dict[str, str]) -> dict[str, str]:
