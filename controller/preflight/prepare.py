@@ -9,13 +9,13 @@ follow from the image (:func:`assemble`), and the run directory is created last.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
 
 from ..backend.base import AnyBackend
 from ..errors import UsageError
+from ..files.trees import remove_if_empty
 from ..models.image import BuildOptions, ImagePlan, ImageRef, ImageRequest, ResolvedImage
 from ..models.profiles import AgentProfile, get_profile
 from ..models.replay import PreparedReplay, Runtime, SandboxProfile
@@ -192,6 +192,5 @@ def _create_out_dir(path: Path) -> None:
         probe.unlink()
     except OSError as exc:
         if made:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+            remove_if_empty(path)
         raise UsageError(f"--out {path} is not writable ({exc.strerror})") from None

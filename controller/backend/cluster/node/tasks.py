@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...._version import __version__
 from ....errors import InfrastructureError, Interrupted, PvisorHostError
+from ....files.trees import remove_if_empty
 from ....models.replay import Attempt, PreparedReplay
 from ...docker.image.images import Reference
 from ..limits import RemoteLimits
@@ -357,8 +358,7 @@ def _pack(base: Path) -> Path | None:
 
 def _remove(base: Path) -> None:
     shutil.rmtree(base, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        base.parent.rmdir()  # the batch's folder, once its last run directory went
+    remove_if_empty(base.parent)  # the batch's folder, once its last run directory went
 
 
 def _error(kind: str, message: str, *, exit_code: int | None = None, category: str | None = None) -> dict[str, Any]:
