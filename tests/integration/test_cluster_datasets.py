@@ -39,18 +39,29 @@ def setup(docker_client, base_image, ray_cluster, cluster_registry):
     of their own each; none on the host's engine or a node's). The sizes are each image's own layers': the nodes
     hold the base image already, so a pull brings (and a node's budget counts) only those."""
     base = int(docker_client.images.get(base_image).attrs["Size"])
-    refs = push_task_images(docker_client, cluster_registry, base_image, "v1", [20] * IMAGES + [300])
+    refs = push_task_images(docker_client, cluster_registry, base_image, "v1", [20] * IMAGES)
     sizes = [int(docker_client.images.get(ref).attrs["Size"]) - base for ref in refs]
     for ref in refs:
         docker_client.images.remove(ref)
     return ray_cluster, cluster_registry, refs, sizes
 
 
-def push_task_images(docker_client, registry: Registry, base_image: str, tag: str, megabytes: list[int]) -> list[str]:
-    """``task/c<n>:<tag>``: the base image and ``megabytes[n]`` MB of random bytes of its own, pushed (and left on
-    the host's engine for the caller to measure, then remove)."""
+@pytest.fixture(scope="module")
+def big_task_image(setup, docker_client, base_image) -> str:
+    """A task image of 300 MB of its own in the cluster's registry (none on an engine): a pull long enough to kill
+    a node during (only the fault test's: the others' setup does without its build and push)."""
+    (ref,) = push_task_images(docker_client, setup[1], base_image, "v1", [300], first=IMAGES)
+    docker_client.images.remove(ref)
+    return ref
+
+
+def push_task_images(
+    docker_client, registry: Registry, base_image: str, tag: str, megabytes: list[int], first: int = 0
+) -> list[str]:
+    """``task/c<n>:<tag>`` from ``n = first``: the base image and ``megabytes[n]`` MB of random bytes of its own,
+    pushed (and left on the host's engine for the caller to measure, then remove)."""
     refs = []
-    for n, size in enumerate(megabytes):
+    for n, size in enumerate(megabytes, start=first):
         dockerfile = (f"FROM {base_image}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "
                       f"&& head -c {size * 2**20} /dev/urandom > /opt/task.bin\n")  # fmt: skip
         image, _ = docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), rm=True, forcerm=True)
@@ -140,10 +151,9 @@ def test_a_node_budget_forces_removals_and_each_node_stays_within_it(setup, dock
 
 
 @pytest.mark.faults  # `make test-faults` (CI runs it after `make test`)
-def test_a_node_killed_while_it_pulls_loses_no_item(setup, docker_client, tmp_path):
-    cluster, registry, refs, _ = setup
-    big = refs[IMAGES]
-    path = manifest(tmp_path / "data", [big], 4)
+def test_a_node_killed_while_it_pulls_loses_no_item(setup, big_task_image, docker_client, tmp_path):
+    cluster, registry, _, _ = setup
+    path = manifest(tmp_path / "data", [big_task_image], 4)
     out = tmp_path / "out"
     environment = {**os.environ, **cluster.env, "PVISOR_HOST_CLUSTER_GRACE": "60"}
     command = [str(Path(sys.executable).parent / "pvisor-host"), "batch", str(path), "--agent", "claude-code",
