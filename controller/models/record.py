@@ -89,8 +89,10 @@ class PvisorRequest(BaseModel):
     @classmethod
     def at(cls, agent: str, after_step: int) -> PvisorRequest:
         """A boundary of ``agent``'s trajectory with no flag of any run's (a survey's probe of the file)."""
-        return cls(agent=agent, after_step=after_step, mode="prepare-only", max_steps=None, boundary_user_prompt=None,
-                   disable_thinking=False, allow_stale_observations=False, session_id=None)  # fmt: skip
+        return PvisorRequest(
+            agent=agent, after_step=after_step, mode="prepare-only", max_steps=None, boundary_user_prompt=None,
+            disable_thinking=False, allow_stale_observations=False, session_id=None,
+        )  # fmt: skip
 
     def argv(
         self,
@@ -104,13 +106,13 @@ class PvisorRequest(BaseModel):
         prepare_only: bool = False,
     ) -> list[str]:
         """``pvisor replay``'s arguments (after the binary) for this request at these paths: the sandbox's command
-        (``agent_flags``: where the agent's runtime is) and the host's pre-flight of it (``prepare_only``: pvisor
-        parses and selects the prefix and runs nothing) are this one list."""
+        (``agent_flags``: where the agent's runtime is, for a mode that starts it) and the host's pre-flight of it
+        (``prepare_only``: pvisor parses and selects the prefix and runs nothing) are this one list."""
         mode = "prepare-only" if prepare_only else self.mode
         return [
             "replay", "--agent", self.agent, "--trajectory", trajectory, "--after-step", str(self.after_step),
             *_MODE_FLAGS[mode], "--workspace", workspace, "--state-dir", state_dir, "--output-dir", output_dir,
-            "--run-id", run_id, *agent_flags, *self.options(),
+            "--run-id", run_id, *(agent_flags if mode != "prepare-only" else ()), *self.options(),
         ]  # fmt: skip
 
     def options(self) -> list[str]:

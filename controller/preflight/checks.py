@@ -26,7 +26,6 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -81,7 +80,14 @@ def new_run_id() -> str:
     return f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def check_inputs(spec: ReplaySpec, **options: Any) -> CheckedInputs:
+def check_inputs(
+    spec: ReplaySpec,
+    *,
+    host_pvisor: bool = True,
+    per_file: bool = False,
+    run_id: str | None = None,
+    out_dir: Path | None = None,
+) -> CheckedInputs:
     """:func:`check_trajectory_inputs` of the spec's trajectory, read first (once per version of the file).
 
     Raises:
@@ -89,7 +95,10 @@ def check_inputs(spec: ReplaySpec, **options: Any) -> CheckedInputs:
         PrerequisiteError: the host's pvisor is missing.
     """
     started = time.monotonic()
-    checked = check_trajectory_inputs(spec, read_trajectory(spec.trajectory), **options)
+    checked = check_trajectory_inputs(
+        spec, read_trajectory(spec.trajectory), host_pvisor=host_pvisor, per_file=per_file, run_id=run_id,
+        out_dir=out_dir,
+    )  # fmt: skip
     return checked.model_copy(update={"seconds": time.monotonic() - started})
 
 

@@ -58,8 +58,8 @@ def big_task_image(setup, docker_client, base_image) -> str:
 def push_task_images(
     docker_client, registry: Registry, base_image: str, tag: str, megabytes: list[int], first: int = 0
 ) -> list[str]:
-    """``task/c<n>:<tag>`` from ``n = first``: the base image and ``megabytes[n]`` MB of random bytes of its own,
-    pushed (and left on the host's engine for the caller to measure, then remove)."""
+    """``task/c<n>:<tag>`` from ``n = first``: the base image and ``megabytes[n - first]`` MB of random bytes of its
+    own, pushed (and left on the host's engine for the caller to measure, then remove)."""
     refs = []
     for n, size in enumerate(megabytes, start=first):
         dockerfile = (f"FROM {base_image}\nRUN mkdir -p /app && echo 'task {n}' > /app/README "

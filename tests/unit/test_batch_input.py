@@ -392,3 +392,19 @@ def test_the_manifest_line_schema_has_every_option_a_line_may_set():
     accepted = line.model_validate({"trajectory": "t.jsonl", "after_step": 2, "timeout": "8s", "memory": "200m"})
     assert (accepted.timeout, accepted.memory) == (8.0, 200 * 2**20)  # type: ignore[attr-defined]
     assert [kind["type"] for kind in schema["properties"]["timeout"]["anyOf"]] == ["number", "string"]
+
+
+def test_the_plans_write_estimate_counts_the_workspace_only_where_it_is_collected_whole(tmp_path):
+    """``ItemPlan.write_bytes``: a run's own share, plus the workspace directory's bytes (one pass over it, with
+    its digest) when ``full`` collects it; a workspace from the image is unknown until the image is here."""
+    from pvisor_host.fanout.plan import RUN_BYTES, _write_bytes
+
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "a").write_bytes(b"x" * 4096)
+    workspace = tree_digest(tmp_path / "ws")
+    full = spec(workspace_dir=tmp_path / "ws")
+    assert _write_bytes(full, workspace) == RUN_BYTES + 4096
+    assert _write_bytes(spec(workspace_dir=tmp_path / "ws", collect="changes"), workspace) == RUN_BYTES
+    assert _write_bytes(spec(no_workspace=True), None) == RUN_BYTES
+    assert _write_bytes(spec(image="task/x:1", image_workspace=True), None) is None  # the image's own directory
+    assert _write_bytes(spec(), None) == RUN_BYTES  # an empty workspace of its own

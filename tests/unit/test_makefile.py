@@ -26,10 +26,12 @@ def test_make_test_starts_the_engine_and_builds_the_first_images_beside_the_unit
     assert "scripts/ensure-chromium.sh" in commands  # the report's browser tests run, never skip, in CI
     # The images every engine test needs build in the background, are waited for before the engine tier, and an
     # interrupt reaches them (a background job ignores SIGINT); the others are the session fixtures' to build.
-    build = commands.index("( for agent in claude-code codex; do .venv/bin/pvisor-host build --agent $agent")
+    trap = commands.index("trap 'stop; exit 130' INT")
+    build = commands.index("for agent in claude-code codex; do .venv/bin/pvisor-host build --agent $agent & pid=$!")
     unit, engine = commands.index("pytest -m 'not docker and not faults'"), commands.index("built=0; wait $images")
-    assert build < unit < engine < commands.rindex("pytest -m 'docker and not faults'")
-    assert "trap 'stop; exit 130' INT TERM HUP" in commands and "pkill -TERM -P $images; kill -TERM $images" in commands
+    assert trap < build < unit < engine < commands.rindex("pytest -m 'docker and not faults'")
+    assert "trap 'kill -TERM $pid 2>/dev/null; wait $pid; exit 143' TERM" in commands  # the build's cleanup waited for
+    assert "kill -TERM $images 2>/dev/null; wait $images" in commands
     # both tiers, which together select what a plain `pytest` does (addopts: not faults): none dropped
     assert "-m 'not docker and not faults'" in commands and "-m 'docker and not faults'" in commands
 

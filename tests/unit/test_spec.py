@@ -86,3 +86,45 @@ def test_pvisors_request_is_the_specs_and_its_flags_are_those_set():
         "--allow-stale-observations",
     ]  # fmt: skip
     assert set(PvisorRequest.model_fields) < set(Inputs.model_fields)  # the record lists the request as run
+
+
+@pytest.mark.parametrize(
+    ("mode", "inject", "agent_flags"),
+    [
+        ("continue", False, ["--agent-entrypoint", "/usr/bin/agent"]),
+        ("replay-only", True, ["--agent-runtime", "/pvisor-host/runtime/agent"]),
+        ("prepare-only", False, []),
+    ],
+)
+def test_the_sandboxs_pvisor_command_is_the_requests_argv(tmp_path, monkeypatch, mode, inject, agent_flags):
+    """The sandbox runs the request's :meth:`argv` behind its entry shim, with where its agent is (not in
+    prepare-only, which starts none): the list the host's pre-flight runs too."""
+    from pvisor_host.backend.docker.sandbox.launch import pvisor_command
+    from pvisor_host.models.profiles import get_profile
+    from pvisor_host.models.record import PvisorRequest
+    from pvisor_host.models.replay import Attempt
+    from pvisor_host.models.spec import ReplaySpec
+    from pvisor_host.preflight.checks import check_inputs
+    from pvisor_host.preflight.prepare import prepare
+
+    from fakebackend import FakeBackend
+    from trajgen import claude_files_session, write_jsonl
+
+    trajectory = write_jsonl(tmp_path / "t.jsonl", claude_files_session("/workspace"))
+    endpoint = [group[0] for group in get_profile("claude-code").continuation.env]
+    for name in endpoint:  # a continuation without the gateway brings its own endpoint
+        monkeypatch.setenv(name, "x")
+    spec = ReplaySpec(trajectory=trajectory, after_step=2, agent="claude-code", mode=mode, max_steps=9,
+                      network="bridge", env=endpoint)  # fmt: skip
+    prepared = prepare(check_inputs(spec, host_pvisor=False, run_id="r", out_dir=tmp_path / "out"), FakeBackend())
+    if inject:
+        prepared = prepared.model_copy(update={"image": prepared.image.model_copy(update={"runtime_volume": "v"})})
+    command = pvisor_command(prepared, Attempt(run_id="r-1", run_dir=tmp_path / "a"), "/pvisor-host/input/t.jsonl")
+    argv = PvisorRequest.of(spec, "claude-code").argv(
+        trajectory="/pvisor-host/input/t.jsonl", workspace="/workspace", state_dir="/pvisor-host/run/state",
+        output_dir="/pvisor-host/run/output", run_id="r-1",
+    )  # fmt: skip
+    assert command[:3] == ["/bin/sh", "/pvisor-host/input/entry.sh", "/opt/pvisor/bin/pvisor"]
+    at = argv.index("--max-steps")
+    assert command[3:] == [*argv[:at], *agent_flags, *argv[at:]]
+    assert ("--prepare-only" in command, "--replay-only" in command) == (mode == "prepare-only", mode == "replay-only")

@@ -36,9 +36,7 @@ def pvisor_command(prepared: PreparedReplay, attempt: Attempt, trajectory_in_san
     """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
     request = PvisorRequest.of(prepared.spec, prepared.profile.agent)
     image = prepared.image
-    if request.mode == "prepare-only":  # pvisor alone: no agent to start
-        agent_flags = []
-    elif image.runtime_root:
+    if image.runtime_root:
         agent_flags = ["--agent-runtime", image.runtime_root]
     else:
         agent_flags = ["--agent-entrypoint", image.agent_entrypoint]
