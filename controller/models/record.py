@@ -86,14 +86,6 @@ class PvisorRequest(BaseModel):
         """The request of ``spec`` for ``agent`` (the agent its profile names)."""
         return cls(agent=agent, **spec.model_dump(include=set(cls.model_fields) - {"agent"}))
 
-    @classmethod
-    def at(cls, agent: str, after_step: int) -> PvisorRequest:
-        """A boundary of ``agent``'s trajectory with no flag of any run's (a survey's probe of the file)."""
-        return PvisorRequest(
-            agent=agent, after_step=after_step, mode="prepare-only", max_steps=None, boundary_user_prompt=None,
-            disable_thinking=False, allow_stale_observations=False, session_id=None,
-        )  # fmt: skip
-
     def argv(
         self,
         *,

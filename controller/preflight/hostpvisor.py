@@ -120,7 +120,11 @@ def probe(agent: str, trajectory: Path, after_step: int) -> Probe:
         ResultProtocolError: pvisor printed no v3 result.
         InfrastructureError: pvisor hung, could not be run, or failed for a reason of the host's.
     """
-    result, manifest = _ask(PvisorRequest.at(agent, after_step), trajectory.absolute(), "probe")
+    bare = PvisorRequest(  # the boundary alone, no item's flags
+        agent=agent, after_step=after_step, mode="prepare-only", max_steps=None, boundary_user_prompt=None,
+        disable_thinking=False, allow_stale_observations=False, session_id=None,
+    )  # fmt: skip
+    result, manifest = _ask(bare, trajectory.absolute(), "probe")
     if result.failure is not None:
         found = _BATCHES.match(result.failure.message)
         return Probe(after_step=after_step, failure=result.failure, complete=int(found.group(2)) if found else None)
