@@ -21,7 +21,7 @@ from pvisor_host.models.batch import ItemResult, VerificationStats, percentile
 from pvisor_host.models.record import ModelDrift
 from pvisor_host.models.spec import ReplaySpec
 
-from conftest import run_cli
+from conftest import invoke_cli, run_cli
 from trajgen import claude_files_session, write_jsonl
 
 NO_ENGINE = {"DOCKER_HOST": "unix:///nonexistent/pvisor-host-test.sock"}
@@ -56,7 +56,7 @@ def test_every_bad_line_is_reported_with_its_number_and_nothing_runs(tmp_path, t
         {"trajectory": "t.jsonl", "after_step": 1, "colour": "red"},
         "[1, 2]",
     )
-    result = run_cli("batch", "--manifest", path, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    result = invoke_cli("batch", "--manifest", path, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
     assert result.code == ExitCode.USAGE, result.stderr
     assert "Traceback" not in result.stderr
     assert result.error_lines == [
@@ -80,19 +80,19 @@ def test_every_bad_line_is_reported_with_its_number_and_nothing_runs(tmp_path, t
 def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, trajectory):
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"trajectory": "t.jsonl"}) + "\n")
-    result = run_cli("batch", broken, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
+    result = invoke_cli("batch", broken, "--agent", "claude-code", "--out", tmp_path / "out", env=NO_ENGINE)
     assert result.code == ExitCode.USAGE, result.stderr
     assert result.error_lines == [
         f"pvisor-host: {broken}:1: after_step: is required",
         "pvisor-host: error: 1 of the batch's lines are wrong (listed above); nothing ran",
     ]
     dataset = manifest(tmp_path, {"trajectory": "t.jsonl", "after_step": 1})
-    result = run_cli(
+    result = run_cli(  # a real process: no engine answers it
         "batch", dataset, "--agent", "claude-code", "--mode", "replay-only", "--out", tmp_path / "out", env=NO_ENGINE
     )
     assert result.code == ExitCode.PREREQUISITE, result.stderr  # read as the manifest: only the engine is missing
     assert result.error_lines[0].startswith("pvisor-host: error: no Docker engine answers at")
-    both = run_cli("batch", dataset, "--manifest", broken, "--out", tmp_path / "out", env=NO_ENGINE)
+    both = invoke_cli("batch", dataset, "--manifest", broken, "--out", tmp_path / "out", env=NO_ENGINE)
     assert both.code == ExitCode.USAGE
     assert both.error_lines == [
         f"pvisor-host: error: two manifests given ({dataset} and --manifest {broken}); pass one"
@@ -127,7 +127,7 @@ def test_the_manifest_may_be_given_as_an_argument_as_people_type_it(tmp_path, tr
     ],
 )
 def test_bad_batch_options_are_one_line(tmp_path, trajectory, args, line):
-    result = run_cli("batch", "--out", tmp_path / "out", *args, env=NO_ENGINE, cwd=tmp_path)
+    result = invoke_cli("batch", "--out", tmp_path / "out", *args, env=NO_ENGINE, cwd=tmp_path)
     assert result.code == ExitCode.USAGE, result.stderr
     assert len(result.error_lines) == 1 and result.error_lines[0].startswith(f"pvisor-host: error: {line}")
     assert not (tmp_path / "out").exists()

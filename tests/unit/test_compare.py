@@ -13,7 +13,7 @@ import pytest
 from pvisor_host.errors import UsageError
 from pvisor_host.fanout.compare import compare_runs, write_reports
 
-from conftest import run_cli
+from conftest import invoke_cli
 
 TEMPLATE = json.loads((Path(__file__).parents[1] / "data" / "record-template.json").read_text())
 CALLS = [("toolu_01a", "Bash"), ("toolu_02a", "Read"), ("toolu_03a", "Bash")]
@@ -172,7 +172,7 @@ def test_every_kind_of_change_regressions_first(runs):
 def test_the_cli_prints_a_table_writes_junit_where_only_regressions_fail_and_exits_1(runs, tmp_path):
     old, new = runs
     junit = tmp_path / "compare.xml"
-    done = run_cli("compare", old, new, "--junit", junit)
+    done = invoke_cli("compare", old, new, "--junit", junit)
     assert (done.code, done.stderr) == (1, "")
     lines = done.stdout.splitlines()
     assert lines[1].split()[:3] == ["regression", "gone", "3"]
@@ -190,7 +190,7 @@ def test_the_cli_prints_a_table_writes_junit_where_only_regressions_fail_and_exi
 
 def test_json_and_no_regression_exits_0(runs):
     old, new = runs
-    done = run_cli("compare", new, new, "--json")
+    done = invoke_cli("compare", new, new, "--json")
     assert (done.code, done.stderr) == (0, "")
     parsed = json.loads(done.stdout)
     assert parsed["schema_version"] == "pvisor-host.compare/v1"
@@ -198,7 +198,7 @@ def test_json_and_no_regression_exits_0(runs):
 
 
 def test_a_directory_that_is_not_a_batch_is_refused_in_one_line(tmp_path, runs):
-    done = run_cli("compare", tmp_path / "missing", runs[1])  # as people type it: one line, exit 2
+    done = invoke_cli("compare", tmp_path / "missing", runs[1])  # as people type it: one line, exit 2
     assert (done.code, done.stdout) == (2, "")
     missing = tmp_path / "missing"
     assert (
@@ -233,7 +233,7 @@ def test_batch_baseline_is_checked_before_anything_runs(runs, tmp_path, args, me
     manifest = tmp_path / "m.jsonl"
     manifest.write_text('{"id": "a", "trajectory": "nowhere.jsonl", "after_step": 1}\n')
     given = [a.format(**paths) for a in args]
-    done = run_cli("batch", manifest, "--agent", "claude-code", "--out", paths["out"], *given)
+    done = invoke_cli("batch", manifest, "--agent", "claude-code", "--out", paths["out"], *given)
     assert (done.code, done.stdout) == (2, "")
     assert done.stderr == f"pvisor-host: error: {message.format(**paths)}\n"
     assert not paths["out"].exists()  # nothing ran, nothing was written
@@ -259,7 +259,7 @@ def test_two_single_replay_directories_are_compared_as_one_item_and_one_with_a_b
     result = compare_runs(first, second)
     assert [(c.kind, c.id, c.files) for c in result.changes] == [("divergence_moved", "t.jsonl", ["out.txt"])]
     assert compare_runs(first, first).unchanged == 1
-    done = run_cli("compare", first, second, "--json")
+    done = invoke_cli("compare", first, second, "--json")
     assert done.code == 0 and json.loads(done.stdout)["counts"] == {"divergence_moved": 1}
     with pytest.raises(UsageError, match="replay-1 is one replay's --out and the other a batch's"):
         compare_runs(runs[0], first)
@@ -298,7 +298,7 @@ def test_repeats_that_end_or_change_the_workspace_otherwise_are_flaky(tmp_path):
 
 def test_report_with_a_baseline_embeds_the_changes_regressions_first(runs):
     old, new = runs
-    done = run_cli("report", new, "--baseline", old)
+    done = invoke_cli("report", new, "--baseline", old)
     assert done.code == 0, done.stderr
     page = (new / "report.html").read_text()
     data = json.loads(page.split('<script id="report-data" type="application/json">', 1)[1].split("</script>", 1)[0])
@@ -311,7 +311,7 @@ def test_report_with_a_baseline_embeds_the_changes_regressions_first(runs):
         ("status_changed", "other-failure"),
     ]
     assert compared["changes"][2]["was"] == "ok, every observation exact"
-    assert run_cli("report", new).code == 0 and '"comparison":' not in (new / "report.html").read_text()
+    assert invoke_cli("report", new).code == 0 and '"comparison":' not in (new / "report.html").read_text()
 
 
 def test_two_replays_of_a_renamed_trajectory_are_still_the_pair(tmp_path):

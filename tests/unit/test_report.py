@@ -15,7 +15,7 @@ from pvisor_host.report.gather import gather
 from pvisor_host.report.observations import compact_diff
 from pvisor_host.report.page import render_page
 
-from conftest import run_cli
+from conftest import invoke_cli
 from trajgen import Call, Turn, claude_session, codex_rollout, write_jsonl
 
 TEMPLATE = json.loads((Path(__file__).parents[1] / "data" / "record-template.json").read_text())
@@ -306,19 +306,19 @@ def test_compact_diff_is_cut_to_its_budget():
 
 
 def test_report_cli_bad_input_is_one_line(tmp_path):
-    missing = run_cli("report", tmp_path / "nope")
+    missing = invoke_cli("report", tmp_path / "nope")
     assert (missing.code, missing.error_lines) == (
         2,
         [f"pvisor-host: error: {tmp_path / 'nope'} is not a directory; pass a batch's --out directory"],
     )
-    empty = run_cli("report", tmp_path)
+    empty = invoke_cli("report", tmp_path)
     assert empty.code == 2
     assert empty.error_lines == [
         f"pvisor-host: error: {tmp_path} holds no batch results (no results.jsonl or */record.json); "
         "pass a batch's --out directory"
     ]
     (tmp_path / "results.jsonl").write_text("not json\n")
-    broken = run_cli("report", tmp_path)
+    broken = invoke_cli("report", tmp_path)
     assert broken.code == 2
     assert broken.error_lines == [
         f"pvisor-host: error: {tmp_path / 'results.jsonl'} is not a batch's results file; "
