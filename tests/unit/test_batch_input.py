@@ -1,6 +1,6 @@
 """Batch input and results without an engine: manifest validation (every bad line, with its number, before
-anything runs), the shorthand, content keys, summaries, JUnit and exit codes. CLI cases run the real CLI
-against an address where no engine answers, proving nothing reaches Docker."""
+anything runs), the shorthand, content keys, summaries, JUnit and exit codes. CLI cases run the CLI's own main
+in this process (one, a real process) against an address where no engine answers, proving nothing reaches Docker."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def test_make_test_starts_the_engine_and_builds_the_first_images_beside_the_unit
     # The images every engine test needs build in the background, are waited for before the engine tier, and an
     # interrupt reaches them (a background job ignores SIGINT); the others are the session fixtures' to build.
     trap = commands.index("trap 'stop; exit 130' INT")
-    build = commands.index("for agent in claude-code codex; do .venv/bin/pvisor-host build --agent $agent & pid=$!")
+    build = commands.index("do setsid .venv/bin/pvisor-host build --agent $agent & pid=$!")
     lint = commands.index("scripts/lint.sh && scripts/ensure-chromium.sh")
     unit, engine = commands.index("pytest -m 'not docker and not faults'"), commands.index("built=0; wait $images")
     assert trap < build < lint < unit < engine < commands.rindex("pytest -m 'docker and not faults'")

@@ -128,3 +128,9 @@ def test_the_sandboxs_pvisor_command_is_the_requests_argv(tmp_path, monkeypatch,
     at = argv.index("--max-steps")
     assert command[3:] == [*argv[:at], *agent_flags, *argv[at:]]
     assert ("--prepare-only" in command, "--replay-only" in command) == (mode == "prepare-only", mode == "replay-only")
+    if mode == "continue":  # the whole line, as pvisor gets it
+        assert command[3:] == [
+            "replay", "--agent", "claude-code", "--trajectory", "/pvisor-host/input/t.jsonl", "--after-step", "2",
+            "--workspace", "/workspace", "--state-dir", "/pvisor-host/run/state", "--output-dir",
+            "/pvisor-host/run/output", "--run-id", "r-1", "--agent-entrypoint", "/usr/bin/agent", "--max-steps", "9",
+        ]  # fmt: skip
