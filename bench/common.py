@@ -80,27 +80,18 @@ def image() -> tuple[str, str]:
 
 
 def pvisor_command(entrypoint: str, run_id: str, after_step: int = 4) -> list[str]:
-    return [
-        "/opt/pvisor/bin/pvisor",
-        "replay",
-        "--agent",
-        "claude-code",
-        "--trajectory",
-        "/in/t.jsonl",
-        "--after-step",
-        str(after_step),
-        "--replay-only",
-        "--workspace",
-        "/workspace",
-        "--state-dir",
-        "/run/state",
-        "--output-dir",
-        "/run/output",
-        "--run-id",
-        run_id,
-        "--agent-entrypoint",
-        entrypoint,
-    ]
+    """The plain `docker run` baseline's pvisor line: the sandbox's own (``PvisorRequest.argv``), replay-only."""
+    from pvisor_host.models.record import PvisorRequest
+
+    request = PvisorRequest(
+        agent="claude-code", after_step=after_step, mode="replay-only", max_steps=None, boundary_user_prompt=None,
+        disable_thinking=False, allow_stale_observations=False, session_id=None,
+    )  # fmt: skip
+    argv = request.argv(
+        trajectory="/in/t.jsonl", workspace="/workspace", state_dir="/run/state", output_dir="/run/output",
+        run_id=run_id, agent_flags=["--agent-entrypoint", entrypoint],
+    )  # fmt: skip
+    return ["/opt/pvisor/bin/pvisor", *argv]
 
 
 HARDENING = [

@@ -187,9 +187,7 @@ def _keep(
     for entry in last_dir.iterdir():
         entry.rename(out / entry.name)
     last_dir.rmdir()
-    attempts_dir = out / "attempts"
-    if not any(attempts_dir.iterdir()):
-        attempts_dir.rmdir()
+    remove_if_empty(out / "attempts")
     summaries = [
         AttemptSummary(
             attempt=r.attempt,

@@ -155,20 +155,22 @@ def _build_node_image(client, environ: dict[str, str]) -> str:
         hung = threading.Timer(BUILD_TIMEOUT, os.killpg, (process.pid, signal.SIGTERM))
         hung.daemon = True
         hung.start()
-        with process:  # its exit closes the pipe and waits for mmdebstrap
-            repository, _, version = tag.partition(":")
-            client.api.import_image_from_stream(
-                process.stdout,
-                repository=repository,
-                tag=version,
-                changes=[
-                    "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
-                    "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
-                    f'LABEL {NODE_LABEL}="image"',
-                    'ENTRYPOINT ["/node-start.sh"]',
-                ],
-            )
-        hung.cancel()  # after the wait for mmdebstrap (Popen's exit), which it bounds too
+        try:
+            with process:  # its exit closes the pipe and waits for mmdebstrap
+                repository, _, version = tag.partition(":")
+                client.api.import_image_from_stream(
+                    process.stdout,
+                    repository=repository,
+                    tag=version,
+                    changes=[
+                        "ENV LANG=C.UTF-8 PYTHONPATH=/opt/src PATH=/opt/pvh/bin:/usr/local/sbin:/usr/local/bin:"
+                        "/usr/sbin:/usr/bin:/sbin:/bin RAY_USAGE_STATS_ENABLED=0",
+                        f'LABEL {NODE_LABEL}="image"',
+                        'ENTRYPOINT ["/node-start.sh"]',
+                    ],
+                )
+        finally:
+            hung.cancel()  # after the wait for mmdebstrap (Popen's exit), which it bounds too; never a stale group
         if process.returncode != 0:  # killed, or failed: what the engine made of its output is no node image
             with contextlib.suppress(docker.errors.ImageNotFound):
                 client.images.remove(tag, force=True)

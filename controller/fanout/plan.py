@@ -218,7 +218,10 @@ class _Planner:
             if cost.id is None:
                 return None
             runtime = request.runtime_image  # the agent image an injected runtime comes from, by its tag
-            return cost.id, self._preview(runtime)[1].image.ref if runtime is not None else None
+            try:
+                return cost.id, self._preview(runtime)[1].image.ref if runtime is not None else None
+            except PvisorHostError:  # as the run's (BatchContext.agent_tag): it meets it after its host checks
+                return cost.id, None
         try:
             _, preview = self._preview(request)
         except PvisorHostError:  # the item meets it again after its host checks, as the run's does

@@ -19,6 +19,7 @@ import secrets
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
@@ -26,7 +27,9 @@ from ..models.record import ReplayRecord, load_record
 from ..models.replay import STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
 from ..preflight.checks import CheckedInputs, check_trajectory_inputs
-from .manifest import BatchItem
+
+if TYPE_CHECKING:
+    from .manifest import BatchItem
 
 #: Options that do not change an item's outcome, so changing them does not rerun it.
 NOT_OUTCOME: dict[str, bool | set[str]] = {
