@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
@@ -24,7 +25,7 @@ from .files.atomic import write_atomic
 from .files.space import disk_full, is_full
 from .files.trees import remove_if_empty
 from .models.gateway import MODEL_CASSETTE
-from .models.observations import match_observations
+from .models.observations import Observations, match_observations
 from .models.record import (
     START_TIMEOUT,
     AttemptSummary,
@@ -89,6 +90,37 @@ def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
         logger.warning(prepared.runtime_warning)
     with model_gateway(prepared, backend) as gateway:
         return run_attempts(prepared, backend, gateway=gateway, policy=policy)
+
+
+def run_forked(prepared: PreparedReplay, backend: AnyBackend) -> list[ReplayRecord]:
+    """Run ``prepared`` with ``--fork K`` (:meth:`~pvisor_host.backend.base.Backend.run_forks`): the prefix's record,
+    then each fork's, each fork's with how its replayed calls' observations matched the trajectory's. The forks are
+    not retried: a fork is one continuation from the one prefix (docs/fork.md)."""
+    if prepared.runtime_warning is not None:
+        logger.warning(prepared.runtime_warning)
+    with model_gateway(prepared, backend) as gateway:
+        records = backend.run_forks(prepared, gateway=gateway)
+    return [_with_observations(prepared, r, prepared.out_dir / r.fork.dir_name) if r.fork else r for r in records]
+
+
+def _with_observations(prepared: PreparedReplay, record: ReplayRecord, run_dir: Path) -> ReplayRecord:
+    """``record`` with its observations matched against the trajectory's (saved again in ``run_dir``); as it is
+    when it has none to match (a prefix at the boundary)."""
+    observations = _observations(prepared, record, run_dir)
+    if observations is None:
+        return record
+    record = record.model_copy(update={"observations": observations})
+    save_record(record, run_dir)
+    return record
+
+
+def _observations(prepared: PreparedReplay, record: ReplayRecord, run_dir: Path) -> Observations | None:
+    """How the replayed calls' fresh observations in ``run_dir`` matched the trajectory's."""
+    return match_observations(
+        record.artifact_json(run_dir, "observation_comparison"),
+        prepared.trajectory.path,
+        record.artifact_path(run_dir, "reconstructed_native_trajectory"),
+    )
 
 
 def run_attempts(
@@ -201,11 +233,7 @@ def _keep(
         )
         for r in records
     ]
-    observations = match_observations(
-        last.artifact_json(out, "observation_comparison"),
-        prepared.trajectory.path,
-        last.artifact_path(out, "reconstructed_native_trajectory"),
-    )
+    observations = _observations(prepared, last, out)
     failure = last.failure
     if failure is not None and str(last_dir) in failure.message:  # the files it names moved up with it
         failure = failure.model_copy(update={"message": failure.message.replace(str(last_dir), str(out))})

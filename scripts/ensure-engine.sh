@@ -9,7 +9,12 @@
 # With --with-runsc (make test), gVisor's runsc is installed too and registered as the engine's runtime
 # "runsc" — but only for an engine this script starts, or started earlier (its pid is in $PIDFILE), and only
 # when /etc/docker/daemon.json is absent or was written by this script: a daemon configuration someone else
-# owns is never rewritten. A running engine of ours picks the runtime up on SIGHUP (nothing restarts).
+# owns is never rewritten. A running engine of ours picks the runtimes up on SIGHUP.
+#
+# The same goes for the fork runtime (`--fork`, docs/fork.md): Debian 13's gVisor 0.0~20240729 (Debian 12's
+# cannot save a sandbox at the boundary), fetched from Debian's archive by its pinned sha256 into $FORK_DIR and
+# registered as "runsc-fork", with the engine's experimental mode on (Docker 20.10 restores a checkpoint only
+# then). Experimental mode is not reloaded on SIGHUP: an engine of ours that runs without it is restarted once.
 #
 # mmdebstrap is what pvisor-host uses to bootstrap a base image when no registry is reachable.
 set -euo pipefail
@@ -20,6 +25,10 @@ PIDFILE=/var/run/pvisor-host-dockerd.pid
 DAEMON_JSON=/etc/docker/daemon.json
 OURS=/etc/docker/.pvisor-host-wrote-daemon.json
 RUNSC_ARGS='["--network=none", "--host-uds=open"]'
+FORK_DIR=/usr/local/lib/pvisor-host/gvisor-20240729
+FORK_DEB=runsc_0.0~20240729.0-4+b7_amd64.deb
+FORK_URL="https://deb.debian.org/debian/pool/main/g/golang-gvisor-gvisor/${FORK_DEB//\~/%7E}"
+FORK_SHA256=3c25a5130dfac2f71237d5baad56ac86a255de87a0400f11b36a555156dc325a
 
 log() { printf 'ensure-engine: %s\n' "$*" >&2; }
 
@@ -55,7 +64,34 @@ PY
 
 ping_engine() { engine_get /_ping >/dev/null; }
 
-runsc_registered() { engine_get /info | python3 -c 'import json,sys; sys.exit("runsc" not in json.load(sys.stdin).get("Runtimes", {}))'; }
+# Whether the engine has gVisor registered as "runsc" (and, when the fork runtime is installed, "runsc-fork" with
+# experimental mode on).
+runsc_registered() {
+    engine_get /info | python3 -c '
+import json, os, sys
+info = json.load(sys.stdin)
+runtimes = info.get("Runtimes", {})
+fork = os.path.exists(sys.argv[1])
+sys.exit("runsc" not in runtimes or (fork and ("runsc-fork" not in runtimes or not info.get("ExperimentalBuild"))))
+' "$FORK_DIR/runsc"
+}
+
+# Debian 13's runsc, by its pinned sha256, into $FORK_DIR (a static binary: nothing else of trixie comes along).
+install_fork_runsc() {
+    [[ -x $FORK_DIR/runsc ]] && return 0
+    local tmp
+    tmp=$(mktemp -d)
+    log "fetching the fork runtime (gVisor 0.0~20240729, Debian 13's $FORK_DEB)"
+    if curl -fsSL --retry 3 -o "$tmp/$FORK_DEB" "$FORK_URL" &&
+        echo "$FORK_SHA256  $tmp/$FORK_DEB" | sha256sum -c --quiet - &&
+        dpkg-deb -x "$tmp/$FORK_DEB" "$tmp/x"; then
+        mkdir -p "$FORK_DIR"
+        install -m 0755 "$tmp/x/usr/bin/runsc" "$FORK_DIR/runsc"
+    else
+        log "could not fetch $FORK_URL with sha256 $FORK_SHA256: --fork will be refused on this engine"
+    fi
+    rm -rf "$tmp"
+}
 
 # The dockerd processes of this machine itself: not those running inside containers (a cluster test's nodes
 # run their own engines), whose cgroup names their container.
@@ -77,8 +113,12 @@ register_runsc() {
         return 1
     fi
     mkdir -p "$(dirname "$DAEMON_JSON")"
-    printf '{"runtimes": {"runsc": {"path": "%s", "runtimeArgs": %s}}}\n' "$(command -v runsc)" "$RUNSC_ARGS" \
-        >"$DAEMON_JSON"
+    local fork=""
+    if [[ -x $FORK_DIR/runsc ]]; then
+        fork=$(printf ', "runsc-fork": {"path": "%s", "runtimeArgs": %s}' "$FORK_DIR/runsc" "$RUNSC_ARGS")
+    fi
+    printf '{"experimental": %s, "runtimes": {"runsc": {"path": "%s", "runtimeArgs": %s}%s}}\n' \
+        "$([[ -n $fork ]] && echo true || echo false)" "$(command -v runsc)" "$RUNSC_ARGS" "$fork" >"$DAEMON_JSON"
     touch "$OURS"
     log "registered gVisor (runsc $(runsc --version | head -n 1 | awk '{print $3}')) in $DAEMON_JSON"
 }
@@ -102,11 +142,25 @@ if ((${#need[@]})) && [[ $can_install == yes ]]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+if [[ $WITH_RUNSC == yes && $can_install == yes ]] && { ! ping_engine || ours_running; }; then
+    install_fork_runsc
+fi
+
 if ping_engine; then
     if [[ $WITH_RUNSC == yes ]] && ours_running && command -v runsc >/dev/null 2>&1 && ! runsc_registered; then
-        register_runsc && kill -HUP "$(cat "$PIDFILE")" && sleep 1 && runsc_registered && log "runsc is registered"
+        register_runsc || exit 0
+        if [[ -x $FORK_DIR/runsc ]] && ! engine_get /info | grep -q '"ExperimentalBuild":true'; then
+            log "restarting our dockerd once: experimental mode (for --fork) is read only at its start"
+            kill "$(cat "$PIDFILE")"
+            for _ in $(seq 1 300); do [[ -z "$(host_dockerds)" ]] && break; sleep 0.1; done
+            rm -f "$PIDFILE"
+        else
+            kill -HUP "$(cat "$PIDFILE")" && sleep 1 && runsc_registered && log "runsc is registered"
+            exit 0
+        fi
+    else
+        exit 0
     fi
-    exit 0
 fi
 
 if [[ -n "${DOCKER_HOST:-}" && "${DOCKER_HOST}" != "unix:///var/run/docker.sock" ]]; then

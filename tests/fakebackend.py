@@ -268,6 +268,11 @@ class FakeBackend:
         self.gateways.append(gateway)
         return gateway
 
+    def run_forks(
+        self, prepared: PreparedReplay, *, gateway: object | None = None, cancel: threading.Event | None = None
+    ) -> list[ReplayRecord]:
+        raise NotImplementedError("the fake backend does not fork")
+
     def run_attempt(
         self,
         prepared: PreparedReplay,

@@ -204,6 +204,22 @@ class Backend(Protocol[GatewayT]):
             UsageError: the request is refused on the backend's side (a missing image, a workspace too big).
         """
 
+    def run_forks(
+        self,
+        prepared: PreparedReplay,
+        *,
+        gateway: GatewayT | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[ReplayRecord]:
+        """Run ``prepared`` with ``--fork K``: the prefix's sandbox up to the boundary, checkpointed there, then K
+        forks restored from it (docs/fork.md). The records, each also in its run directory (``prefix/``,
+        ``fork-<k>/``): the prefix's first, then each fork's in order; the prefix's alone when it ended before the
+        boundary. Every sandbox is removed on every path.
+
+        Raises:
+            Interrupted: Ctrl-C, or ``cancel``; the records of what finished are written.
+        """
+
     def cancel(self) -> None:
         """Stop every sandbox of this backend's session that is running now (their attempts then end
         ``interrupted``); callable from any thread."""

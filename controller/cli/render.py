@@ -96,6 +96,32 @@ def replay_summary(console: Console, record: ReplayRecord, out_dir: Path) -> Non
     console.print(table)
 
 
+def fork_summary(console: Console, records: list[ReplayRecord], out_dir: Path) -> None:
+    """``replay --fork K``'s end: the prefix's sandbox, then each fork, one line each, and where they are."""
+    table = Table(box=None, padding=(0, 2), show_edge=False)
+    for column in ("run", "status", "how", "time", "failure"):
+        table.add_column(column, style="dim" if column == "run" else None)
+    for record in records:
+        fork = record.fork
+        style = _STATUS_STYLE.get(record.status, "red")
+        if fork is None or fork.role == "prefix":
+            name = "prefix"
+            how = "ended before the boundary"
+            if fork is not None and fork.checkpoint_seconds is not None:
+                size = format_size(fork.checkpoint_bytes or 0)
+                how = f"checkpointed at the boundary in {fork.checkpoint_seconds:.2f}s ({size})"
+        else:
+            name = f"fork {fork.index}"
+            how = f"full replay: {fork.fallback}" if not fork.restored else "not restored"
+            if fork.restored and fork.restore_seconds is not None:
+                how = f"restored in {fork.restore_seconds:.2f}s"
+        failure = f"{record.failure.category}: {record.failure.message}" if record.failure else ""
+        total = format_duration(record.timings.get("total", 0.0))
+        table.add_row(name, f"[{style}]{record.status}[/{style}]", how, total, failure)
+    console.print(table)
+    console.print(f"[dim]artifacts[/dim]  {_relative(out_dir)}/ (prefix/, fork-1/ ... each with record.json)")
+
+
 def agents_table(console: Console, statuses: list[AgentStatus], *, engine: bool) -> None:
     """``pvisor-host agents``: one row per agent, then why the unavailable ones are."""
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")

@@ -159,10 +159,13 @@ class ModelProxy:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def grant(self, run_id: str, journal_path: Path, tape: Tape | None = None) -> str:
-        """A fresh token for one run; its exchanges go to ``journal_path``, and to ``tape`` (or come from it)."""
-        token = f"pvhtok-{secrets.token_urlsafe(24)}"
+    def grant(self, run_id: str, journal_path: Path, tape: Tape | None = None, *, token: str | None = None) -> str:
+        """A fresh token for one run (or ``token``, which a fork restored from its prefix holds, on a proxy of its
+        own); its exchanges go to ``journal_path``, and to ``tape`` (or come from it)."""
+        token = token or f"pvhtok-{secrets.token_urlsafe(24)}"
         with self._lock:
+            if token in self._runs:
+                raise ValueError("that token is another run's on this proxy")
             self._runs[token] = _Run(run_id, journal_path, tape)
         return token
 

@@ -180,6 +180,8 @@ class AgentProfile(_Model):
     """How ``--inject`` carries the runtime into task images; absent: the agent cannot be injected."""
     inject_unsupported: str | None = None
     """Why the agent cannot be injected (shown when ``inject`` is absent)."""
+    fork_unsupported: str | None = None
+    """Why ``--fork`` cannot gate the agent's launch (absent: pvisor launches it by its entrypoint alone)."""
     version_probe: VersionProbe
     sandbox_env: dict[str, str] = {}
     """Non-secret variables set in every sandbox of this agent (they show in ``docker inspect``)."""

@@ -424,6 +424,33 @@ class BatchInfo(BaseModel):
     """With ``batch --repeat K``: the id this item's repeats share (its own id is ``<that>.r<n>``)."""
 
 
+class ForkInfo(BaseModel):
+    """With ``--fork K``: this record's place among a prefix's sandbox and the K continuations restored from it
+    (docs/fork.md)."""
+
+    role: Literal["prefix", "fork"]
+    of: str
+    """The run id of the prefix's sandbox, which replayed the prefix's tool calls once."""
+    index: int | None = None
+    """A fork's number, 1 to ``forks``."""
+    forks: int
+    restored: bool = True
+    """False: the fork could not be restored from the checkpoint and ran as a full replay instead."""
+    fallback: str | None = None
+    """Why the fork ran as a full replay (the restore's error)."""
+    checkpoint_seconds: float | None = None
+    """The prefix's: how long the checkpoint took."""
+    checkpoint_bytes: int | None = None
+    """The prefix's: the size of its checkpoint (the sandbox's memory at the boundary)."""
+    restore_seconds: float | None = None
+    """A fork's: how long its start from the checkpoint took."""
+
+    @property
+    def dir_name(self) -> str:
+        """Its run directory, under the replay's: ``prefix``, ``fork-1``, ..."""
+        return "prefix" if self.role == "prefix" else f"fork-{self.index}"
+
+
 class ReplayRecord(BaseModel):
     """Everything about one replay; ``record.json`` in the run directory."""
 
@@ -465,6 +492,8 @@ class ReplayRecord(BaseModel):
     superseded: list[SupersededAttempt] = []
     """On a cluster: every other start of this attempt (this record is the first copy to finish)."""
     host: dict[str, str] = {}
+    fork: ForkInfo | None = None
+    """With ``--fork K``: the prefix's sandbox, or which of its forks this is."""
 
     @property
     def ok(self) -> bool:

@@ -93,6 +93,8 @@ class Runtime(BaseModel):
     """The arguments the engine passes it (``runtimeArgs`` in ``daemon.json``)."""
     version: str | None = None
     """Its version as the engine reports it (runc's, for the runtime the engine ships); None when unknown."""
+    fork_problem: str | None = "only gVisor's runsc checkpoints a sandbox here (docs/fork.md)"
+    """Why ``--fork`` cannot checkpoint a sandbox of this runtime on this engine (None: it can)."""
 
     @property
     def gvisor(self) -> bool:
@@ -170,6 +172,14 @@ class Attempt(BaseModel):
     run_id: str
     run_dir: Path
     """Where the backend writes the attempt's record and artifacts (``<out>/attempts/<n>/``)."""
+    pvisor_run_id: str | None = None
+    """The run id pvisor knows the run by, when it is not ``run_id``: a fork's is its prefix's (pvisor, restored
+    from the prefix's checkpoint, writes under the prefix's run id)."""
+
+    @property
+    def pvisor_id(self) -> str:
+        """The run id pvisor's output and state directories are named after."""
+        return self.pvisor_run_id or self.run_id
 
 
 class SandboxPlan(BaseModel):

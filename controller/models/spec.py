@@ -311,6 +311,12 @@ class ReplaySpec(BaseModel):
     """Attempts for results pvisor marks retryable (model rate limits, 5xx, connection errors)."""
     retry_backoff: Seconds = 5.0
     """Seconds before the first retry; doubled for each further one."""
+    fork: int | None = Field(default=None, ge=2, le=32)
+    """Continue K times from one replayed prefix: the prefix's sandbox is checkpointed at the boundary (replayed,
+    its context rebuilt, no model call yet) and restored K times, each copy continuing on its own (its own
+    output, gateway socket and record). Needs a gVisor runtime that can save the boundary (docs/fork.md)."""
+    fork_strict: bool = False
+    """With ``--fork``: a fork that cannot be restored fails, instead of running once as a full replay."""
 
     @field_validator("run_id")
     @classmethod
@@ -413,6 +419,17 @@ class ReplaySpec(BaseModel):
         if self.egress is not None and self.network != "none":
             raise ValueError(f"--egress with --network {self.network}: the bridge reaches every host; keep "
                              "--network none and list the hosts with --egress")  # fmt: skip
+        if self.fork is not None and self.mode != "continue":
+            raise ValueError(f"--fork with --mode {self.mode}: forks continue from the boundary; use --mode continue")
+        if self.fork is not None and self.continuation is not None and self.continuation.network != "unix":
+            raise ValueError(f"--fork with --model-network {self.continuation.network}: each fork reaches the model "
+                             "through a socket of its own; keep --model-network unix (the default)")  # fmt: skip
+        cassette = self.continuation.cassette if self.continuation is not None else None
+        if self.fork is not None and cassette is not None and not cassette.replaying:
+            raise ValueError("--fork with --model-cassette record: K forks would record K tapes under one name; "
+                             "record with a plain replay, then fork with --model-cassette replay")  # fmt: skip
+        if self.fork_strict and self.fork is None:
+            raise ValueError("--fork-strict without --fork")
         if self.egress is not None and self.continuation is not None and self.continuation.network != "unix":
             raise ValueError(f"--egress with --model-network {self.continuation.network}: that puts the sandbox on a "
                              "network of its own; keep --model-network unix (the default) with --egress")  # fmt: skip

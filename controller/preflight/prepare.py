@@ -82,6 +82,7 @@ def check_before_image(
     agent = with_agent(checked, profile)
     runtime = backend.runtime(checked.spec.runtime)
     runtime_checks(checked.spec, runtime)
+    fork_checks(checked.spec, profile, runtime)
     return agent, runtime
 
 
@@ -134,6 +135,21 @@ def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:
             f"--model-network {upstream.network}: runtime {runtime.name} is registered with --network=none; "
             "its sandboxes reach the gateway through its unix socket only",
             hint="drop --model-network",
+        )
+
+
+def fork_checks(spec: ReplaySpec, agent: AgentProfile, runtime: Runtime) -> None:
+    """Refuse ``--fork`` where the sandbox cannot be forked: an agent whose launch the gate cannot stand in front of,
+    a runtime that cannot checkpoint it on this engine."""
+    if spec.fork is None:
+        return
+    if agent.fork_unsupported is not None:
+        raise UsageError(f"--fork: {agent.agent} cannot be forked at the boundary: {agent.fork_unsupported}")
+    if runtime.fork_problem is not None:
+        raise UsageError(
+            f"--fork: runtime {runtime.name} cannot fork a sandbox: {runtime.fork_problem}",
+            hint="name a gVisor runtime of 20240729 or later with --runtime; `make engine-runsc` registers one as "
+            "runsc-fork (docs/fork.md)",
         )
 
 

@@ -8,6 +8,7 @@ Without a registered runsc these tests skip locally and fail when ``CI=true``: C
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,7 @@ def test_every_hardening_default_holds_under_gvisor(tmp_path, claude_image):
         "collect_limit": 4 * 2**30,
         "init": True,
         "runtime": "runsc",
-        "runtime_version": None,
+        "runtime_version": subprocess.run(["runsc", "--version"], capture_output=True, text=True).stdout.split()[2],
         "profile": "strict",
         "notes": [GVISOR_PIDS],
     }

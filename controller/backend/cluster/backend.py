@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 DEFAULT_GRACE = 20.0
 GRACE_ENV = "PVISOR_HOST_CLUSTER_GRACE"
 
+#: Why ``--fork`` does not run on a cluster: the checkpoint and its forks are one engine's.
+FORK_PROBLEM = "forks run on one engine, not on a cluster (the checkpoint is one engine's; docs/fork.md)"
+
 
 class ClusterGateway:
     """A continuation's model, for sandboxes on nodes: each copy's node starts its own gateway with the key,
@@ -267,8 +270,9 @@ class ClusterBackend:
         return None
 
     def runtime(self, name: str | None) -> Runtime:
-        """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes)."""
-        return self.local.runtime(name)
+        """See :meth:`pvisor_host.backend.base.Backend.runtime` (the driver's engine answers for the nodes; forks run
+        on one engine only)."""
+        return self.local.runtime(name).model_copy(update={"fork_problem": FORK_PROBLEM})
 
     def describe_sandbox(self, prepared: PreparedReplay) -> SandboxPlan:
         """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox` (a task image is on the nodes, not here: a
@@ -294,6 +298,12 @@ class ClusterBackend:
         """See :meth:`pvisor_host.backend.base.Backend.run_attempt`: as Ray tasks (see :mod:`.copies`)."""
         run = AttemptRun(self, prepared, attempt, gateway)
         return run.follow(cancel)
+
+    def run_forks(
+        self, prepared: PreparedReplay, *, gateway: ClusterGateway | None = None, cancel: threading.Event | None = None
+    ) -> list[ReplayRecord]:
+        """See :meth:`pvisor_host.backend.base.Backend.run_forks`: refused (:data:`FORK_PROBLEM`)."""
+        raise UsageError(f"--fork: {FORK_PROBLEM}")
 
     def cancel(self) -> None:
         """Stop every copy of this batch on every node (their attempts end ``interrupted``)."""

@@ -76,6 +76,7 @@ if TYPE_CHECKING:  # each stage's module is imported when the stage is used (`pv
     from .image.mirrors import Mirrors
     from .image.pull import Puller
     from .image.registry import Registries
+    from .sandbox.run import Way
     from .sandbox.starts import StartSlots
 
 
@@ -341,8 +342,10 @@ class DockerBackend:
         *,
         gateway: Gateway | None = None,
         cancel: threading.Event | None = None,
+        way: Way | None = None,
     ) -> ReplayRecord:
-        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`."""
+        """See :meth:`pvisor_host.backend.base.Backend.run_attempt`; ``way``: how a fork's sandbox comes to be
+        (:mod:`.sandbox.fork`)."""
         from .sandbox import run
 
         self._remove_leftovers()
@@ -357,6 +360,7 @@ class DockerBackend:
             seeds=self._seeds,
             files=self._files,
             starts=self.start_slots,
+            way=way,
         )
         if record.status == "infra_error" and self.hangs():
             raise EngineUnresponsive(
@@ -364,6 +368,17 @@ class DockerBackend:
                 f"{record.failure.message if record.failure else 'an engine error'})"
             )
         return record
+
+    def run_forks(
+        self, prepared: PreparedReplay, *, gateway: Gateway | None = None, cancel: threading.Event | None = None
+    ) -> list[ReplayRecord]:
+        """See :meth:`pvisor_host.backend.base.Backend.run_forks`."""
+        from .sandbox import fork
+
+        return fork.run_forks(
+            self.client, self._ownership, prepared, gateway=gateway, cancel=cancel or threading.Event(),
+            kill=lambda run_id: self.cancel(run_id=run_id), run=self.run_attempt,
+        )  # fmt: skip
 
     @property
     def start_slots(self) -> StartSlots:

@@ -154,9 +154,9 @@ class Gateway:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def access(self, run_id: str, journal: Path, tape: Tape | None = None) -> ModelAccess:
-        """Register a run (a fresh token, its journal, its cassette tape) and say how its sandbox reaches the
-        model."""
+    def access(self, run_id: str, journal: Path, tape: Tape | None = None, *, token: str | None = None) -> ModelAccess:
+        """Register a run (a fresh token, or ``token``: the one a fork's restored pvisor holds; its journal, its
+        cassette tape) and say how its sandbox reaches the model."""
         model = self.config.model
         if self._proxy is None:  # pass-through
             logger.warning(
@@ -166,7 +166,7 @@ class Gateway:
             )
             assert self.config.base_url is not None and self._api_key is not None  # pass-through needs both
             return ModelAccess(base_url=self.config.base_url, api_key=self._api_key, model=model, network="bridge")
-        token = self._proxy.grant(run_id, journal, tape)
+        token = self._proxy.grant(run_id, journal, tape, token=token)
         if self.config.network == "unix":
             return ModelAccess(
                 base_url=f"http://127.0.0.1:{RELAY_PORT}/v1",
@@ -181,6 +181,14 @@ class Gateway:
         return ModelAccess(
             base_url=f"http://{self.address}/v1", api_key=token, model=model, network=self._network.name, token=token
         )
+
+    def sibling(self) -> Gateway:
+        """A started gateway of its own for a fork (its own socket, since every fork holds its prefix's token), to
+        the same upstream, with the same key and limits."""
+        limits = self._proxy.limits if self._proxy is not None else self._limits
+        twin = Gateway(self.config, self._api_key, client=self._client, ownership=self._ownership,
+                       sandbox_uid=self._uid, limits=limits)  # fmt: skip
+        return twin.start()
 
     def release(self, token: str | None) -> None:
         """Forget a run's token: nothing can use it any more."""

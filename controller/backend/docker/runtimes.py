@@ -7,7 +7,10 @@ installed but not registered — the exact ``daemon.json`` lines that register i
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -18,18 +21,58 @@ from ...models.replay import Runtime
 #: What ``make test`` registers gVisor with: no network of its own (the only mode that starts on these hosts)
 #: and connections to host unix sockets opened for the sandbox (the model gateway's).
 RUNSC_ARGS = ["--network=none", "--host-uds=open"]
+#: The oldest gVisor that saves a sandbox at the boundary: Debian 12's 20221219 fails there with "endpoint still
+#: has waiters upon save" on the loopback listeners pvisor's bridge and the relay hold; Debian 13's 20240729 saves it.
+FORK_GVISOR = 20240729
 
 
 def registered(client: docker.DockerClient) -> tuple[str, dict[str, Runtime]]:
     """The engine's default runtime, and every runtime it has registered (runc's with the version the engine
-    reports for it)."""
+    reports for it; gVisor's with its own, and whether it can fork a sandbox here)."""
     info: dict[str, Any] = client.info()
     runc = runc_version(client)
     found = {}
     for name, entry in (info.get("Runtimes") or {"runc": {"path": "runc"}}).items():
         runtime = Runtime(name=name, path=str(entry.get("path") or name), args=list(entry.get("runtimeArgs") or []))
-        found[name] = runtime.model_copy(update={"version": runc}) if runtime.runc else runtime
+        if runtime.runc:
+            runtime = runtime.model_copy(update={"version": runc})
+        elif runtime.gvisor:
+            version = gvisor_version(runtime.path)
+            runtime = runtime.model_copy(update={"version": version, "fork_problem": fork_problem(version, info)})
+        found[name] = runtime
     return str(info.get("DefaultRuntime") or "runc"), found
+
+
+def gvisor_version(path: str) -> str | None:
+    """gVisor's version, as ``runsc --version`` gives it on this host (``0.0~20240729.0``, ``release-20250106.0``);
+    None when it does not run here."""
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"runsc version (\S+)", done.stdout)
+    return found.group(1) if found else None
+
+
+def gvisor_date(version: str) -> int | None:
+    """The date a gVisor version was cut (``0.0~20240729.0`` and ``release-20240729.0`` → 20240729)."""
+    found = re.search(r"(20\d{6})", version)
+    return int(found.group(1)) if found else None
+
+
+def fork_problem(version: str | None, info: dict[str, Any]) -> str | None:
+    """Why a gVisor runtime of ``version`` cannot fork a sandbox on the engine ``info`` describes (None: it can)."""
+    if version is None:
+        return "its runsc does not run on this host (the controller must run beside the engine)"
+    date = gvisor_date(version)
+    if date is None or date < FORK_GVISOR:
+        return (f"gVisor {version} cannot save a sandbox at the boundary (its listening sockets): it needs gVisor "
+                f"{FORK_GVISOR} or later (docs/fork.md)")  # fmt: skip
+    if not info.get("ExperimentalBuild"):
+        return 'the engine\'s experimental mode is off: Docker restores a checkpoint only with "experimental": true'
+    if not Path(str(info.get("DockerRootDir") or "/var/lib/docker")).is_dir():
+        return "the engine's root directory is not on this host (the controller must run beside the engine)"
+    return None
 
 
 def runc_version(client: docker.DockerClient) -> str | None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ...fanout.manifest import BatchInput, ManifestCheck
     from ...fanout.options import BatchRequest
     from ...fanout.scheduler import BatchOutcome
+    from ...models.replay import PreparedReplay
 
 
 @with_options(replay_options, first=True)
@@ -39,12 +40,30 @@ def replay(
     checked = check_inputs(spec)
     with open_engine() as backend:
         prepared = prepare(checked, backend, build=BuildOptions(**build_fields(options)))
+        if spec.fork is not None:
+            return _forked(prepared, backend, json_output)
         record = run_replay(prepared, backend)
     if json_output:
         typer.echo(record.model_dump_json(indent=2))
     else:
         render.replay_summary(console(), record, prepared.out_dir)
     return exit_code_for_status(record.status)
+
+
+def _forked(prepared: PreparedReplay, backend: AnyBackend, json_output: bool) -> int:
+    """``replay --fork K``: the prefix's record and each fork's; the exit code of the first that is not ok."""
+    import json
+
+    from ...attempts import run_forked
+    from .. import render
+
+    records = run_forked(prepared, backend)
+    if json_output:
+        typer.echo(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+    else:
+        render.fork_summary(console(), records, prepared.out_dir)
+    worst = next((r for r in records if not r.ok), None)
+    return exit_code_for_status(worst.status if worst is not None else "ok")
 
 
 @with_options(batch_options)

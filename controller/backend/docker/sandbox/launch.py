@@ -32,11 +32,16 @@ SELF_GRACE = 30
 GO_AHEAD_WAIT = 300
 
 
-def pvisor_command(prepared: PreparedReplay, attempt: Attempt, trajectory_in_sandbox: str) -> list[str]:
-    """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim)."""
+def pvisor_command(
+    prepared: PreparedReplay, attempt: Attempt, trajectory_in_sandbox: str, gate: str | None = None
+) -> list[str]:
+    """The ``pvisor replay`` command line run inside the sandbox (behind the entry shim); with ``gate`` (``--fork``),
+    pvisor launches the agent through it (:mod:`.gate`)."""
     request = PvisorRequest.of(prepared.spec, prepared.profile.agent)
     image = prepared.image
-    if image.runtime_root:
+    if gate is not None:
+        agent_flags = ["--agent-entrypoint", gate]
+    elif image.runtime_root:
         agent_flags = ["--agent-runtime", image.runtime_root]
     else:
         agent_flags = ["--agent-entrypoint", image.agent_entrypoint]
@@ -121,7 +126,7 @@ def container_spec(
         mounts.append(sandbox.BindMount(source=egress.socket_dir, target=EGRESS_MOUNT, read_only=True))
     return sandbox.ContainerSpec(
         image=prepared.image.id,
-        command=pvisor_command(prepared, attempt, staging.trajectory_in_sandbox),
+        command=pvisor_command(prepared, attempt, staging.trajectory_in_sandbox, staging.gate),
         name=f"pvisor-host-{attempt.run_id}",
         labels=L.resource_labels(ownership, "replay", attempt.run_id),
         user=prepared.user,

@@ -26,6 +26,7 @@ from ....models.record import (
     Collection,
     ContainerInfo,
     Failure,
+    ForkInfo,
     Inputs,
     ModelDrift,
     ModelInfo,
@@ -76,6 +77,15 @@ class AttemptState:
         """What the sandbox ended itself at its own deadline (entry.sh's ``deadline.json``), when it did."""
         self.secret_names: list[str] = []
         """The variables handed over through env.sh (``--env``, the model's): named in the record, never valued."""
+        self.model_token: str | None = None
+        """The gateway token its sandbox holds (``--fork``: its forks hold it too)."""
+        self.fork: ForkInfo | None = None
+        """With ``--fork``: the prefix's, once checkpointed at the boundary; a fork's, from the start."""
+
+    @property
+    def at_boundary(self) -> bool:
+        """A prefix's sandbox, checkpointed at the boundary (it has no result of its own: its forks have)."""
+        return self.fork is not None and self.fork.role == "prefix"
 
     def phase(self, name: str, since: float) -> float:
         """Note that phase ``name`` took from ``since`` until now; return now."""
@@ -96,6 +106,7 @@ def classify(
     gvisor: bool = False,
     self_deadline: str | None = None,
     infra_category: str | None = None,
+    at_boundary: bool = False,
 ) -> tuple[ReplayStatus, Failure | None]:
     """Decide a record's status: interrupted, timeout, oom, infra_error, replay_failed or ok (first match).
 
@@ -122,6 +133,8 @@ def classify(
         return "infra_error", Failure(category=START_TIMEOUT, message=infra_error, retryable=True)
     if infra_error:
         return "infra_error", Failure(category="infra_error", message=infra_error)
+    if result is None and at_boundary:  # checkpointed at the boundary: pvisor goes on in each fork
+        return "ok", None
     if result is None:
         message = f"{protocol_error or 'pvisor printed no result'} (exit code {outcome.exit_code})"
         if gvisor:
@@ -170,6 +183,7 @@ def build_record(
         gvisor=prepared.runtime.gvisor,
         self_deadline=state.self_deadline,
         infra_category=state.infra_category,
+        at_boundary=state.at_boundary,
     )
     if failure is not None and RUN_MOUNT in failure.message:  # pvisor names its files where the sandbox saw them
         failure = failure.model_copy(
@@ -217,6 +231,7 @@ def build_record(
         egress=_egress(state, artifacts),
         attempt=state.attempt.number,
         host={"hostname": socket.gethostname(), "owner": ownership.owner},
+        fork=state.fork,
     )
 
 

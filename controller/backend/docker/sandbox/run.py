@@ -9,6 +9,7 @@ trees (:mod:`.collect`), parses pvisor's result, and writes ``result.json`` and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import docker
+from docker.models.containers import Container
 
 from ...._log import logger
 from ....errors import InfrastructureError, Interrupted, UsageError
@@ -27,7 +29,7 @@ from ....files.trees import Entry
 from ....gateway.cassette import Tape
 from ....models.gateway import MODEL_CASSETTE
 from ....models.ownership import Ownership
-from ....models.record import ContainerInfo, ReplayRecord, save_record
+from ....models.record import ContainerInfo, ForkInfo, ReplayRecord, save_record
 from ....models.replay import Attempt, PreparedReplay
 from ....models.result import parse_result
 from ....models.spec import parse_user
@@ -41,6 +43,8 @@ from ..gateway import Gateway, ModelAccess
 from ..image.files import ImageFiles
 from . import launch
 from .collect import collect_logs, collect_trees, collect_workspace, open_log, warn_if_cut
+from .gate import add_gate
+from .gate import reached as gate_reached
 from .native import fill_config
 from .outcome import MODEL_JOURNAL, AttemptState, build_record
 from .seed import Seeds
@@ -61,8 +65,10 @@ def run_attempt(
     seeds: Seeds | None = None,
     files: ImageFiles | None = None,
     starts: StartSlots | None = None,
+    way: Way | None = None,
 ) -> ReplayRecord:
-    """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``).
+    """Run one attempt in a fresh sandbox and return its record (also written to its ``record.json``); ``way``
+    says how the sandbox comes to be when it is not staged fresh and started (``--fork``, :mod:`.fork`).
 
     An attempt that ran always yields a record, whatever its status. Ctrl-C (or ``cancel``) removes the
     container, writes a record with status ``interrupted`` and raises :class:`Interrupted`. A container the
@@ -71,16 +77,40 @@ def run_attempt(
     Raises:
         DiskFull: the run directory's filesystem has no space left (no record could be written).
     """
+    way = way or Way()
     model = None
     if gateway is not None:
-        model = gateway.access(attempt.run_id, attempt.run_dir / MODEL_JOURNAL, _tape(prepared, attempt))
+        journal, tape = attempt.run_dir / MODEL_JOURNAL, _tape(prepared, attempt)
+        model = gateway.access(attempt.run_id, journal, tape, token=way.token)
     try:
         with full_disk_raises(attempt.run_dir):
-            fill = _config_fill(prepared, files or ImageFiles(client, ownership))
-            return _run(client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds(), fill, starts)
+            fill = _config_fill(prepared, files or ImageFiles(client, ownership)) if way.staged is None else None
+            return _run(
+                client, ownership, prepared, attempt, model, cancel, leftovers, seeds or Seeds(), fill, starts, way
+            )
     finally:
         if gateway is not None and model is not None:
             gateway.release(model.token)
+
+
+@dataclasses.dataclass
+class Way:
+    """How an attempt's sandbox comes to be, when not as a plain replay's (staged fresh, started by the engine):
+    ``--fork``'s prefix (:attr:`boundary`) and its copies (the other fields), see :mod:`.fork`."""
+
+    boundary: Callable[[Container, Staging, sandbox.ContainerSpec, str | None], ForkInfo] | None = None
+    """The prefix's: stage the gate, and once the sandbox reaches it, checkpoint it (the sandbox stops; given its
+    container, staging, spec and gateway token): its fork information."""
+    staged: Callable[[Path], Staging] | None = None
+    """A copy's: its staging under the given root, copied from the prefix's at the boundary."""
+    start: Callable[[Container], float] | None = None
+    """A copy's: start the created container from the checkpoint (the seconds it took), then let it go."""
+    command: list[str] | None = None
+    """A copy's: the prefix's command (the restored processes are the prefix's)."""
+    token: str | None = None
+    """A copy's: the gateway token pvisor holds in its memory (the prefix's)."""
+    fork: ForkInfo | None = None
+    """A copy's: its place among the forks, for its record."""
 
 
 def _tape(prepared: PreparedReplay, attempt: Attempt) -> Tape | None:
@@ -105,9 +135,12 @@ def _run(
     seeds: Seeds,
     fill: Callable[[bytes], tuple[bytes, list[str]]] | None,
     starts: StartSlots | None,
+    way: Way,
 ) -> ReplayRecord:
     state = AttemptState(prepared, attempt)
     state.used_gateway = model is not None
+    state.model_token = model.token if model is not None else None
+    state.fork = way.fork
     out = attempt.run_dir
     out.mkdir(parents=True, exist_ok=True)
     clock = time.monotonic()
@@ -117,17 +150,22 @@ def _run(
     try:
         secrets = launch.secret_env(prepared, model, {name: os.environ[name] for name in prepared.spec.env})
         state.secret_names = sorted(secrets)
-        staging = stage(
-            staging_root(out),
-            trajectory=prepared.trajectory.path,
-            trajectory_sha256=prepared.trajectory.sha256,
-            workspace_source=prepared.spec.workspace_dir,
-            user=prepared.user,
-            env=secrets,
-            workspace_seed=_image_seed(client, ownership, prepared, seeds),
-            fill=fill,
-            verify=prepared.spec.verify,
-        )
+        if way.staged is not None:
+            staging = way.staged(staging_root(out))
+        else:
+            staging = stage(
+                staging_root(out),
+                trajectory=prepared.trajectory.path,
+                trajectory_sha256=prepared.trajectory.sha256,
+                workspace_source=prepared.spec.workspace_dir,
+                user=prepared.user,
+                env=secrets,
+                workspace_seed=_image_seed(client, ownership, prepared, seeds),
+                fill=fill,
+                verify=prepared.spec.verify,
+            )
+        if way.boundary is not None:
+            staging = add_gate(staging, prepared.image.agent_entrypoint)
         clock = state.phase("stage", clock)
         with contextlib.ExitStack() as stack:
             egress = None
@@ -137,8 +175,10 @@ def _run(
                     uid=parse_user(prepared.user)[0], no_proxy=launch.model_hosts(model),
                 ))  # fmt: skip
             cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model, egress=egress)
+            if way.command is not None:
+                cspec = cspec.model_copy(update={"command": way.command})
             info = ContainerInfo(name=cspec.name, command=cspec.command)
-            _run_container(client, state, cspec, info, staging, cancel, clock, leftovers, starts)
+            _run_container(client, state, cspec, info, staging, cancel, clock, leftovers, starts, way)
     except KeyboardInterrupt:
         state.interrupted = True
     except InfrastructureError as exc:
@@ -209,6 +249,7 @@ def _run_container(
     clock: float,
     leftovers: Leftovers | None,
     starts: StartSlots | None,
+    way: Way,
 ) -> None:
     prepared = state.prepared
     spec = prepared.spec
@@ -219,7 +260,12 @@ def _run_container(
         usage.record_use(prepared.image.id, prepared.image.runtime_volume, built.id if built else None)
         clock = state.phase("create", clock)
         with starts.holding(cancel) if starts is not None else contextlib.nullcontext():
-            sandbox.start(box, spec.start_timeout)
+            if way.start is not None:
+                restored = way.start(box)
+                if state.fork is not None:
+                    state.fork = state.fork.model_copy(update={"restore_seconds": restored})
+            else:
+                sandbox.start(box, spec.start_timeout)
         logger.info(
             "running {} {} (after step {}) in container {} [{}]",
             prepared.profile.agent,
@@ -231,11 +277,21 @@ def _run_container(
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
         pvisor_done = staging.logs_dir / PVISOR_DONE
-        if spec.verify is None:
+        if way.boundary is not None:  # the prefix runs to the gate, where it is checkpointed (and stops)
+            state.outcome = sandbox.wait(box, spec.timeout, until=lambda: gate_reached(staging))
+            if state.outcome.running:
+                clock = state.phase("run", clock)
+                state.fork = way.boundary(box, staging, cspec, state.model_token)
+                state.outcome = sandbox.wait(box, spec.timeout)
+                clock = state.phase("checkpoint", clock)
+            else:
+                clock = state.phase("run", clock)
+        elif spec.verify is None:
             state.outcome = sandbox.wait(box, spec.timeout)
+            clock = state.phase("run", clock)
         else:  # pvisor's phase ends with its marker; the verifier starts when the host says (see .verify)
             state.outcome = sandbox.wait(box, spec.timeout, until=lambda: pvisor_done.stat().st_size > 0)
-        clock = state.phase("run", clock)
+            clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
         verifying = state.outcome.running
@@ -243,11 +299,12 @@ def _run_container(
             state.outcome = sandbox.WaitOutcome(exit_code=pvisor_exit_code(pvisor_done))
         state.self_deadline = self_deadline(staging.logs_dir / DEADLINE_FILE, prepared)
         state.logs_truncated, tail = collect_logs(staging.logs_dir, out / "logs")
-        _parse(state, tail)
+        if not state.at_boundary:  # a prefix checkpointed at the boundary has no result: its forks have theirs
+            _parse(state, tail)
         budget = Budget(spec.collect_limit)
         trees = {
-            "output": staging.run_dir / "output" / state.attempt.run_id,
-            "state": staging.run_dir / "state" / state.attempt.run_id,
+            "output": staging.run_dir / "output" / state.attempt.pvisor_id,
+            "state": staging.run_dir / "state" / state.attempt.pvisor_id,
         }
         state.collected = collect_trees(trees, out, budget)
         collect_workspace(
@@ -255,7 +312,7 @@ def _run_container(
             before=staging.workspace_before, origin=staging.workspace_origin,
         )  # fmt: skip
         clock = state.phase("collect", clock)
-        if spec.verify is not None:
+        if spec.verify is not None and not state.at_boundary:
             verified = None
             if verifying:
                 go_ahead(staging)

@@ -47,6 +47,11 @@ VERIFY_SCRIPT = "verify.sh"
 VERIFY_FILES = ("verify.log", "pvisor.json")
 #: Where a verifier writes its reward (Harbor's convention): a directory of the staging, bound read-write.
 VERIFIER_MOUNT = "/logs/verifier"
+#: With ``--fork`` (:mod:`.gate`): the gate in the input directory, the mark it leaves in the run directory at the
+#: boundary, and the go-ahead the host puts in a restored copy's input directory.
+FORK_GATE = "fork-gate"
+FORK_REACHED = "fork.reached"
+FORK_GO = "fork.go"
 
 
 class Staging(BaseModel):
@@ -70,6 +75,8 @@ class Staging(BaseModel):
     image): the patch of ``--collect changes`` is made against them. None: it started empty."""
     verifier_dir: Path | None = None
     """With ``--verify``: bound read-write at /logs/verifier, where a verifier writes its reward."""
+    gate: str | None = None
+    """With ``--fork``: where the sandbox sees the gate pvisor launches the agent through (:mod:`.gate`)."""
 
 
 def staging_root(out_dir: Path) -> Path:
@@ -187,7 +194,7 @@ def stage(
 
 def _sandbox_name(name: str) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
-    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT}:
+    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT, "verify.go", FORK_GATE, FORK_GO}:
         safe = "trajectory" + (Path(name).suffix or ".jsonl")
     return safe
 

@@ -1,0 +1,77 @@
+"""Checkpoint a gVisor sandbox, and start new containers from the checkpoint (``--fork``, docs/fork.md).
+
+What Docker 20.10 offers and what works here (measured by ``scripts/fork-probe.py``, docs/performance.md):
+
+* The engine's own checkpoint call fails once the image passes a few MB ("failed to Lchown .../checkpoint.img"),
+  so the checkpoint is gVisor's own: ``runsc checkpoint --image-path DIR`` with the state root the engine's shim
+  gives its runtimes. It stops the sandbox.
+* The engine refuses ``--checkpoint-dir`` ("custom checkpointdir is not supported"), so a copy's checkpoint goes
+  into that container's own ``checkpoints/NAME`` directory, and the copy is started with ``checkpoint=NAME``
+  (which the engine accepts only in experimental mode).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+from docker.models.containers import Container
+
+from ...errors import InfrastructureError
+from ...models.replay import Runtime
+from .engine import engine_errors, request_within, timed_out
+
+#: Where Docker 20.10's runc.v2 shim keeps its runtimes' state (runsc's included), for the moby namespace.
+RUNTIME_ROOT = "/var/run/docker/runtime-runc/moby"
+#: The name of the checkpoint in a copy's own checkpoints directory.
+NAME = "pvisor-host-fork"
+#: Seconds a checkpoint may take.
+CHECKPOINT_TIMEOUT = 300.0
+
+
+class CheckpointFailed(InfrastructureError):
+    """gVisor could not checkpoint the sandbox, or a copy could not start from the checkpoint."""
+
+
+def checkpoint(runtime: Runtime, container: Container, image: Path) -> tuple[float, int]:
+    """Checkpoint the running ``container`` into the directory ``image`` (the sandbox stops): the seconds it took
+    and the image's size in bytes."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [runtime.path, "--root", RUNTIME_ROOT, "checkpoint", "--image-path", str(image), container.id],
+            capture_output=True, text=True, timeout=CHECKPOINT_TIMEOUT, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CheckpointFailed(f"gVisor could not checkpoint the sandbox: {exc}") from exc
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise CheckpointFailed(f"gVisor could not checkpoint the sandbox: {said[-600:]}")
+    size = sum(path.stat().st_size for path in image.rglob("*") if path.is_file())
+    return round(time.monotonic() - started, 3), size
+
+
+def start_from(container: Container, image: Path, docker_root: Path, timeout: float) -> float:
+    """Start the created ``container`` from the checkpoint in ``image`` (put into its own checkpoints directory
+    under the engine's ``docker_root``): the seconds the start took."""
+    own = docker_root / "containers" / container.id / "checkpoints" / NAME
+    try:
+        shutil.copytree(image, own)
+    except OSError as exc:
+        raise CheckpointFailed(f"could not give the copy its checkpoint ({own}): {exc.strerror or exc}") from exc
+    started = time.monotonic()
+    with engine_errors(f"start container {container.short_id} from the checkpoint"):
+        try:
+            request_within(
+                container.client.api, "post", "/containers/{0}/start", timeout, container.id, checkpoint=NAME
+            )
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
+            if not timed_out(exc):
+                raise
+            raise CheckpointFailed(
+                f"the engine did not start the copy from its checkpoint within {timeout:.0f}s"
+            ) from None
+    return round(time.monotonic() - started, 3)
