@@ -14,6 +14,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel
 from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_attempt, wait_exponential
@@ -92,24 +93,41 @@ def run_replay(prepared: PreparedReplay, backend: AnyBackend) -> ReplayRecord:
         return run_attempts(prepared, backend, gateway=gateway, policy=policy)
 
 
-def run_forked(prepared: PreparedReplay, backend: AnyBackend) -> list[ReplayRecord]:
-    """Run ``prepared`` with ``--fork K`` (:meth:`~pvisor_host.backend.base.Backend.run_forks`): the prefix's record,
-    then each fork's, each fork's with how its replayed calls' observations matched the trajectory's. The forks are
-    not retried: a fork is one continuation from the one prefix (docs/fork.md)."""
-    if prepared.runtime_warning is not None:
-        logger.warning(prepared.runtime_warning)
-    with model_gateway(prepared, backend) as gateway:
-        records = backend.run_forks(prepared, gateway=gateway)
-    return [_with_observations(prepared, r, prepared.out_dir / r.fork.dir_name) if r.fork else r for r in records]
+def run_forked(
+    prepared: PreparedReplay,
+    backend: AnyBackend,
+    *,
+    gateway: ModelGateway | None | Literal["own"] = "own",
+    cancel: threading.Event | None = None,
+    batch: BatchInfo | None = None,
+) -> list[ReplayRecord]:
+    """Run ``prepared`` with ``--fork K`` (:meth:`~pvisor_host.backend.base.Backend.run_forks`) through ``gateway``
+    (``"own"``: one of its own, for a live continuation): the prefix's record, then each fork's, each fork's with
+    how its replayed calls' observations matched the trajectory's, and with ``batch`` the item each belongs to
+    (a fork's row is ``<item>.f<k>``). The forks are not retried: each is one continuation from the one prefix
+    (docs/fork.md)."""
+    if gateway == "own":
+        if prepared.runtime_warning is not None:
+            logger.warning(prepared.runtime_warning)
+        with model_gateway(prepared, backend) as own:
+            return run_forked(prepared, backend, gateway=own, cancel=cancel, batch=batch)
+    records = backend.run_forks(prepared, gateway=gateway, cancel=cancel)
+    return [_finished_fork(prepared, record, batch) for record in records]
 
 
-def _with_observations(prepared: PreparedReplay, record: ReplayRecord, run_dir: Path) -> ReplayRecord:
-    """``record`` with its observations matched against the trajectory's (saved again in ``run_dir``); as it is
-    when it has none to match (a prefix at the boundary)."""
-    observations = _observations(prepared, record, run_dir)
-    if observations is None:
+def _finished_fork(prepared: PreparedReplay, record: ReplayRecord, batch: BatchInfo | None) -> ReplayRecord:
+    """A fork's (or the prefix's) record with its observations matched against the trajectory's and its batch
+    item, saved again in its run directory."""
+    fork = record.fork
+    if fork is None:  # a prefix that ended before the boundary
         return record
-    record = record.model_copy(update={"observations": observations})
+    run_dir = prepared.out_dir / fork.dir_name
+    update: dict[str, object] = {"observations": _observations(prepared, record, run_dir)}
+    if batch is not None:
+        update["batch"] = (
+            batch.model_copy(update={"item_id": f"{batch.item_id}.f{fork.index}"}) if fork.index else batch
+        )
+    record = record.model_copy(update=update)
     save_record(record, run_dir)
     return record
 

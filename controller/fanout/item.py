@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .._log import logger
-from ..attempts import RetryPolicy, run_attempts
+from ..attempts import RetryPolicy, run_attempts, run_forked
 from ..backend.base import AnyBackend, ModelGateway
 from ..errors import DiskFull, EngineUnresponsive, InfrastructureError, Interrupted, PvisorHostError
 from ..files.digest import tree_digest
@@ -169,13 +169,35 @@ class BatchContext:
             gateway.close()
 
 
-def skipped_result(item: BatchItem, earlier: ReplayRecord, out: Path) -> ItemResult:
-    """The row of an item that finished earlier (:func:`~.resume.finished_earlier`): its record's, marked skipped."""
-    return ItemResult.from_record(earlier, item.keys, path=item.id, skipped=True, run_dir=out / item.id)
+Rows = list[ItemResult]
+"""An item's rows: one, or one per fork (``fork: K``)."""
 
 
-def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
-    """One item, in a worker thread: resume decision, host checks, image, attempts. Never raises."""
+def skipped_result(item: BatchItem, earlier: list[ReplayRecord], out: Path) -> Rows:
+    """The rows of an item that finished earlier (:func:`~.resume.finished_earlier`): its records', marked
+    skipped."""
+    return record_rows(item, earlier, out, skipped=True)
+
+
+def record_rows(item: BatchItem, records: list[ReplayRecord], out: Path, *, skipped: bool = False) -> Rows:
+    """An item's rows from its records: its own record's; with ``fork: K``, each fork's from its own record (the
+    prefix's, for every fork, when it ended before the boundary: its record says why)."""
+    if item.spec.fork is None:
+        (record,) = records
+        return [ItemResult.from_record(record, item.keys, path=item.id, skipped=skipped, run_dir=out / item.id)]
+    forks = {r.fork.index: r for r in records if r.fork is not None and r.fork.role == "fork"}
+    prefix = next((r for r in records if r.fork is not None and r.fork.role == "prefix"), records[0])
+    rows = []
+    for keys in item.rows:
+        record = forks.get(keys.fork_index, prefix)
+        where = record.fork.dir_name if record.fork is not None else ""
+        run_dir = out / item.id / where
+        rows.append(ItemResult.from_record(record, keys, path=f"{item.id}/{where}", skipped=skipped, run_dir=run_dir))
+    return rows
+
+
+def run_item(item: BatchItem, batch: BatchContext) -> Rows:
+    """One item, in a worker thread: resume decision, host checks, image, attempts (or forks). Never raises."""
     with logger.contextualize(item=item.id):
         asked = threading.Event()  # whether it asked for its task image (else the window is told it never will)
         try:
@@ -186,18 +208,18 @@ def run_item(item: BatchItem, batch: BatchContext) -> ItemResult:
     return result
 
 
-def base_result(item: BatchItem, status: str, *, out: Path | None = None, **fields: Any) -> ItemResult:
-    """The row of an item that got no record of its own (refused, not started, stopped); ``out``: the batch's
+def base_result(item: BatchItem, status: str, *, out: Path | None = None, **fields: Any) -> Rows:
+    """The rows of an item that got no record of its own (refused, not started, stopped); ``out``: the batch's
     directory, to name the item's when it has one."""
     path = item.id if out is not None and (out / item.id).is_dir() else None
-    return ItemResult.without_record(item.keys, status, path=path, **fields)
+    return [ItemResult.without_record(keys, status, path=path, **fields) for keys in item.rows]
 
 
-def interrupted_result(item: BatchItem, message: str, *, out: Path | None = None) -> ItemResult:
+def interrupted_result(item: BatchItem, message: str, *, out: Path | None = None) -> Rows:
     return base_result(item, "interrupted", out=out, category="interrupted", message=message)
 
 
-def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> ItemResult:
+def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> Rows:
     if batch.cancel.is_set():
         return interrupted_result(item, "not started")
     if batch.stopped is not None:
@@ -241,14 +263,15 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
                 if spec.image is not None:  # the time it waited for its task image (pulled just in time)
                     prepared = prepared.model_copy(update={"timings": {"pull_wait": pull_wait, **prepared.timings}})
                 batch.warn_once(prepared.runtime_warning)
-                record = run_attempts(
-                    prepared,
-                    batch.backend,
-                    gateway=batch.gateway(checked.spec.continuation, prepared.user),
-                    policy=RetryPolicy.for_spec(checked.spec, infra=True, oom=batch.retry_oom),
-                    cancel=batch.cancel,
-                    batch=BatchInfo(item_id=item.id, line=item.line, content_key=key, repeat_of=item.repeat_of),
-                )
+                info = BatchInfo(item_id=item.id, line=item.line, content_key=key, repeat_of=item.repeat_of)
+                gateway = batch.gateway(checked.spec.continuation, prepared.user)
+                if checked.spec.fork is not None:
+                    records = run_forked(prepared, batch.backend, gateway=gateway, cancel=batch.cancel, batch=info)
+                else:
+                    records = [run_attempts(
+                        prepared, batch.backend, gateway=gateway, cancel=batch.cancel, batch=info,
+                        policy=RetryPolicy.for_spec(checked.spec, infra=True, oom=batch.retry_oom),
+                    )]  # fmt: skip
     except Interrupted as exc:
         return interrupted_result(item, exc.one_line(), out=batch.out)
     except DiskFull as exc:  # also a write of our own that found no space (full_disk_raises)
@@ -263,9 +286,9 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> It
     except Exception as exc:  # one item's bug must not stop the batch
         logger.opt(exception=exc).error("item {} failed unexpectedly", item.id)
         return base_result(item, "infra_error", out=batch.out, category="internal", message=repr(exc))
-    if record.failure is not None and record.failure.disk_full:
+    if any(r.failure is not None and r.failure.disk_full for r in records):
         batch.stopped = batch.stopped or disk_full(run_dir)
-    return ItemResult.from_record(record, item.keys, path=item.id)
+    return record_rows(item, records, batch.out)
 
 
 def _within(checked: CheckedInputs, remaining: float) -> CheckedInputs:

@@ -129,6 +129,16 @@ class BatchItem(BaseModel):
             agent=self.spec.agent, image=self.spec.image, columns=self.columns,
         )  # fmt: skip
 
+    @property
+    def rows(self) -> list[ItemKeys]:
+        """The keys of its rows: its own, or with ``fork: K`` one per fork (``<id>.f<k>``), the prefix being the
+        forks' shared start, not a row."""
+        keys = self.keys
+        if self.spec.fork is None:
+            return [keys]
+        return [keys.model_copy(update={"id": f"{self.id}.f{k}", "fork_of": self.id, "fork_index": k})
+                for k in range(1, self.spec.fork + 1)]  # fmt: skip
+
     def repeats(self, times: int) -> list[BatchItem]:
         """This item ``times`` times, under ids of their own (itself, once, when ``times`` is 1)."""
         if times == 1:
@@ -147,7 +157,7 @@ class ManifestCheck(BaseModel):
     """What reading a batch's whole input once found."""
 
     items: int
-    """Items to run (those of the slice, with their repeats)."""
+    """Rows the batch will have: its items (those of the slice, with their repeats), each fork one of its own."""
     problems: list[ManifestProblem]
     image_specs: list[ReplaySpec]
     """One item's spec per distinct image: what the batch's images are made from."""
@@ -623,13 +633,13 @@ class _Tally:
         self.refused: dict[str, int] = {}
 
     def add(self, spec: ReplaySpec) -> None:
-        self.items += self.repeat
+        self.items += self.repeat * (spec.fork or 1)  # a row per fork
         self.images.setdefault(image_request(spec).key, spec)
         if spec.image is not None:
             self.counts[spec.image] = self.counts.get(spec.image, 0) + self.repeat
         refusal = option_refusal(spec)
         if refusal is not None:
-            self.refused[refusal] = self.refused.get(refusal, 0) + self.repeat
+            self.refused[refusal] = self.refused.get(refusal, 0) + self.repeat * (spec.fork or 1)
 
 
 def option_refusal(spec: ReplaySpec) -> str | None:

@@ -169,10 +169,10 @@ class _Planner:
             rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
         if earlier is not None:
+            status = next((r.status for r in earlier if not r.ok), "ok")  # a fork's that failed, say
             return ItemPlan(
-                id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier.inputs.agent,
-                image=earlier.image.ref, reason=f"finished earlier: {earlier.status}", content_key=key,
-                earlier=earlier.status,
+                id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier[0].inputs.agent,
+                image=earlier[0].image.ref, reason=f"finished earlier: {status}", content_key=key, earlier=status,
             )  # fmt: skip
         checked = check_item(item, trajectory, self.options.out)
         if cost is not None and not cost.present:

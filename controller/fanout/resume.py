@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
-from ..models.record import ReplayRecord, load_record
+from ..models.record import ReplayRecord, fork_dir_name, load_record
 from ..models.replay import STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
 from ..preflight.checks import CheckedInputs, check_trajectory_inputs
@@ -49,6 +49,8 @@ def content_key(spec: ReplaySpec, trajectory_sha256: str, image: ImageIdentity, 
     options = spec.model_dump(mode="json", exclude=NOT_OUTCOME)
     if spec.egress is None:  # no egress: its caps change nothing, and the keys stay those of before --egress existed
         del options["egress"], options["egress_limit"]
+    if spec.fork is None:  # the same for --fork
+        del options["fork"], options["fork_strict"]
     material = {
         "options": options,
         "trajectory": trajectory_sha256,
@@ -82,13 +84,24 @@ def finished_earlier(
     *,
     out: Path,
     rerun_failed: bool,
-) -> tuple[str | None, ReplayRecord | None]:
-    """The item's content key (None: its image is not known yet) and its record from an earlier run that need not
-    run again (None: it runs), the same for the run and the plan."""
+) -> tuple[str | None, list[ReplayRecord] | None]:
+    """The item's content key (None: its image is not known yet) and its records from an earlier run that need not
+    run again (None: it runs), the same for the run and the plan: its record, or with ``fork: K`` the prefix's and
+    every fork's (the prefix's alone when it ended before the boundary)."""
     if image is None:
         return None, None
     key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
-    return key, finished_record(out / item.id, key, rerun_failed)
+    run_dir = out / item.id
+    if item.spec.fork is None:
+        record = finished_record(run_dir, key, rerun_failed)
+        return key, [record] if record is not None else None
+    prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed)
+    if prefix is not None and prefix.fork is None:  # it ended before the boundary, for good
+        return key, [prefix]
+    forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed) for k in range(1, item.spec.fork + 1)]
+    if prefix is None or None in forks:
+        return key, None
+    return key, [prefix, *(f for f in forks if f is not None)]
 
 
 def check_item(item: BatchItem, trajectory: TrajectoryInfo, out: Path) -> CheckedInputs:

@@ -36,7 +36,7 @@ from ..signals import deferred_interrupts
 from ..units import format_size
 from .compare import run_flaky
 from .images import ImageWindow
-from .item import BatchContext, base_result, interrupted_result, run_item
+from .item import BatchContext, Rows, base_result, interrupted_result, run_item
 from .manifest import BatchItem
 from .options import BatchOptions, fit_workers
 from .summary import BatchReport, summarize, write_reports
@@ -216,11 +216,12 @@ class BatchRun:
         one, and the counts add up to the batch's items)."""
         waiting = [self._waiting] if self._waiting is not None else []
         for item in itertools.chain(waiting, self._items):
-            self.results.append(base_result(item, "not_run", message="not started: the batch was stopped first"))
+            self.results.extend(base_result(item, "not_run", message="not started: the batch was stopped first"))
 
-    def _done(self, result: ItemResult) -> ItemResult:
-        self.results.append(result)
-        return result
+    def _done(self, rows: Rows) -> Rows:
+        """An item's rows, kept (one, or one per fork)."""
+        self.results.extend(rows)
+        return rows
 
     def _fan_out(self) -> Iterator[ItemResult]:
         """Make the images ready, then submit items as workers free up, yielding each result as it comes; on
@@ -239,13 +240,13 @@ class BatchRun:
                     if batch.stopped is not None:
                         batch.skip_image(item.spec)
                         message = f"not started: {batch.stopped.message}"
-                        yield self._done(base_result(item, "not_run", message=message))
+                        yield from self._done(base_result(item, "not_run", message=message))
                         continue
                     remaining = batch.remaining()
                     if remaining is not None and remaining <= 0:
                         batch.skip_image(item.spec)
                         late = "the batch deadline passed before it started"
-                        yield self._done(base_result(item, "not_run", message=late))
+                        yield from self._done(base_result(item, "not_run", message=late))
                         continue
                     self._waiting = item
                     while len(pending) >= 2 * workers:
@@ -273,7 +274,7 @@ class BatchRun:
         finished, _ = futures.wait(pending, timeout=timeout, return_when=futures.FIRST_COMPLETED)
         for future in finished:
             del pending[future]
-            yield self._done(future.result())
+            yield from self._done(future.result())
 
     def _cancel(self, pending: Pending) -> None:
         """Stop everything this batch started, and wait for the workers to record it."""
@@ -344,7 +345,7 @@ def _exclusive(out: Path) -> Iterator[None]:
 
 
 #: Items submitted and not yet harvested.
-Pending = dict[futures.Future[ItemResult], BatchItem]
+Pending = dict[futures.Future[Rows], BatchItem]
 
 
 def _disk_full_line(full: DiskFull, out: Path, results: list[ItemResult]) -> str:

@@ -48,6 +48,8 @@ class ItemKeys(BaseModel):
     image: str | None = None
     """The image as planned (a task image's reference, or none for the agent's own image)."""
     repeat_of: str | None = None
+    fork_of: str | None = None
+    fork_index: int | None = None
     columns: dict[str, str | None] = {}
     """The dataset's own columns it keeps (``--keep``), as text."""
 
@@ -76,6 +78,11 @@ class ItemResult(BaseModel):
     """The boundary it replays to."""
     repeat_of: str | None = None
     """With ``--repeat K``: the id its repeats share (theirs are ``<id>.r1`` …)."""
+    fork_of: str | None = None
+    """With ``fork: K``: the id of the item whose prefix it continues from (its own is ``<that>.f<k>``; the
+    prefix's sandbox has its record in ``<that>/prefix/``)."""
+    fork_index: int | None = None
+    """With ``fork: K``: which fork it is, 1 to K."""
     trajectory: str | None = None
     """The trajectory as the dataset gave it."""
     agent: str | None = None

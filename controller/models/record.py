@@ -448,7 +448,12 @@ class ForkInfo(BaseModel):
     @property
     def dir_name(self) -> str:
         """Its run directory, under the replay's: ``prefix``, ``fork-1``, ..."""
-        return "prefix" if self.role == "prefix" else f"fork-{self.index}"
+        return fork_dir_name(self.index if self.role == "fork" else None)
+
+
+def fork_dir_name(index: int | None) -> str:
+    """Under a forked replay's directory: the prefix's run directory (``index`` None), or fork ``index``'s."""
+    return "prefix" if index is None else f"fork-{index}"
 
 
 class ReplayRecord(BaseModel):

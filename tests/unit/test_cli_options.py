@@ -115,7 +115,7 @@ def test_every_option_given_on_the_command_line_reaches_the_spec_by_name(tmp_pat
         "egress_limit": {"connections": 7, "bytes": 1024**2, "at_once": 64}, "env": ["A", "B"], "user": "1000:1000",
         "cap_add": ["NET_ADMIN"], "writable_rootfs": True, "allow_privilege_escalation": True, "strict": False,
         "runtime": "runsc",
-        "attempts": 5, "retry_backoff": 2.0,
+        "attempts": 5, "retry_backoff": 2.0, "fork": None, "fork_strict": False,  # --fork needs continue: test_fork
     }  # fmt: skip
     assert spec.upstream == ModelUpstream(
         base_url="http://127.0.0.1:9/v1", model="m", api_key_env="PVH_KEY", network="internal",

@@ -45,6 +45,20 @@ def test_options_fork_refuses(tmp_path, claude, args, line):
     assert not (tmp_path / "out").exists()
 
 
+def test_fork_options_reach_the_spec(tmp_path, monkeypatch):
+    import typer
+
+    import pvisor_host.preflight.checks as checks
+    from pvisor_host.cli.app import app
+
+    seen = []
+    monkeypatch.setattr(checks, "check_inputs", lambda spec, **_: (seen.append(spec), exit(0)))
+    with pytest.raises(SystemExit):
+        argv = ["replay", "--trajectory", "t", "--after-step", "1", "--agent", "codex", "--fork", "3", "--fork-strict"]
+        typer.main.get_command(app).main(argv, standalone_mode=False)
+    assert (seen[0].fork, seen[0].fork_strict) == (3, True)
+
+
 def test_agents_whose_launch_the_gate_cannot_stand_in_front_of_are_refused():
     from pvisor_host.errors import UsageError
     from pvisor_host.models.profiles import get_profile
