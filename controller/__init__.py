@@ -28,7 +28,7 @@ if "loguru" in sys.modules:  # an application that uses loguru: our records go o
     from . import _log  # noqa: F401
 
 if TYPE_CHECKING:
-    from .api import Batch, abatch, batch, build, gc, inspect, replay, results
+    from .api import Batch, abatch, batch, build, fork, gc, inspect, replay, results
     from .errors import (
         ExitCode,
         ImageBuildError,
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "replay": "api",
+    "fork": "api",
     "batch": "api",
     "abatch": "api",
     "build": "api",
@@ -83,6 +84,7 @@ __all__ = [
     "__version__",
     # functions
     "replay",
+    "fork",
     "batch",
     "abatch",
     "build",

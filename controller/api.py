@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .attempts import run_replay
+from .attempts import run_forked, run_replay
 from .backend import AnyBackend, open_backend
 from .errors import UsageError
 from .fanout.manifest import BatchItem, ManifestCheck
@@ -83,13 +83,50 @@ def replay(
         InfrastructureError: the engine or a build failed.
         Interrupted: Ctrl-C; the sandbox was removed and the record says ``interrupted``.
     """
-    if spec is not None and options:
-        raise UsageError("pass a ReplaySpec or its fields as keywords, not both")
-    spec = spec if spec is not None else build_spec(**options)
+    spec = _spec(spec, options)
+    if spec.fork is not None:
+        raise UsageError("fork: K continuations give K records; call pvisor_host.fork() for them")
     checked = check_inputs(spec)
     with _engine(docker_host) as backend:
         prepared = prepare(checked, backend, build=build)
         return run_replay(prepared, backend)
+
+
+def fork(
+    spec: ReplaySpec | None = None,
+    /,
+    *,
+    build: BuildOptions | None = None,
+    docker_host: str | None = None,
+    **options: Any,
+) -> list[ReplayRecord]:
+    """Replay one trajectory to its boundary once, then continue it ``fork`` times from there: the prefix's sandbox
+    is checkpointed at the boundary and restored once per fork (docs/fork.md). Takes what :func:`replay` takes,
+    ``fork`` (K, from 2) included.
+
+    Returns the records: the prefix's sandbox's first (``fork.role`` ``prefix``), then each fork's in order (each
+    also in its directory, ``<out>/fork-<k>/``); the prefix's alone when it ended before the boundary (its record
+    says why).
+
+    Raises:
+        UsageError: the request is wrong, or cannot fork here (the runtime, the agent, a cluster).
+        PrerequisiteError: no engine answers.
+        InfrastructureError: the engine or a build failed.
+        Interrupted: Ctrl-C; every sandbox was removed, the finished forks' records are kept.
+    """
+    spec = _spec(spec, options)
+    if spec.fork is None:
+        raise UsageError("fork needs fork=K (K from 2); pvisor_host.replay() continues once")
+    checked = check_inputs(spec)
+    with _engine(docker_host) as backend:
+        prepared = prepare(checked, backend, build=build)
+        return run_forked(prepared, backend)
+
+
+def _spec(spec: ReplaySpec | None, options: dict[str, Any]) -> ReplaySpec:
+    if spec is not None and options:
+        raise UsageError("pass a ReplaySpec or its fields as keywords, not both")
+    return spec if spec is not None else build_spec(**options)
 
 
 class Batch:
