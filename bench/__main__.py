@@ -16,6 +16,8 @@ module each, whose docstring says what it measures:
 * ``collect`` (``collect.py``) the bytes an item writes with ``--collect changes`` and with ``full``.
 * ``report``  (``report.py``) ``report.html`` of 2,000 and of 100,000 items: size, memory, time to first rows.
 * ``gateway`` (``gateway.py``) the model gateway's added latency and peak RSS. No engine needed.
+* ``fork``    (``fork.py``) ``replay --fork 8`` against 8 independent replays: wall and core-seconds; the
+  checkpoint's time and size, a fork's start from it, for Claude Code and Codex.
 * ``cluster`` (``cluster.py``) ``batch --cluster`` on a real Ray cluster of node containers. Not in the default
   run: ``--only cluster``; its dataset of task images alone: ``--only cluster-tasks``.
 
@@ -42,6 +44,7 @@ from bench.cluster import cluster
 from bench.collect import collect
 from bench.common import ROOT, image
 from bench.dataset import dataset, swe
+from bench.fork import fork
 from bench.gateway import gateway
 from bench.machine import machine
 from bench.plan import plan
@@ -54,9 +57,9 @@ from bench.table import table
 
 #: The sections of a default run.
 DEFAULT = ("single", "batch", "scale", "plan", "cache", "startup", "dataset", "swe", "shared", "collect", "report",
-           "gateway")  # fmt: skip
+           "gateway", "fork")  # fmt: skip
 #: The sections that need the engine.
-ENGINE = {"single", "batch", "scale", "plan", "cache", "dataset", "swe", "shared", "cluster", "cluster-tasks"}
+ENGINE = {"single", "batch", "scale", "plan", "cache", "dataset", "swe", "shared", "cluster", "cluster-tasks", "fork"}
 
 
 def main() -> int:
@@ -103,6 +106,9 @@ def main() -> int:
         if "gateway" in sections:
             (work / "gateway").mkdir()
             results["gateway"] = gateway(work / "gateway")
+        if "fork" in sections:
+            (work / "fork").mkdir()
+            results["fork"] = fork(work / "fork")
         if "cluster" in sections or "cluster-tasks" in sections:
             (work / "cluster").mkdir()
             results["cluster"] = cluster(work / "cluster", tasks_only="cluster" not in sections)

@@ -84,6 +84,15 @@ def table(results: dict[str, Any]) -> str:
         for row, added in g["added_latency"].items():
             lines.append(f"gateway, {row}: added ms {added}")
         lines.append(f"gateway, 32 streams of 10 MB: {g['big_streams']}")
+    if "fork" in results:
+        f = results["fork"]
+        lines.append(
+            f"--fork {f['forks']} against {f['forks']} replays ({f['pairs']} pairs): core-seconds {f['core_ratio']}x "
+            f"(spread {f['core_ratio_spread']}, target <= 0.35), wall {f['wall_ratio']}x (spread "
+            f"{f['wall_ratio_spread']}, target <= 0.5)"
+        )
+        for agent in ("claude-code", "codex"):
+            lines.append(f"  {agent} checkpoint: {f[agent]}")
     if "cluster" in results:
         c = results["cluster"]
         if "items" in c:  # not with --only cluster-tasks
