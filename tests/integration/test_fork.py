@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,8 @@ def test_k_forks_continue_from_one_prefix_whose_calls_ran_once(tmp_path, claude_
     assert result.code == 0, result.stderr
     head, forks = records(out, 3)
     assert _Hits.hits == ["/prefix"]  # once, not once per fork
-    assert (head["status"], head["run_id"], head["result"], head["model"]) == ("ok", "fk", None, None)
+    assert (head["status"], head["run_id"], head["result"]) == ("ok", "fk", None)
+    assert head["model"]["requests"] == 0  # nothing asked the model before the boundary
     assert head["fork"] | {"checkpoint_seconds": 0, "checkpoint_bytes": 0} == {
         "role": "prefix", "of": "fk", "index": None, "forks": 3, "restored": True, "fallback": None,
         "checkpoint_seconds": 0, "checkpoint_bytes": 0, "restore_seconds": None,
@@ -170,6 +172,37 @@ def _without(document: object, keys: set[str]) -> object:
     if isinstance(document, list):
         return [_without(v, keys) for v in document]
     return document
+
+
+def test_a_batchs_forks_are_rows_of_their_own_and_a_rerun_skips_them(tmp_path, claude_image):
+    data = write_jsonl(tmp_path / "t.jsonl", prefix("echo once >> once.txt"))
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({"id": "a", "trajectory": str(data), "after_step": 1, "fork": 2}) + "\n"
+                        + json.dumps({"id": "b", "trajectory": str(data), "after_step": 1}) + "\n")  # fmt: skip
+    out = tmp_path / "out"
+    with StubServer(command="echo continued >> continued.txt") as stub:
+        args = ("batch", manifest, "--agent", "claude-code", "--max-steps", "6", *model(stub), "--out", out,
+                "--workers", "2", *FORK_RUNTIME)  # fmt: skip
+        first = run_cli(*args, env=KEY)
+        assert first.code == 0, first.stderr
+        again = run_cli(*args, env=KEY)
+    assert again.code == 0, again.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    shape = sorted((r["id"], r["fork_of"], r["fork_index"], r["status"], r["path"], r["skipped"]) for r in rows)
+    assert shape == [
+        ("a.f1", "a", 1, "ok", "a/fork-1", True),
+        ("a.f2", "a", 2, "ok", "a/fork-2", True),
+        ("b", None, None, "ok", "b", True),
+    ]  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["items"], summary["counts"]) == (3, {"ok": 3})
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    assert suite is not None and sorted(c.get("name") for c in suite.iter("testcase")) == ["a.f1", "a.f2", "b"]
+    prefix_record = json.loads((out / "a" / "prefix" / "record.json").read_text())
+    assert (prefix_record["fork"]["role"], prefix_record["batch"]["item_id"]) == ("prefix", "a")
+    assert json.loads((out / "a" / "fork-2" / "record.json").read_text())["batch"]["item_id"] == "a.f2"
+    for k in (1, 2):
+        assert (out / "a" / f"fork-{k}" / "workspace" / "once.txt").read_text() == "once\n"
 
 
 def test_ctrl_c_while_the_forks_continue_leaves_nothing_behind(tmp_path, claude_image, docker_client):

@@ -53,8 +53,8 @@ def test_fork_options_reach_the_spec(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(checks, "check_inputs", lambda spec, **_: (seen.append(spec), exit(0)))
+    argv = ["replay", "--trajectory", "t", "--after-step", "1", "--agent", "codex", "--fork", "3", "--fork-strict"]
     with pytest.raises(SystemExit):
-        argv = ["replay", "--trajectory", "t", "--after-step", "1", "--agent", "codex", "--fork", "3", "--fork-strict"]
         typer.main.get_command(app).main(argv, standalone_mode=False)
     assert (seen[0].fork, seen[0].fork_strict) == (3, True)
 
