@@ -25,6 +25,7 @@ from .errors import Interrupted
 from .files.atomic import write_atomic
 from .files.space import disk_full, is_full
 from .files.trees import remove_if_empty
+from .models.batch import fork_row_id
 from .models.gateway import MODEL_CASSETTE
 from .models.observations import Observations, match_observations
 from .models.record import (
@@ -119,14 +120,11 @@ def _finished_fork(prepared: PreparedReplay, record: ReplayRecord, batch: BatchI
     """A fork's (or the prefix's) record with its observations matched against the trajectory's and its batch
     item, saved again in its run directory."""
     fork = record.fork
-    if fork is None:  # a prefix that ended before the boundary
-        return record
+    assert fork is not None  # run_forks gives every record its place
     run_dir = prepared.out_dir / fork.dir_name
     update: dict[str, object] = {"observations": _observations(prepared, record, run_dir)}
-    if batch is not None:
-        update["batch"] = (
-            batch.model_copy(update={"item_id": f"{batch.item_id}.f{fork.index}"}) if fork.index else batch
-        )
+    if batch is not None:  # a fork's row is an item of its own
+        update["batch"] = batch.model_copy(update={"item_id": fork_row_id(batch.item_id, fork.index)})
     record = record.model_copy(update=update)
     save_record(record, run_dir)
     return record

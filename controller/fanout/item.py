@@ -30,7 +30,7 @@ from ..files.digest import tree_digest
 from ..files.space import disk_full, full_disk_raises
 from ..models.batch import ItemResult
 from ..models.image import BuildOptions, ImageRequest, ResolvedImage
-from ..models.record import DISK_FULL, BatchInfo, ReplayRecord
+from ..models.record import DISK_FULL, BatchInfo, ReplayRecord, fork_outcomes
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs
 from ..preflight.prepare import image_request, prepare, prepare_image
@@ -180,19 +180,15 @@ def skipped_result(item: BatchItem, earlier: list[ReplayRecord], out: Path) -> R
 
 
 def record_rows(item: BatchItem, records: list[ReplayRecord], out: Path, *, skipped: bool = False) -> Rows:
-    """An item's rows from its records: its own record's; with ``fork: K``, each fork's from its own record (the
-    prefix's, for every fork, when it ended before the boundary: its record says why)."""
+    """An item's rows from its records: its own record's; with ``fork: K`` each fork's from what it came to
+    (:func:`~pvisor_host.models.record.fork_outcomes`: its own record, or the prefix's)."""
     if item.spec.fork is None:
         (record,) = records
         return [ItemResult.from_record(record, item.keys, path=item.id, skipped=skipped, run_dir=out / item.id)]
-    forks = {r.fork.index: r for r in records if r.fork is not None and r.fork.role == "fork"}
-    prefix = next((r for r in records if r.fork is not None and r.fork.role == "prefix"), records[0])
     rows = []
-    for keys in item.rows:
-        record = forks.get(keys.fork_index, prefix)
-        where = record.fork.dir_name if record.fork is not None else ""
-        run_dir = out / item.id / where
-        rows.append(ItemResult.from_record(record, keys, path=f"{item.id}/{where}", skipped=skipped, run_dir=run_dir))
+    for keys, record in zip(item.rows, fork_outcomes(records, item.spec.fork), strict=True):
+        where = f"{item.id}/{record.fork.dir_name}" if record.fork is not None else item.id
+        rows.append(ItemResult.from_record(record, keys, path=where, skipped=skipped, run_dir=out / where))
     return rows
 
 

@@ -41,7 +41,7 @@ from pydantic import (
 )
 
 from ..errors import UsageError
-from ..models.batch import ROW_COLUMNS, ItemKeys
+from ..models.batch import ROW_COLUMNS, ItemKeys, fork_row_id
 from ..models.profiles import get_profile
 from ..models.spec import MODEL_OPTIONS, ModelUpstream, ReplaySpec, describe_validation_error
 from ..preflight.checks import check_options, detect_agent
@@ -136,7 +136,7 @@ class BatchItem(BaseModel):
         keys = self.keys
         if self.spec.fork is None:
             return [keys]
-        return [keys.model_copy(update={"id": f"{self.id}.f{k}", "fork_of": self.id, "fork_index": k})
+        return [keys.model_copy(update={"id": fork_row_id(self.id, k), "fork_of": self.id, "fork_index": k})
                 for k in range(1, self.spec.fork + 1)]  # fmt: skip
 
     def repeats(self, times: int) -> list[BatchItem]:

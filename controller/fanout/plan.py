@@ -26,7 +26,7 @@ from ..errors import ExitCode, PvisorHostError
 from ..files.digest import Tree, tree_digest
 from ..models.batch import BatchSummary
 from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
-from ..models.record import Limits
+from ..models.record import Limits, fork_outcomes
 from ..models.spec import ReplaySpec
 from ..preflight.prepare import assemble, check_before_image, image_request
 from ..preflight.trajectory import read_trajectory
@@ -63,7 +63,11 @@ class ItemPlan(BaseModel):
     """How a live continuation reaches the host-side gateway (its socket or network is made per run)."""
     content_key: str | None = None
     earlier: str | None = None
-    """For ``skip``: the status it finished with earlier."""
+    """For ``skip``: the status it finished with earlier (with ``fork: K``, the first of its forks' not ok)."""
+    rows: list[str] | None = None
+    """With ``fork: K``: its rows' ids (``<id>.f<k>``), whose statuses count as its own; for ``skip``, each fork's
+    earlier status in ``earlier_rows``."""
+    earlier_rows: list[str] | None = None
     exit_code: int | None = None
     """For ``reject``: the exit code the refusal maps to (2 for a bad item, 6 for an engine failure)."""
     image_present: bool | None = None
@@ -113,13 +117,16 @@ class PlanTally:
     def counting(self, plans: Iterable[ItemPlan]) -> Iterator[ItemPlan]:
         """``plans``, counted as they pass."""
         for plan in plans:
+            rows = len(plan.rows or [plan.id])  # a forked item's rows count, as the run's do
             if plan.action == "reject" and plan.exit_code == ExitCode.INFRASTRUCTURE:
-                self.counts["infra_error"] += 1
+                self.counts["infra_error"] += rows
                 self.first_infra = self.first_infra or plan
             elif plan.action == "reject":
-                self.counts["rejected"] += 1
+                self.counts["rejected"] += rows
+            elif plan.earlier_rows is not None:
+                self.counts.update(plan.earlier_rows)
             else:
-                self.counts[plan.earlier or "ok"] += 1
+                self.counts[plan.earlier or "ok"] += rows
             yield plan
 
     def summary(self) -> BatchSummary:
@@ -141,8 +148,13 @@ def plan_batch(
         except PvisorHostError as exc:
             yield ItemPlan(
                 id=item.id, line=item.line, after_step=item.spec.after_step, action="reject", reason=exc.one_line(),
-                agent=item.spec.agent, image=item.spec.image, exit_code=exc.exit_code,
+                agent=item.spec.agent, image=item.spec.image, exit_code=exc.exit_code, rows=_rows(item),
             )  # fmt: skip
+
+
+def _rows(item: BatchItem) -> list[str] | None:
+    """A forked item's rows' ids (None: its own is its only row)."""
+    return [keys.id for keys in item.rows] if item.spec.fork is not None else None
 
 
 class _Planner:
@@ -168,11 +180,14 @@ class _Planner:
             item, trajectory, identity, workspace.sha256 if workspace is not None else None, out=self.options.out,
             rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
+        rows = _rows(item)
         if earlier is not None:
-            status = next((r.status for r in earlier if not r.ok), "ok")  # a fork's that failed, say
+            outcomes = fork_outcomes(earlier, spec.fork) if spec.fork is not None else earlier
+            status = next((r.status for r in outcomes if not r.ok), "ok")  # a fork's that failed, say
             return ItemPlan(
                 id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier[0].inputs.agent,
                 image=earlier[0].image.ref, reason=f"finished earlier: {status}", content_key=key, earlier=status,
+                rows=rows, earlier_rows=[r.status for r in outcomes] if rows else None,
             )  # fmt: skip
         checked = check_item(item, trajectory, self.options.out)
         if cost is not None and not cost.present:
@@ -188,7 +203,7 @@ class _Planner:
             model_gateway=upstream.network if upstream is not None else None, content_key=key,
             image_present=True if spec.image is not None else None, pull_bytes=0 if spec.image is not None else None,
         )  # fmt: skip
-        result.collect, result.write_bytes = spec.collect_mode, write_bytes
+        result.collect, result.write_bytes, result.rows = spec.collect_mode, write_bytes, rows
         return result
 
     def _preview(self, request: ImageRequest) -> tuple[ImagePlan, ImagePreview]:
@@ -235,14 +250,14 @@ def _unpulled(item: BatchItem, spec: ReplaySpec, cost: ImageCost) -> ItemPlan:
         return ItemPlan(
             id=item.id, line=item.line, after_step=spec.after_step, action="reject", reason=cost.error,
             agent=spec.agent, exit_code=ExitCode.USAGE if cost.unavailable else ExitCode.INFRASTRUCTURE,
-            image=cost.ref, image_present=False,
+            image=cost.ref, image_present=False, rows=_rows(item),
         )  # fmt: skip
     note = f"to be pulled: {format_size(cost.pull_bytes)} from its registry"
     note += f" ({cost.digest})" if cost.digest else ""
     return ItemPlan(
         id=item.id, line=item.line, after_step=spec.after_step, action="run", agent=spec.agent, image=cost.ref,
         image_id=cost.id, image_note=note + "; its labels and platform are checked once it is here",
-        image_present=False, pull_bytes=cost.pull_bytes,
+        image_present=False, pull_bytes=cost.pull_bytes, rows=_rows(item),
     )  # fmt: skip
 
 
@@ -252,9 +267,11 @@ RUN_BYTES = 256 * 1024
 
 def _write_bytes(spec: ReplaySpec, workspace: Tree | None) -> int | None:
     """About how many bytes an item's run directory takes (see :attr:`ItemPlan.write_bytes`): a changed
-    workspace is not known before the replay, so ``changes`` counts as its record's share only."""
+    workspace is not known before the replay, so ``changes`` counts as its record's share only; with ``fork: K``,
+    the prefix's run directory and each fork's (the checkpoint and the copies are gone once it ends)."""
+    runs = 1 + (spec.fork or 0)
     if spec.collect_mode != "full":
-        return RUN_BYTES
+        return RUN_BYTES * runs
     if workspace is not None:
-        return RUN_BYTES + workspace.bytes
-    return None if spec.image_workspace else RUN_BYTES
+        return (RUN_BYTES + workspace.bytes) * runs
+    return None if spec.image_workspace else RUN_BYTES * runs

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
 from ..models.record import ReplayRecord, fork_dir_name, load_record
-from ..models.replay import STAGING_NAME, TrajectoryInfo
+from ..models.replay import FORK_WORK, STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
 from ..preflight.checks import CheckedInputs, check_trajectory_inputs
 
@@ -96,7 +96,7 @@ def finished_earlier(
         record = finished_record(run_dir, key, rerun_failed)
         return key, [record] if record is not None else None
     prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed)
-    if prefix is not None and prefix.fork is None:  # it ended before the boundary, for good
+    if prefix is not None and prefix.fork is not None and not prefix.fork.reached:  # it ended before the boundary
         return key, [prefix]
     forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed) for k in range(1, item.spec.fork + 1)]
     if prefix is None or None in forks:
@@ -120,8 +120,10 @@ def set_aside(out: Path, item_id: str) -> None:
     run_dir = out / item_id
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return
-    # A controller killed mid-run leaves its staging behind, env.sh with secret values included: drop it.
-    for staging in [run_dir / STAGING_NAME, *run_dir.glob(f"attempts/*/{STAGING_NAME}")]:
+    # A controller killed mid-run leaves its staging behind, env.sh with secret values included, and a forked
+    # replay its checkpoint (the sandbox's memory) and its copies: drop them.
+    stagings = [run_dir / STAGING_NAME, *run_dir.glob(f"attempts/*/{STAGING_NAME}"), *run_dir.glob(f"*/{STAGING_NAME}")]
+    for staging in [*stagings, run_dir / FORK_WORK]:
         remove_tree(staging)
     target = out / ".previous" / item_id / datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%f")
     target.parent.mkdir(parents=True, exist_ok=True)

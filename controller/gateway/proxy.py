@@ -95,7 +95,8 @@ class ModelProxy:
         self._echoes = _echoes(api_key)
         self.limits = limits if limits is not None else local_limits(upstream)
         """The limits every upstream call takes a slot in: this proxy's own, or a batch's (a cluster's)."""
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[tuple[str | None, str], _Run] = {}
+        """By (the socket it must arrive on, or None: any; its token)."""
         self._lock = threading.Lock()
         self._loop = LoopThread("pvisor-host-gateway")
         self._runner: web.AppRunner | None = None
@@ -125,10 +126,16 @@ class ModelProxy:
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5)
         await self._runner.setup()
 
-    def listen_unix(self, path: str) -> None:
-        """Also listen on the unix socket ``path`` (made now)."""
+    def listen_unix(self, path: str) -> web.UnixSite:
+        """Also listen on the unix socket ``path`` (made now); the site, to :meth:`stop_listening` on it."""
         assert self._runner is not None
-        self._call(web.UnixSite(self._runner, path).start())
+        site = web.UnixSite(self._runner, path)
+        self._call(site.start())
+        return site
+
+    def stop_listening(self, site: web.UnixSite) -> None:
+        """Stop listening on ``site`` (its connections end)."""
+        self._call(site.stop())
 
     def listen_tcp(self, host: str, port: int = 0) -> int:
         """Also listen on ``host:port`` (0: any free port); returns the port."""
@@ -159,33 +166,42 @@ class ModelProxy:
 
     # -- runs ---------------------------------------------------------------------------------------------
 
-    def grant(self, run_id: str, journal_path: Path, tape: Tape | None = None, *, token: str | None = None) -> str:
-        """A fresh token for one run (or ``token``, which a fork restored from its prefix holds, on a proxy of its
-        own); its exchanges go to ``journal_path``, and to ``tape`` (or come from it)."""
+    def grant(
+        self, run_id: str, journal_path: Path, tape: Tape | None = None, *, token: str | None = None,
+        socket: str | None = None,
+    ) -> str:  # fmt: skip
+        """A fresh token for one run; its exchanges go to ``journal_path``, and to ``tape`` (or come from it).
+
+        A fork (``--fork``) holds its prefix's ``token``, as every other fork of it does: it is granted that token
+        on a ``socket`` of its own, and its requests are told apart by the socket they arrive on."""
         token = token or f"pvhtok-{secrets.token_urlsafe(24)}"
         with self._lock:
-            if token in self._runs:
-                raise ValueError("that token is another run's on this proxy")
-            self._runs[token] = _Run(run_id, journal_path, tape)
+            if (socket, token) in self._runs:
+                raise ValueError("that token is another run's on this socket")
+            self._runs[(socket, token)] = _Run(run_id, journal_path, tape)
         return token
 
-    def revoke(self, token: str | None) -> None:
-        """Forget a run's token: nothing can use it any more."""
+    def revoke(self, token: str | None, socket: str | None = None) -> None:
+        """Forget a run's token (on ``socket``, for a fork): nothing can use it any more."""
         if token:
             with self._lock:
-                self._runs.pop(token, None)
+                self._runs.pop((socket, token), None)
 
-    def _run_for(self, authorization: str | None) -> _Run | None:
+    def _run_for(self, authorization: str | None, socket: object) -> _Run | None:
+        """The run a request is from: by its token, on the socket it arrived on (a fork's), else on any."""
         if not authorization or not authorization.startswith("Bearer "):
             return None
+        token = authorization.removeprefix("Bearer ").strip()
         with self._lock:
-            return self._runs.get(authorization.removeprefix("Bearer ").strip())
+            found = self._runs.get((socket, token)) if isinstance(socket, str) else None
+            return found or self._runs.get((None, token))
 
     # -- one request --------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
-        run = self._run_for(request.headers.get("Authorization"))  # before a byte of the body is read
+        socket = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        run = self._run_for(request.headers.get("Authorization"), socket)  # before a byte of the body is read
         if run is None:
             method, path = request.method, request.path
             logger.warning("model gateway refused a request without a valid token ({} {})", method, path)

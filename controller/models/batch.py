@@ -54,6 +54,11 @@ class ItemKeys(BaseModel):
     """The dataset's own columns it keeps (``--keep``), as text."""
 
 
+def fork_row_id(item_id: str, index: int | None) -> str:
+    """The id of fork ``index``'s row of item ``item_id`` (``<id>.f<k>``); the item's own (None: its prefix's)."""
+    return item_id if index is None else f"{item_id}.f{index}"
+
+
 #: Statuses an item has when it got no record of its own.
 NO_RECORD_STATUSES = ("rejected", "not_run", "interrupted", "infra_error")
 

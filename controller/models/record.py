@@ -434,14 +434,19 @@ class ForkInfo(BaseModel):
     index: int | None = None
     """A fork's number, 1 to ``forks``."""
     forks: int
-    restored: bool = True
-    """False: the fork could not be restored from the checkpoint and ran as a full replay instead."""
-    fallback: str | None = None
-    """Why the fork ran as a full replay (the restore's error)."""
+    reached: bool | None = None
+    """The prefix's: whether it reached the boundary (False: it ended before, and its record says why)."""
     checkpoint_seconds: float | None = None
-    """The prefix's: how long the checkpoint took."""
+    """The prefix's: how long the checkpoint took (None: none was taken)."""
     checkpoint_bytes: int | None = None
     """The prefix's: the size of its checkpoint (the sandbox's memory at the boundary)."""
+    checkpoint_error: str | None = None
+    """The prefix's: why the checkpoint failed."""
+    restored: bool | None = None
+    """A fork's: whether it started from the checkpoint (False: it could not, and ran as a full replay or, with
+    ``--fork-strict``, failed)."""
+    fallback: str | None = None
+    """A fork's: why it did not start from the checkpoint."""
     restore_seconds: float | None = None
     """A fork's: how long its start from the checkpoint took."""
 
@@ -454,6 +459,20 @@ class ForkInfo(BaseModel):
 def fork_dir_name(index: int | None) -> str:
     """Under a forked replay's directory: the prefix's run directory (``index`` None), or fork ``index``'s."""
     return "prefix" if index is None else f"fork-{index}"
+
+
+def fork_run_id(prefix_run_id: str, index: int) -> str:
+    """Fork ``index``'s run id (its sandbox's, its records'); pvisor in it still knows the prefix's."""
+    return f"{prefix_run_id}-f{index}"
+
+
+def fork_outcomes(records: list[ReplayRecord], forks: int) -> list[ReplayRecord]:
+    """What each of ``forks`` forks came to, in order, from a forked replay's records (the prefix's first): its own
+    record, or the prefix's when it has none (the prefix ended before the boundary, or could not be forked):
+    one per row of a batch, and what ``replay --fork``'s exit code is made of."""
+    prefix = records[0]
+    own = {r.fork.index: r for r in records[1:] if r.fork is not None and r.fork.index is not None}
+    return [own.get(index, prefix) for index in range(1, forks + 1)]
 
 
 class ReplayRecord(BaseModel):

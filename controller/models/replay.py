@@ -18,6 +18,10 @@ from .spec import ReplaySpec, parse_user
 #: values). Removed on every path; a controller killed with ``kill -9`` leaves it, and the next run of the
 #: same directory removes it first.
 STAGING_NAME = ".pvisor-host-staging"
+#: Inside a forked replay's directory while it forks (``--fork``): the checkpoint (the sandbox's memory, secrets
+#: included) and the staging as it was at the boundary. Removed on every path, and by the next run after
+#: ``kill -9``.
+FORK_WORK = ".pvisor-host-fork"
 
 
 SandboxProfile = Literal["task-image", "strict"]

@@ -428,6 +428,9 @@ class ReplaySpec(BaseModel):
         if self.fork is not None and cassette is not None and not cassette.replaying:
             raise ValueError("--fork with --model-cassette record: K forks would record K tapes under one name; "
                              "record with a plain replay, then fork with --model-cassette replay")  # fmt: skip
+        if self.fork is not None and self.inject:
+            raise ValueError("--fork with --inject: pvisor launches an injected runtime from its manifest, which the "
+                             "fork gate cannot stand in front of")  # fmt: skip
         if self.fork_strict and self.fork is None:
             raise ValueError("--fork-strict without --fork")
         if self.egress is not None and self.continuation is not None and self.continuation.network != "unix":

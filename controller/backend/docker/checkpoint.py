@@ -54,24 +54,27 @@ def checkpoint(runtime: Runtime, container: Container, image: Path) -> tuple[flo
     return round(time.monotonic() - started, 3), size
 
 
-def start_from(container: Container, image: Path, docker_root: Path, timeout: float) -> float:
-    """Start the created ``container`` from the checkpoint in ``image`` (put into its own checkpoints directory
-    under the engine's ``docker_root``): the seconds the start took."""
+def give(container: Container, image: Path, docker_root: Path) -> None:
+    """Put the checkpoint in ``image`` into the created ``container``'s own checkpoints directory (under the
+    engine's ``docker_root``), where :func:`start_from` starts it from."""
     own = docker_root / "containers" / container.id / "checkpoints" / NAME
     try:
         shutil.copytree(image, own)
     except OSError as exc:
         raise CheckpointFailed(f"could not give the copy its checkpoint ({own}): {exc.strerror or exc}") from exc
+
+
+def start_from(container: Container, docker_root: Path, timeout: float) -> float:
+    """Start the created ``container`` from the checkpoint :func:`give` gave it: the seconds the start took."""
     started = time.monotonic()
     with engine_errors(f"start container {container.short_id} from the checkpoint"):
         try:
-            request_within(
-                container.client.api, "post", "/containers/{0}/start", timeout, container.id, checkpoint=NAME
-            )
+            api = container.client.api
+            request_within(api, "post", "/containers/{0}/start", timeout, container.id, checkpoint=NAME)
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
             if not timed_out(exc):
                 raise
             raise CheckpointFailed(
-                f"the engine did not start the copy from its checkpoint within {timeout:.0f}s"
+                f"the engine did not start the copy from the checkpoint within {timeout:.0f}s"
             ) from None
     return round(time.monotonic() - started, 3)

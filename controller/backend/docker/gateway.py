@@ -60,6 +60,8 @@ class ModelAccess(BaseModel):
     socket_dir: Path | None = None
     """Host directory to mount read-only at :data:`SOCKET_MOUNT` (``unix`` mode)."""
     token: str | None = None
+    socket: str | None = None
+    """A fork's own socket (``--fork``), which its requests must arrive on: every fork holds the same token."""
 
 
 class Gateway:
@@ -86,6 +88,8 @@ class Gateway:
         self._proxy: ModelProxy | None = None
         self._socket_dir: Path | None = None
         self._network: Any = None
+        self._forks: dict[str, tuple[Any, Path]] = {}
+        """A fork's socket path: its site and directory (:meth:`access` with a ``token``)."""
         self.address: str | None = None
         """``host:port`` (internal) or the socket path (unix) once started."""
 
@@ -115,7 +119,10 @@ class Gateway:
         self.close()
 
     def close(self) -> None:
-        """Stop listening and remove the socket directory and the internal network (every path)."""
+        """Stop listening and remove the socket directories and the internal network (every path)."""
+        for _, directory in self._forks.values():
+            shutil.rmtree(directory, ignore_errors=True)
+        self._forks.clear()
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
@@ -155,8 +162,9 @@ class Gateway:
     # -- runs ---------------------------------------------------------------------------------------------
 
     def access(self, run_id: str, journal: Path, tape: Tape | None = None, *, token: str | None = None) -> ModelAccess:
-        """Register a run (a fresh token, or ``token``: the one a fork's restored pvisor holds; its journal, its
-        cassette tape) and say how its sandbox reaches the model."""
+        """Register a run (a fresh token; its journal, its cassette tape) and say how its sandbox reaches the
+        model. A fork (``--fork``) passes the ``token`` its restored pvisor holds, which its prefix's other forks
+        hold too: it gets a socket of its own, and its requests are its own by the socket they arrive on."""
         model = self.config.model
         if self._proxy is None:  # pass-through
             logger.warning(
@@ -166,7 +174,9 @@ class Gateway:
             )
             assert self.config.base_url is not None and self._api_key is not None  # pass-through needs both
             return ModelAccess(base_url=self.config.base_url, api_key=self._api_key, model=model, network="bridge")
-        token = self._proxy.grant(run_id, journal, tape, token=token)
+        if token is not None:
+            return self._fork_access(self._proxy, run_id, journal, tape, token)
+        token = self._proxy.grant(run_id, journal, tape)
         if self.config.network == "unix":
             return ModelAccess(
                 base_url=f"http://127.0.0.1:{RELAY_PORT}/v1",
@@ -182,18 +192,39 @@ class Gateway:
             base_url=f"http://{self.address}/v1", api_key=token, model=model, network=self._network.name, token=token
         )
 
-    def sibling(self) -> Gateway:
-        """A started gateway of its own for a fork (its own socket, since every fork holds its prefix's token), to
-        the same upstream, with the same key and limits."""
-        limits = self._proxy.limits if self._proxy is not None else self._limits
-        twin = Gateway(self.config, self._api_key, client=self._client, ownership=self._ownership,
-                       sandbox_uid=self._uid, limits=limits)  # fmt: skip
-        return twin.start()
+    def _fork_access(self, proxy: ModelProxy, run_id: str, journal: Path, tape: Tape | None, token: str) -> ModelAccess:
+        if self.config.network != "unix":
+            raise ValueError("a fork reaches the gateway through a socket of its own: --model-network unix")
+        directory = socket_dir("pvh-gw-")
+        path = directory / _SOCKET_NAME
+        self._forks[str(path)] = (None, directory)
+        try:
+            self._forks[str(path)] = (proxy.listen_unix(str(path)), directory)
+            own_socket(path, self._uid)
+            proxy.grant(run_id, journal, tape, token=token, socket=str(path))
+        except BaseException:
+            self._forget_fork(str(path))
+            raise
+        return ModelAccess(
+            base_url=f"http://127.0.0.1:{RELAY_PORT}/v1", api_key=token, model=self.config.model,
+            container_env={"PVISOR_HOST_RELAY": f"{RELAY_PORT} {SOCKET_MOUNT}/{_SOCKET_NAME}"}, network="none",
+            socket_dir=directory, token=token, socket=str(path),
+        )  # fmt: skip
 
-    def release(self, token: str | None) -> None:
-        """Forget a run's token: nothing can use it any more."""
+    def release(self, model: ModelAccess) -> None:
+        """Forget a run's token (and a fork's socket): nothing can use it any more."""
         if self._proxy is not None:
-            self._proxy.revoke(token)
+            self._proxy.revoke(model.token, model.socket)
+        if model.socket is not None:
+            self._forget_fork(model.socket)
+
+    def _forget_fork(self, socket: str) -> None:
+        site, directory = self._forks.pop(socket, (None, None))
+        if site is not None and self._proxy is not None:
+            with contextlib.suppress(Exception):  # a site that never started listening
+                self._proxy.stop_listening(site)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def network_gateway(attrs: dict[str, Any]) -> str:

@@ -51,10 +51,12 @@ def replay(
 
 
 def _forked(prepared: PreparedReplay, backend: AnyBackend, json_output: bool) -> int:
-    """``replay --fork K``: the prefix's record and each fork's; the exit code of the first that is not ok."""
+    """``replay --fork K``: the prefix's record and each fork's; the exit code of the first fork that is not ok (of
+    the prefix, for a fork it could not start)."""
     import json
 
     from ...attempts import run_forked
+    from ...models.record import fork_outcomes
     from .. import render
 
     records = run_forked(prepared, backend)
@@ -62,7 +64,7 @@ def _forked(prepared: PreparedReplay, backend: AnyBackend, json_output: bool) ->
         typer.echo(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
     else:
         render.fork_summary(console(), records, prepared.out_dir)
-    worst = next((r for r in records if not r.ok), None)
+    worst = next((r for r in fork_outcomes(records, prepared.spec.fork or 0) if not r.ok), None)
     return exit_code_for_status(worst.status if worst is not None else "ok")
 
 

@@ -3,27 +3,34 @@
 The prefix runs as a replay does, but pvisor launches the agent through the gate (:mod:`.gate`). Once the
 sandbox waits there (the prefix's tool calls replayed, the context rebuilt, no model call yet), gVisor
 checkpoints it (:mod:`..checkpoint`; the sandbox stops) and the staging's directories are copied as they are at
-that moment. The prefix's record is written then: its tool calls, egress and timings, once.
+that moment (``env.sh`` aside: the forks' processes hold its values already). The prefix's record is written
+then: its tool calls, egress and timings, once.
 
 Each fork is then a container of the prefix's configuration (the same hardening, limits, mounts and command) with
-its own copies of those directories, its own run id, its own egress socket and its own model gateway (a socket
-of its own: every fork's pvisor holds the prefix's token, so the gateway tells forks apart by the socket they
+its own copies of those directories, its own run id, its own egress socket and its own socket on the model
+gateway (every fork's pvisor holds the prefix's token, so the gateway tells forks apart by the socket they
 arrive on). It starts from the checkpoint and gets its go-ahead; pvisor, still the parent, finishes its
-continuation and writes its own result, collected into ``fork-<k>/`` as any replay's is. The forks run at once.
+continuation and writes its own result, collected into ``fork-<k>/`` as any replay's is. The forks run at once;
+their starts from the checkpoint one at a time (the engine's containerd refuses two uploads of one checkpoint
+at once: "content ... already exists"). A fork's ``--timeout`` is what the prefix left of it, as the sandbox's
+own deadline, restored with it, says.
 
-A fork the engine cannot start from the checkpoint runs once as a full replay instead (its record says so:
-``fork.restored`` false, ``fork.fallback`` why), unless ``--fork-strict``. Ctrl-C (or ``cancel``) stops every
-fork and removes its sandbox; the checkpoint and the copies are removed on every path.
+A fork the engine cannot start from the checkpoint (or whose copy fails) runs once as a full replay instead, its
+record saying so (``fork.restored`` false, ``fork.fallback`` why); when the checkpoint itself fails, every fork
+does. With ``--fork-strict`` neither happens: the fork (the prefix) fails. Ctrl-C (or ``cancel``) stops every fork
+and removes its sandbox. The checkpoint (the sandbox's memory, secrets included) and the copies are removed on
+every path; a controller killed with ``kill -9`` leaves them under ``.pvisor-host-fork/``, which a batch's
+rerun removes (:func:`~pvisor_host.fanout.resume.set_aside`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -32,18 +39,21 @@ from docker.models.containers import Container
 
 from ...._log import logger
 from ....errors import InfrastructureError, Interrupted
+from ....files.trees import remove_tree
 from ....models.ownership import Ownership
-from ....models.record import ForkInfo, ReplayRecord
-from ....models.replay import Attempt, PreparedReplay
+from ....models.record import ForkInfo, ReplayRecord, fork_run_id, save_record
+from ....models.replay import FORK_WORK, STAGING_NAME, Attempt, PreparedReplay
+from ....signals import deferred_interrupts
 from .. import checkpoint as ck
 from .. import container as sandbox
+from ..engine import engine_errors
 from ..gateway import Gateway
 from .gate import release
 from .run import Way, run_attempt
 from .stage import Staging
 
-#: Under the replay's directory while it forks: the checkpoint and the staging as it was at the boundary.
-WORK = ".pvisor-host-fork"
+Run = Callable[..., ReplayRecord]
+""":func:`~.run.run_attempt` with the backend's own arguments bound."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,8 @@ class Boundary:
     """The prefix's staging, copied at the boundary (its paths are the copies')."""
     command: list[str]
     token: str | None
+    timeout: float
+    """What the prefix left of ``--timeout``."""
 
 
 def run_forks(
@@ -66,175 +78,187 @@ def run_forks(
     gateway: Gateway | None,
     cancel: threading.Event,
     kill: Callable[[str], None],
-    run: Callable[..., ReplayRecord] = run_attempt,
+    run: Run = run_attempt,
 ) -> list[ReplayRecord]:
     """Run ``prepared`` (``--fork K``) to its records: the prefix's first, then each fork's, in order (the prefix's
-    alone when it ended before the boundary: its record says why). ``kill`` kills a run's sandbox (by run id);
-    ``run`` is :func:`~.run.run_attempt` with the backend's own arguments bound.
+    alone when it ended before the boundary, or could not be checkpointed with ``--fork-strict``: its record says
+    why). ``kill`` kills a run's sandbox (by run id).
 
     Raises:
         Interrupted: Ctrl-C or ``cancel``; every sandbox was removed, the finished forks' records are kept.
     """
     assert prepared.spec.fork is not None
-    forks = prepared.spec.fork
     out = prepared.out_dir
-    work = out / WORK
-    work.mkdir(mode=0o700)
-    prefix_id = prepared.run_id
-    runtime = prepared.runtime
-    root = Path(str(client.info().get("DockerRootDir") or "/var/lib/docker"))
+    work = out / FORK_WORK
     found: list[Boundary] = []
-    reached: list[bool] = []
-
-    def at_boundary(box: Container, staging: Staging, cspec: sandbox.ContainerSpec, token: str | None) -> ForkInfo:
-        reached.append(True)
-        seconds, size = ck.checkpoint(runtime, box, work / "checkpoint")
-        found.append(Boundary(work / "checkpoint", _copy_staging(staging, work / "boundary"), cspec.command, token))
-        logger.info("checkpointed the prefix at the boundary in {:.2f}s ({} bytes); starting {} forks", seconds, size,
-                    forks)  # fmt: skip
-        return ForkInfo(role="prefix", of=prefix_id, forks=forks, checkpoint_seconds=seconds, checkpoint_bytes=size)
-
     try:
-        prefix_info = ForkInfo(role="prefix", of=prefix_id, forks=forks)
-        prefix_attempt = Attempt(run_id=prefix_id, run_dir=out / prefix_info.dir_name)
-        prefix = run(prepared, prefix_attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary))
-        if reached and not found and not prepared.spec.fork_strict and prefix.status == "infra_error":
-            why = prefix.failure.message if prefix.failure is not None else "the checkpoint failed"
+        remove_tree(work)  # what a controller killed mid-fork left
+        work.mkdir(mode=0o700)
+        with engine_errors("read the engine's root directory"):
+            root = Path(str(client.info().get("DockerRootDir") or "/var/lib/docker"))
+        info = ForkInfo(role="prefix", of=prepared.run_id, forks=prepared.spec.fork, reached=False)
+
+        def at_boundary(box: Container, staging: Staging, cspec: sandbox.ContainerSpec, token: str | None) -> ForkInfo:
+            seconds, size = ck.checkpoint(prepared.runtime, box, work / "checkpoint")
+            copied = _copy_staging(staging, work / "boundary")
+            left = prepared.spec.timeout - box_seconds(box)
+            found.append(Boundary(work / "checkpoint", copied, cspec.command, token, max(1.0, left)))
+            logger.info("checkpointed the prefix at the boundary in {:.2f}s ({} bytes)", seconds, size)
+            return info.model_copy(update={"reached": True, "checkpoint_seconds": seconds, "checkpoint_bytes": size})
+
+        attempt = Attempt(run_id=prepared.run_id, run_dir=out / info.dir_name)
+        prefix = run(prepared, attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary, fork=info))
+        reached = prefix.fork is not None and prefix.fork.reached
+        if not reached or (not found and prepared.spec.fork_strict):
+            return [prefix]  # it ended before the boundary, or its checkpoint failed: its record says why
+        why = None if found else (prefix.fork.checkpoint_error if prefix.fork else None) or "the checkpoint failed"
+        if why is not None:
             logger.warning("no fork can start from the boundary ({}); running each once as a full replay", why)
-            records = _run_all(prepared, None, root, gateway=gateway, cancel=cancel, kill=kill, run=run, why=why)
-            return [prefix, *records]
-        if not found or prefix.fork is None:
-            return [prefix]  # it ended before the boundary (its record says why): there is nothing to fork
-        records = _run_all(prepared, found[0], root, gateway=gateway, cancel=cancel, kill=kill, run=run)
-        return [prefix, *records]
+        forks = _run_all(prepared, found[0] if found else None, root, gateway, cancel, kill, run, why)
+        return [prefix, *forks]
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
+
+
+def box_seconds(box: Container) -> float:
+    """Seconds since the engine started ``box`` (0 when it cannot say)."""
+    from datetime import UTC, datetime
+
+    box.reload()
+    started = str(box.attrs.get("State", {}).get("StartedAt") or "")
+    try:
+        since = datetime.fromisoformat(started[:26].rstrip("Z") + "+00:00")
+    except ValueError:
+        return 0.0
+    return max(0.0, (datetime.now(UTC) - since).total_seconds())
 
 
 def _run_all(
     prepared: PreparedReplay,
     boundary: Boundary | None,
     root: Path,
-    *,
     gateway: Gateway | None,
     cancel: threading.Event,
     kill: Callable[[str], None],
-    run: Callable[..., ReplayRecord],
-    why: str | None = None,
-) -> list[ReplayRecord]:
-    """Every fork at once (each a full replay, for ``why``, without a ``boundary``); Ctrl-C cancels and kills them
-    all, and waits for their workers' cleanup."""
-    forks = prepared.spec.fork or 0
-    ids = [f"{prepared.run_id}-f{index}" for index in range(1, forks + 1)]
-    with futures.ThreadPoolExecutor(max_workers=forks, thread_name_prefix="pvisor-host-fork") as pool:
-        running = [
-            pool.submit(_one, prepared, boundary, root, index, gateway, cancel, run, why)
-            for index in range(1, forks + 1)
-        ]
-        try:
-            futures.wait(running)
-        except KeyboardInterrupt:
-            cancel.set()
-            for run_id in ids:
-                kill(run_id)
-            futures.wait(running)
-    records: list[ReplayRecord] = []
-    stopped: Interrupted | None = None
-    for future in running:
-        try:
-            records.append(future.result())
-        except Interrupted as exc:
-            stopped = stopped or exc
-    if stopped is not None or cancel.is_set():
-        raise stopped or Interrupted("interrupted; every fork's sandbox was removed")
-    return records
-
-
-def _one(
-    prepared: PreparedReplay,
-    boundary: Boundary | None,
-    root: Path,
-    index: int,
-    gateway: Gateway | None,
-    cancel: threading.Event,
-    run: Callable[..., ReplayRecord],
+    run: Run,
     why: str | None,
-) -> ReplayRecord:
+) -> list[ReplayRecord]:
+    """Every fork at once (each a full replay, for ``why``, without a ``boundary``). Ctrl-C, or any fork's
+    error, cancels and kills them all, and waits for their workers' cleanup."""
+    forks = prepared.spec.fork or 0
+    starting = threading.Lock()  # one start from the checkpoint at a time (see the module docstring)
+    pool = futures.ThreadPoolExecutor(max_workers=forks, thread_name_prefix="pvisor-host-fork")
+    running: list[futures.Future[ReplayRecord]] = []
+    try:
+        for index in range(1, forks + 1):
+            context = contextvars.copy_context()  # the item's logging context, in each fork's thread
+            one = _Fork(prepared, boundary, root, index, gateway, cancel, run, why, starting)
+            running.append(pool.submit(context.run, one.run))
+        futures.wait(running, return_when=futures.FIRST_EXCEPTION)
+        if any(f.done() and f.exception() is not None for f in running):
+            raise next(e for f in running if f.done() and (e := f.exception()) is not None)
+    except BaseException as exc:
+        with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
+            cancel.set()
+            for index in range(1, forks + 1):
+                kill(fork_run_id(prepared.run_id, index))
+            pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(exc, KeyboardInterrupt | Interrupted):
+            raise Interrupted("interrupted; every fork's sandbox was removed") from None
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return [f.result() for f in running]
+
+
+@dataclasses.dataclass
+class _Fork:
     """Fork ``index``: restored from the checkpoint, or (when that fails, and not ``--fork-strict``) once as a full
     replay."""
-    spec = prepared.spec
-    forks = spec.fork or 0
-    info = ForkInfo(role="fork", of=prepared.run_id, index=index, forks=forks)
-    run_dir = prepared.out_dir / info.dir_name
-    if boundary is None:
-        return _full_replay(prepared, index, info, why or "no checkpoint", gateway, cancel, run)
-    attempt = Attempt(run_id=f"{prepared.run_id}-f{index}", run_dir=run_dir, pvisor_run_id=prepared.run_id)
-    holder: list[Staging] = []
 
-    def staged(root_dir: Path) -> Staging:
-        holder.append(_copy_staging(boundary.staging, root_dir))
-        return holder[0]
+    prepared: PreparedReplay
+    boundary: Boundary | None
+    root: Path
+    index: int
+    gateway: Gateway | None
+    cancel: threading.Event
+    run_attempt: Run
+    why: str | None
+    starting: threading.Lock
 
-    def start(box: Container) -> float:
-        seconds = ck.start_from(box, boundary.image, root, spec.start_timeout)
-        release(holder[0])
-        return seconds
+    def run(self) -> ReplayRecord:
+        info = ForkInfo(role="fork", of=self.prepared.run_id, index=self.index, forks=self.prepared.spec.fork or 0)
+        if self.boundary is None:
+            return self._full_replay(info, self.why or "no checkpoint")
+        run_dir = self.prepared.out_dir / info.dir_name
+        copy_root = run_dir / STAGING_NAME
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            copied = _copy_staging(self.boundary.staging, copy_root)
+        except (InfrastructureError, OSError) as exc:
+            failed = f"could not copy the sandbox at the boundary: {exc}"
+            if self.prepared.spec.fork_strict:
+                raise InfrastructureError(f"fork {self.index}: {failed}") from exc
+            return self._full_replay(info, failed)
+        boundary = self.boundary
+        attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index), run_dir=run_dir,
+                          pvisor_run_id=self.prepared.run_id)  # fmt: skip
 
-    way = Way(staged=staged, start=start, command=boundary.command, token=boundary.token, fork=info)
-    with _own_gateway(gateway) as own:
-        record = run(prepared, attempt, gateway=own, cancel=cancel, way=way)
-    restored = record.fork is not None and record.fork.restore_seconds is not None
-    if restored or record.status != "infra_error" or spec.fork_strict or cancel.is_set():
-        return record
-    failed = record.failure.message if record.failure is not None else "the copy did not start"
-    logger.warning("fork {} could not start from the checkpoint ({}); running it once as a full replay", index, failed)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return _full_replay(prepared, index, info, failed, gateway, cancel, run)
+        def start(box: Container) -> float:
+            with self.starting:
+                seconds = ck.start_from(box, self.root, self.prepared.spec.start_timeout)
+            release(copied)
+            return seconds
 
+        way = Way(
+            staged=lambda _: copied, before_start=lambda box: ck.give(box, boundary.image, self.root), start=start,
+            command=boundary.command, token=boundary.token, fork=info, timeout=boundary.timeout,
+        )  # fmt: skip
+        try:
+            record = self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel, way=way)
+        finally:
+            remove_tree(copy_root)
+        fork = record.fork or info
+        if fork.restore_seconds is not None:
+            return record
+        failed = record.failure.message if record.failure is not None else "the copy did not start"
+        if self.prepared.spec.fork_strict or self.cancel.is_set() or record.status != "infra_error":
+            record = record.model_copy(update={"fork": fork.model_copy(update={"restored": False, "fallback": failed})})
+            save_record(record, run_dir)
+            return record
+        logger.warning("fork {} could not start from the checkpoint ({}); running it once as a full replay",
+                       self.index, failed)  # fmt: skip
+        remove_tree(run_dir)
+        return self._full_replay(info, failed)
 
-def _full_replay(
-    prepared: PreparedReplay,
-    index: int,
-    info: ForkInfo,
-    why: str,
-    gateway: Gateway | None,
-    cancel: threading.Event,
-    run: Callable[..., ReplayRecord],
-) -> ReplayRecord:
-    """Fork ``index`` as a plain replay of its own (the prefix's tool calls run again in it), saying ``why``."""
-    plain = Attempt(run_id=f"{prepared.run_id}-f{index}", run_dir=prepared.out_dir / info.dir_name)
-    fallback = info.model_copy(update={"restored": False, "fallback": why})
-    with _own_gateway(gateway) as own:
-        return run(prepared, plain, gateway=own, cancel=cancel, way=Way(fork=fallback))
-
-
-@contextlib.contextmanager
-def _own_gateway(gateway: Gateway | None) -> Iterator[Gateway | None]:
-    """A gateway of the fork's own (see the module docstring), closed on every path."""
-    if gateway is None:
-        yield None
-        return
-    own = gateway.sibling()
-    try:
-        yield own
-    finally:
-        own.close()
+    def _full_replay(self, info: ForkInfo, why: str) -> ReplayRecord:
+        """This fork as a plain replay of its own (the prefix's tool calls run again in it), saying ``why``."""
+        plain = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
+                        run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
+        fallback = info.model_copy(update={"restored": False, "fallback": why})
+        return self.run_attempt(self.prepared, plain, gateway=self.gateway, cancel=self.cancel, way=Way(fork=fallback))
 
 
 def _copy_staging(staging: Staging, root: Path) -> Staging:
-    """A copy of ``staging``'s directories under ``root`` (owners, modes and times kept: the restored processes
-    find their files as they left them)."""
+    """A copy of ``staging``'s directories under ``root``, but ``env.sh`` (whose values the restored processes hold
+    already): ``cp -a``, which keeps owners, modes and times, so the restored processes find their files as they
+    left them (the standard library's copies keep no owner). Nothing of it is left when it fails."""
     root.mkdir(mode=0o700)
     moved: dict[str, Path] = {}
-    for field in ("input_dir", "workspace_dir", "run_dir", "logs_dir", "verifier_dir"):
-        source: Path | None = getattr(staging, field)
-        if source is None:
-            continue
-        target = root / source.name
-        try:
-            subprocess.run(["cp", "-a", "--", str(source), str(target)], check=True, capture_output=True, text=True)
-        except subprocess.CalledProcessError as exc:
-            raise InfrastructureError(f"could not copy the sandbox's {source.name} directory at the boundary: "
-                                      f"{exc.stderr.strip()[-300:]}") from exc  # fmt: skip
-        moved[field] = target
+    try:
+        for field in ("input_dir", "workspace_dir", "run_dir", "logs_dir", "verifier_dir"):
+            source: Path | None = getattr(staging, field)
+            if source is None:
+                continue
+            target = root / source.name
+            done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True,
+                                  check=False)  # fmt: skip
+            if done.returncode != 0:
+                raise InfrastructureError(f"cp -a {source.name}: {done.stderr.strip()[-300:]}")
+            moved[field] = target
+        with contextlib.suppress(FileNotFoundError):
+            (root / staging.input_dir.name / "env.sh").unlink()
+    except BaseException:
+        remove_tree(root)
+        raise
     return staging.model_copy(update={"root": root, **moved})

@@ -85,7 +85,7 @@ class AttemptState:
     @property
     def at_boundary(self) -> bool:
         """A prefix's sandbox, checkpointed at the boundary (it has no result of its own: its forks have)."""
-        return self.fork is not None and self.fork.role == "prefix"
+        return self.fork is not None and self.fork.role == "prefix" and self.fork.checkpoint_seconds is not None
 
     def phase(self, name: str, since: float) -> float:
         """Note that phase ``name`` took from ``since`` until now; return now."""

@@ -81,7 +81,8 @@ def run_attempt(
     model = None
     if gateway is not None:
         journal, tape = attempt.run_dir / MODEL_JOURNAL, _tape(prepared, attempt)
-        model = gateway.access(attempt.run_id, journal, tape, token=way.token)
+        # By the run id pvisor knows (a fork's is its prefix's): the one its requests carry, which a tape masks.
+        model = gateway.access(attempt.pvisor_id, journal, tape, token=way.token)
     try:
         with full_disk_raises(attempt.run_dir):
             fill = _config_fill(prepared, files or ImageFiles(client, ownership)) if way.staged is None else None
@@ -90,7 +91,7 @@ def run_attempt(
             )
     finally:
         if gateway is not None and model is not None:
-            gateway.release(model.token)
+            gateway.release(model)
 
 
 @dataclasses.dataclass
@@ -102,7 +103,9 @@ class Way:
     """The prefix's: stage the gate, and once the sandbox reaches it, checkpoint it (the sandbox stops; given its
     container, staging, spec and gateway token): its fork information."""
     staged: Callable[[Path], Staging] | None = None
-    """A copy's: its staging under the given root, copied from the prefix's at the boundary."""
+    """A copy's: its staging (copied from the prefix's at the boundary; given the root a plain replay's has)."""
+    before_start: Callable[[Container], None] | None = None
+    """A copy's: give the created container the checkpoint (before it waits for a start slot)."""
     start: Callable[[Container], float] | None = None
     """A copy's: start the created container from the checkpoint (the seconds it took), then let it go."""
     command: list[str] | None = None
@@ -110,7 +113,9 @@ class Way:
     token: str | None = None
     """A copy's: the gateway token pvisor holds in its memory (the prefix's)."""
     fork: ForkInfo | None = None
-    """A copy's: its place among the forks, for its record."""
+    """Its place among a prefix and its forks, for its record."""
+    timeout: float | None = None
+    """A copy's: its ``--timeout``, what the prefix left of it (the sandbox's own deadline is restored with it)."""
 
 
 def _tape(prepared: PreparedReplay, attempt: Attempt) -> Tape | None:
@@ -141,6 +146,8 @@ def _run(
     state.used_gateway = model is not None
     state.model_token = model.token if model is not None else None
     state.fork = way.fork
+    if way.fork is not None and way.fork.role == "fork":
+        state.timings = {}  # the host's checks and the image were the prefix's, and are in its record
     out = attempt.run_dir
     out.mkdir(parents=True, exist_ok=True)
     clock = time.monotonic()
@@ -258,12 +265,15 @@ def _run_container(
         info.id = box.id
         built = prepared.built
         usage.record_use(prepared.image.id, prepared.image.runtime_volume, built.id if built else None)
+        if way.before_start is not None:
+            way.before_start(box)
         clock = state.phase("create", clock)
+        timeout = way.timeout if way.timeout is not None else spec.timeout
         with starts.holding(cancel) if starts is not None else contextlib.nullcontext():
             if way.start is not None:
                 restored = way.start(box)
                 if state.fork is not None:
-                    state.fork = state.fork.model_copy(update={"restore_seconds": restored})
+                    state.fork = state.fork.model_copy(update={"restore_seconds": restored, "restored": True})
             else:
                 sandbox.start(box, spec.start_timeout)
         logger.info(
@@ -278,19 +288,19 @@ def _run_container(
             raise KeyboardInterrupt  # the batch was cancelled while this sandbox started
         pvisor_done = staging.logs_dir / PVISOR_DONE
         if way.boundary is not None:  # the prefix runs to the gate, where it is checkpointed (and stops)
-            state.outcome = sandbox.wait(box, spec.timeout, until=lambda: gate_reached(staging))
-            if state.outcome.running:
-                clock = state.phase("run", clock)
-                state.fork = way.boundary(box, staging, cspec, state.model_token)
-                state.outcome = sandbox.wait(box, spec.timeout)
+            verifier = spec.verify is not None  # pvisor may end before the boundary, its verifier waiting
+            until = lambda: gate_reached(staging) or (verifier and pvisor_done.stat().st_size > 0)  # noqa: E731
+            state.outcome = sandbox.wait(box, timeout, until=until)
+            clock = state.phase("run", clock)
+            if state.outcome.running and gate_reached(staging):
+                _checkpoint(state, way, box, staging, cspec)
+                state.outcome = sandbox.wait(box, timeout)
                 clock = state.phase("checkpoint", clock)
-            else:
-                clock = state.phase("run", clock)
         elif spec.verify is None:
-            state.outcome = sandbox.wait(box, spec.timeout)
+            state.outcome = sandbox.wait(box, timeout)
             clock = state.phase("run", clock)
         else:  # pvisor's phase ends with its marker; the verifier starts when the host says (see .verify)
-            state.outcome = sandbox.wait(box, spec.timeout, until=lambda: pvisor_done.stat().st_size > 0)
+            state.outcome = sandbox.wait(box, timeout, until=lambda: pvisor_done.stat().st_size > 0)
             clock = state.phase("run", clock)
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt  # the batch stopped this sandbox: record it as interrupted, collect nothing
@@ -323,6 +333,16 @@ def _run_container(
             state.verification = read_verification(spec.verify, staging, out, budget, verified, seconds)
             state.phase("verify", clock)
         warn_if_cut(budget, spec.collect_limit)
+
+
+def _checkpoint(state: AttemptState, way: Way, box: Container, staging: Staging, cspec: sandbox.ContainerSpec) -> None:
+    """The prefix at the boundary: checkpointed (``way.boundary``), its record to say so, or why it could not be."""
+    assert way.boundary is not None and state.fork is not None
+    try:
+        state.fork = way.boundary(box, staging, cspec, state.model_token)
+    except InfrastructureError as exc:
+        state.fork = state.fork.model_copy(update={"reached": True, "checkpoint_error": exc.one_line()})
+        raise
 
 
 def self_deadline(marker: Path, prepared: PreparedReplay) -> str | None:

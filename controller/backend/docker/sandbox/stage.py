@@ -52,6 +52,8 @@ VERIFIER_MOUNT = "/logs/verifier"
 FORK_GATE = "fork-gate"
 FORK_REACHED = "fork.reached"
 FORK_GO = "fork.go"
+#: The file in the input directory that lets the shim start the verifier (:mod:`.verify`).
+VERIFY_GO = "verify.go"
 
 
 class Staging(BaseModel):
@@ -194,9 +196,15 @@ def stage(
 
 def _sandbox_name(name: str) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
-    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT, "verify.go", FORK_GATE, FORK_GO}:
+    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT, VERIFY_GO, FORK_GATE, FORK_GO}:
         safe = "trajectory" + (Path(name).suffix or ".jsonl")
     return safe
+
+
+def host_says(staging: Staging, name: str) -> None:
+    """Put the go-ahead ``name`` in the input directory, which the sandbox reads and only the host can write (the
+    verifier's, :data:`VERIFY_GO`; a restored fork's, :data:`FORK_GO`)."""
+    (staging.input_dir / name).touch(mode=0o444)
 
 
 def remove_staging(root: Path) -> None:

@@ -23,12 +23,10 @@ from ....files.archive import Budget, harvest_tree
 from ....models.record import COULD_NOT_RUN_CODES, Verification
 from ..container import WaitOutcome
 from .collect import copy_log, open_log
-from .stage import Staging
+from .stage import VERIFY_GO, Staging, host_says
 
 #: Where the shim writes pvisor's exit code once pvisor has ended (in the staging's logs directory).
 PVISOR_DONE = "pvisor.json"
-#: The file in the input directory that lets the shim start the verifier.
-GO_AHEAD = "verify.go"
 #: The end of the verifier's output kept in the record.
 TAIL = 4096
 #: The most of its output kept in ``logs/verify.log``.
@@ -49,7 +47,7 @@ def pvisor_exit_code(marker: Path) -> int | None:
 
 def go_ahead(staging: Staging) -> None:
     """Let the waiting shim start the verifier (the workspace has been collected)."""
-    (staging.input_dir / GO_AHEAD).touch(mode=0o444)
+    host_says(staging, VERIFY_GO)
 
 
 def read_verification(
