@@ -84,7 +84,9 @@ def table(results: dict[str, Any]) -> str:
         for row, added in g["added_latency"].items():
             lines.append(f"gateway, {row}: added ms {added}")
         lines.append(f"gateway, 32 streams of 10 MB: {g['big_streams']}")
-    if "fork" in results:
+    if "fork" in results and "skipped" in results["fork"]:
+        lines.append(f"--fork: skipped: {results['fork']['skipped']}")
+    elif "fork" in results:
         f = results["fork"]
         lines.append(
             f"--fork {f['forks']} against {f['forks']} replays ({f['pairs']} pairs): core-seconds {f['core_ratio']}x "

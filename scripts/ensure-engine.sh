@@ -82,13 +82,13 @@ install_fork_runsc() {
     local tmp
     tmp=$(mktemp -d)
     log "fetching the fork runtime (gVisor 0.0~20240729, Debian 13's $FORK_DEB)"
-    if curl -fsSL --retry 3 -o "$tmp/$FORK_DEB" "$FORK_URL" &&
+    if curl -fsSL --retry 3 --max-time 300 -o "$tmp/$FORK_DEB" "$FORK_URL" &&
         echo "$FORK_SHA256  $tmp/$FORK_DEB" | sha256sum -c --quiet - &&
-        dpkg-deb -x "$tmp/$FORK_DEB" "$tmp/x"; then
-        mkdir -p "$FORK_DIR"
-        install -m 0755 "$tmp/x/usr/bin/runsc" "$FORK_DIR/runsc"
+        dpkg-deb -x "$tmp/$FORK_DEB" "$tmp/x" && mkdir -p "$FORK_DIR" &&
+        install -m 0755 "$tmp/x/usr/bin/runsc" "$FORK_DIR/runsc.new" && mv "$FORK_DIR/runsc.new" "$FORK_DIR/runsc"; then
+        log "installed $FORK_DIR/runsc"
     else
-        log "could not fetch $FORK_URL with sha256 $FORK_SHA256: --fork will be refused on this engine"
+        log "could not install $FORK_URL (sha256 $FORK_SHA256): --fork will be refused on this engine"
     fi
     rm -rf "$tmp"
 }
@@ -118,8 +118,9 @@ register_runsc() {
         fork=$(printf ', "runsc-fork": {"path": "%s", "runtimeArgs": %s}' "$FORK_DIR/runsc" "$RUNSC_ARGS")
     fi
     printf '{"experimental": %s, "runtimes": {"runsc": {"path": "%s", "runtimeArgs": %s}%s}}\n' \
-        "$([[ -n $fork ]] && echo true || echo false)" "$(command -v runsc)" "$RUNSC_ARGS" "$fork" >"$DAEMON_JSON"
-    touch "$OURS"
+        "$([[ -n $fork ]] && echo true || echo false)" "$(command -v runsc)" "$RUNSC_ARGS" "$fork" >"$DAEMON_JSON" ||
+        return 1
+    touch "$OURS" || return 1
     log "registered gVisor (runsc $(runsc --version | head -n 1 | awk '{print $3}')) in $DAEMON_JSON"
 }
 
@@ -149,15 +150,25 @@ fi
 if ping_engine; then
     if [[ $WITH_RUNSC == yes ]] && ours_running && command -v runsc >/dev/null 2>&1 && ! runsc_registered; then
         register_runsc || exit 0
-        if [[ -x $FORK_DIR/runsc ]] && ! engine_get /info | grep -q '"ExperimentalBuild":true'; then
-            log "restarting our dockerd once: experimental mode (for --fork) is read only at its start"
-            kill "$(cat "$PIDFILE")"
-            for _ in $(seq 1 300); do [[ -z "$(host_dockerds)" ]] && break; sleep 0.1; done
-            rm -f "$PIDFILE"
-        else
-            kill -HUP "$(cat "$PIDFILE")" && sleep 1 && runsc_registered && log "runsc is registered"
+        kill -HUP "$(cat "$PIDFILE")" && sleep 1
+        if runsc_registered; then
+            log "runsc is registered"
             exit 0
         fi
+        # Experimental mode (for --fork) is read at the engine's start only: restart ours, once, if it runs nothing.
+        if [[ "$(engine_get '/containers/json' || echo x)" != "[]" ]]; then
+            log "our dockerd runs containers: not restarting it for experimental mode (--fork is refused until then)"
+            exit 0
+        fi
+        log "restarting our dockerd: experimental mode (for --fork) is read only at its start"
+        pid=$(cat "$PIDFILE")
+        kill "$pid"
+        for _ in $(seq 1 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "our dockerd ($pid) did not stop within 60 s"
+            exit 3
+        fi
+        rm -f "$PIDFILE"
     else
         exit 0
     fi
