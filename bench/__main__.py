@@ -108,7 +108,7 @@ def main() -> int:
             results["gateway"] = gateway(work / "gateway")
         if "fork" in sections:
             (work / "fork").mkdir()
-            results["fork"] = fork(work / "fork")
+            results["fork"] = fork(work / "fork", tag)
         if "cluster" in sections or "cluster-tasks" in sections:
             (work / "cluster").mkdir()
             results["cluster"] = cluster(work / "cluster", tasks_only="cluster" not in sections)

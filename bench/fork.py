@@ -1,8 +1,8 @@
 """``fork``: ``replay --fork 8`` against 8 independent replays of the same trajectory (a ``batch`` of 8 items, 8
 workers), interleaved, each continued against the stub model under the fork runtime (``runsc-fork``). The
-trajectory's prefix takes about 10 s of real tool calls. Per pair: wall time, and the machine's core-seconds
-(every process's, the engine's and the sandboxes' included, from ``/proc/stat``). Target (issue 40): the forks
-take at most 0.35x the core-seconds and 0.5x the wall of the 8 replays.
+trajectory's prefix is four tool calls of fixed work, about 10 s of one idle core in all. Per pair: wall time,
+and the machine's core-seconds (every process's, the engine's and the sandboxes' included, from ``/proc/stat``).
+Target (issue 40): the forks take at most 0.35x the core-seconds and 0.5x the wall of the 8 replays.
 
 Then the checkpoint's time and size and a fork's start from it, from the records, for Claude Code and Codex.
 """
@@ -25,12 +25,35 @@ from trajgen import Call, Turn, claude_session, codex_files_session, write_jsonl
 
 FORKS = 8
 KEY = "PVH_BENCH_MODEL_KEY"
-#: About 10 s of real tool calls: four calls that compute and write, 2.5 s each.
-PREFIX = [f"python3 -c 'import time; t = time.time()\nwhile time.time() - t < 2.5: sum(range(9999))' && echo {n} >> "
-          f"steps.txt" for n in range(4)]  # fmt: skip
+#: The prefix's tool calls: four calls that each do a fixed amount of work (as a test run or a build does, not a
+#: wait), about 2.5 s of one idle core each here (:func:`_work`), then write a line.
+CALLS = 4
 
 
-def fork(work: Path) -> dict[str, Any]:
+#: Counts, inside a sandbox of the image under the fork runtime, the ``sum(range(10_000))`` one core does in 0.5 s.
+_PROBE = (
+    "import time\nstarted, rounds = time.process_time(), 0\nwhile time.process_time() - started < 0.5:\n"
+    "    sum(range(10_000))\n    rounds += 1\nprint(rounds)"
+)
+
+
+def _work(tag: str) -> int:
+    """Iterations of ``sum(range(10_000))`` one idle core does in 2.5 s in the image's sandbox (its Python, gVisor)."""
+    import docker
+
+    said = docker.from_env().containers.run(
+        tag,
+        ["python3", "-c", _PROBE],
+        entrypoint=[],
+        runtime="runsc-fork",
+        network_mode="none",
+        remove=True,
+        labels={"pvisor-host.bench": "fork"},
+    )
+    return int(said.decode().split()[-1]) * 5
+
+
+def fork(work: Path, tag: str) -> dict[str, Any]:
     """See the module docstring; without the fork runtime, what is missing (the other sections' figures stand)."""
     import docker
 
@@ -38,7 +61,7 @@ def fork(work: Path) -> dict[str, Any]:
     if "runsc-fork" not in (info.get("Runtimes") or {}) or not info.get("ExperimentalBuild"):
         return {"skipped": "the fork runtime (runsc-fork, experimental mode) is not on this engine: make engine-runsc"}
     rounds = scaled(3, 2)
-    trajectory = write_jsonl(work / "claude.jsonl", _claude())
+    trajectory = write_jsonl(work / "claude.jsonl", _claude(_work(tag)))
     manifest = work / "eight.jsonl"
     manifest.write_text("".join(json.dumps({"id": f"r{n}", "trajectory": str(trajectory), "after_step": 4}) + "\n"
                                 for n in range(FORKS)))  # fmt: skip
@@ -67,6 +90,8 @@ def fork(work: Path) -> dict[str, Any]:
         "core_ratio_spread": spread(cores),
         "targets": {"core_ratio": 0.35, "wall_ratio": 0.5},
     }
+    prefix = [json.loads((work / f"forked{n}" / "prefix" / "record.json").read_text()) for n in range(rounds)]
+    figures["prefix_run_s"] = round(median([r["timings"]["run"] for r in prefix]), 2)
     figures["claude-code"] = _checkpoint_figures(work / "forked0")
     figures["codex"] = _codex(work)
     return figures
@@ -110,6 +135,8 @@ def _codex(work: Path) -> dict[str, Any]:
     return _checkpoint_figures(work / "codex")
 
 
-def _claude() -> list[dict[str, Any]]:
-    turns = [Turn([Call("Bash", {"command": c, "description": f"step {n}"}, "")]) for n, c in enumerate(PREFIX, 1)]
+def _claude(rounds: int) -> list[dict[str, Any]]:
+    command = "python3 -c 'for _ in range({}): sum(range(10_000))' && echo {} >> steps.txt"
+    turns = [Turn([Call("Bash", {"command": command.format(rounds, n), "description": f"step {n}"}, "")])
+             for n in range(1, CALLS + 1)]  # fmt: skip
     return claude_session("Compute four times.", [*turns, Turn(text="Done.")])

@@ -89,7 +89,8 @@ def table(results: dict[str, Any]) -> str:
     elif "fork" in results:
         f = results["fork"]
         lines.append(
-            f"--fork {f['forks']} against {f['forks']} replays ({f['pairs']} pairs): core-seconds {f['core_ratio']}x "
+            f"--fork {f['forks']} against {f['forks']} replays ({f['pairs']} pairs, a prefix of "
+            f"{f['prefix_run_s']} s): core-seconds {f['core_ratio']}x "
             f"(spread {f['core_ratio_spread']}, target <= 0.35), wall {f['wall_ratio']}x (spread "
             f"{f['wall_ratio_spread']}, target <= 0.5)"
         )

@@ -136,7 +136,8 @@ def test_k_forks_continue_from_one_prefix_whose_calls_ran_once(tmp_path, claude_
         assert fork["container"]["command"] == head["container"]["command"]
     assert len(calls) == sum(f["model"]["totals"]["calls"] for f in forks)  # none before the boundary
     assert not (out / ".pvisor-host-fork").exists()
-    assert not any(KEY["PVH_TEST_MODEL_KEY"] in p.read_text(errors="replace") for p in out.rglob("*") if p.is_file())
+    texts = [p.read_text(errors="replace") for p in out.rglob("*") if p.is_file()]
+    assert not any(KEY["PVH_TEST_MODEL_KEY"] in t or "pvhtok-" in t for t in texts)  # neither key nor token
 
 
 def test_forks_served_one_cassette_end_as_a_plain_replay_does(tmp_path, claude_image):
@@ -168,6 +169,12 @@ def test_forks_served_one_cassette_end_as_a_plain_replay_does(tmp_path, claude_i
         assert _without(result, ignore) == _without(plain, ignore)
         assert fork["observations"] == alone["observations"]
         assert fork["model"]["totals"]["calls"] == alone["model"]["totals"]["calls"]
+
+
+def _hardening(attrs: dict) -> dict:
+    host = attrs["HostConfig"]
+    keys = ("Runtime", "NetworkMode", "CapDrop", "CapAdd", "ReadonlyRootfs", "SecurityOpt", "Privileged")
+    return {key: host.get(key) for key in keys} | {"User": attrs["Config"]["User"]}
 
 
 def _without(document: object, keys: set[str]) -> object:
@@ -225,11 +232,18 @@ def test_ctrl_c_while_the_forks_continue_leaves_nothing_behind(tmp_path, claude_
             while len(stub.model.model_requests()) < 2 and time.monotonic() < deadline and child.poll() is None:
                 time.sleep(0.1)  # each fork has asked its model: both continue
             assert len(stub.model.model_requests()) >= 2, child.stderr.read() if child.poll() is not None else ""
+            hardening = {
+                c.labels["pvisor-host.run"]: _hardening(c.attrs) for c in our_containers(docker_client, "fkint")
+            }
             child.send_signal(signal.SIGINT)
             _, stderr = child.communicate(timeout=120)
         finally:
             child.kill()
     assert child.returncode == 130, stderr
+    assert hardening == dict.fromkeys(("fkint-f1", "fkint-f2"), {
+        "Runtime": "runsc-fork", "NetworkMode": "none", "CapDrop": ["ALL"], "CapAdd": None, "ReadonlyRootfs": True,
+        "SecurityOpt": ["no-new-privileges"], "Privileged": False, "User": "65532:65532",
+    })  # fmt: skip  # each fork, as it ran: the hardening of any replay
     assert our_containers(docker_client, "fkint") == []
     assert not (out / ".pvisor-host-fork").exists()
     assert not list(out.rglob(".pvisor-host-staging"))

@@ -5,6 +5,7 @@ tests/integration/test_fork.py)."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -107,9 +108,14 @@ def test_which_gvisor_can_fork_on_which_engine(version, info, problem):
 
 
 def test_a_cluster_refuses_to_fork():
-    from pvisor_host.backend.cluster.backend import FORK_PROBLEM
+    from pvisor_host.backend.cluster.backend import ClusterBackend
+    from pvisor_host.errors import UsageError
 
-    assert FORK_PROBLEM == "forks run on one engine, not on a cluster (the checkpoint is one engine's; docs/fork.md)"
+    with pytest.raises(UsageError) as refused:
+        ClusterBackend.run_forks(object(), None)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "--fork: forks run on one engine, not on a cluster (the checkpoint is one engine's; docs/fork.md)"
+    )
 
 
 def _gate(tmp_path: Path) -> tuple[Path, Path, Path]:
@@ -147,3 +153,134 @@ def test_the_gate_lets_the_version_probe_through_and_holds_the_launch_until_the_
     finally:
         launch.kill()
     assert (launch.returncode, out) == (0, "ran:-p a b\n")  # the real CLI, with pvisor's arguments as they were
+
+
+# -- the orchestration, with the engine's parts faked: what each path decides, and what it leaves -------------------
+
+
+class _Box:
+    """A container as the fork code sees it."""
+
+    id = "c0ffee"
+    short_id = "c0ffee"
+    attrs = {"State": {"StartedAt": ""}}
+
+    def reload(self) -> None:
+        pass
+
+
+@pytest.fixture
+def forking(tmp_path, monkeypatch):
+    """``go(start_fails=..., checkpoint_fails=..., ends_early=..., strict=...)``: :func:`run_forks` of a prepared
+    ``--fork 3`` replay on the fake backend, the engine's steps faked; its records, and the ways each run was
+    asked for."""
+    from pvisor_host.backend.docker import checkpoint as ck
+    from pvisor_host.backend.docker.sandbox import fork
+    from pvisor_host.backend.docker.sandbox.stage import Staging
+    from pvisor_host.models.record import ForkInfo
+    from pvisor_host.models.spec import ReplaySpec
+    from pvisor_host.preflight.checks import check_inputs
+    from pvisor_host.preflight.prepare import prepare
+
+    from fakebackend import FakeBackend
+
+    trajectory = write_jsonl(tmp_path / "t.jsonl", claude_files_session("/workspace"))
+    spec = ReplaySpec(trajectory=trajectory, after_step=2, agent="claude-code")
+    plain = prepare(check_inputs(spec, host_pvisor=False, run_id="r", out_dir=tmp_path / "out"), FakeBackend())
+    backend = FakeBackend()
+
+    def go(*, start_fails=(), checkpoint_fails=False, ends_early=False, strict=False):
+        prepared = plain.model_copy(update={"spec": plain.spec.model_copy(update={"fork": 3, "fork_strict": strict})})
+        asked: list = []
+        monkeypatch.setattr(ck, "give", lambda box, image, root: None)
+
+        def checkpoint(runtime, box, image):
+            if checkpoint_fails:
+                raise ck.CheckpointFailed("gVisor could not checkpoint the sandbox: endpoint still has waiters")
+            image.mkdir()
+            return 0.1, 1000
+
+        monkeypatch.setattr(ck, "checkpoint", checkpoint)
+
+        def run(prepared, attempt, *, gateway, cancel, way):
+            asked.append(way)
+            record = backend.run_attempt(prepared, attempt)
+            attempt.run_dir.mkdir(parents=True, exist_ok=True)
+            info: ForkInfo | None = way.fork
+            if way.boundary is not None and not ends_early:
+                root = tmp_path / f"staging-{len(asked)}"
+                dirs = {name: root / name for name in ("input", "workspace", "run", "logs")}
+                for path in dirs.values():
+                    path.mkdir(parents=True)
+                (dirs["input"] / "env.sh").write_text("OPENAI_API_KEY=secret\n")
+                staging = Staging(root=root, input_dir=dirs["input"], workspace_dir=dirs["workspace"],
+                                  run_dir=dirs["run"], logs_dir=dirs["logs"], trajectory_in_sandbox="/t",
+                                  workspace_before=[])  # fmt: skip
+                spec = type("Spec", (), {"command": ["pvisor", "replay"]})()
+                try:
+                    info = way.boundary(_Box(), staging, spec, "tok")
+                except ck.CheckpointFailed as exc:
+                    info = info.model_copy(update={"reached": True, "checkpoint_error": exc.one_line()})
+                    record = record.model_copy(update={"status": "infra_error"})
+            elif way.start is not None:
+                staged = way.staged(tmp_path)
+                assert not (staged.input_dir / "env.sh").exists()  # its values are in the restored processes
+                try:
+                    way.before_start(_Box())
+                    if info.index in start_fails:
+                        raise ck.CheckpointFailed("failed to upload checkpoint to containerd")
+                    seconds = way.start(_Box())
+                    info = info.model_copy(update={"restore_seconds": seconds, "restored": True})
+                    assert (staged.input_dir / "fork.go").exists()  # given its go-ahead once started
+                except ck.CheckpointFailed as exc:
+                    from pvisor_host.models.record import Failure
+
+                    failure = Failure(category="infra_error", message=exc.one_line())
+                    record = record.model_copy(update={"status": "infra_error", "failure": failure})
+            return record.model_copy(update={"fork": info})
+
+        monkeypatch.setattr(ck, "start_from", lambda box, root, timeout: 0.3)
+        client = type("Client", (), {"info": lambda self: {"DockerRootDir": str(tmp_path)}})()
+        records = fork.run_forks(client, backend.ownership, prepared, gateway=None, cancel=threading.Event(),
+                                 kill=lambda run_id: None, run=run)  # fmt: skip
+        assert not (prepared.out_dir / ".pvisor-host-fork").exists()  # the checkpoint and the copies, gone
+        return records, asked
+
+    return go
+
+
+def test_k_forks_start_from_the_checkpoint_each_under_its_own_run_id(forking):
+    records, asked = forking()
+    assert [(r.run_id, r.fork.role, r.fork.index, r.fork.restored) for r in records] == [
+        ("r", "prefix", None, None), ("r-f1", "fork", 1, True), ("r-f2", "fork", 2, True), ("r-f3", "fork", 3, True),
+    ]  # fmt: skip
+    assert records[0].fork.reached and records[0].fork.checkpoint_bytes == 1000
+    assert [w.token for w in asked[1:]] == ["tok"] * 3 and all(w.command == ["pvisor", "replay"] for w in asked[1:])
+
+
+def test_a_fork_that_cannot_start_runs_once_as_a_full_replay_unless_strict(forking):
+    records, asked = forking(start_fails={2})
+    second = records[2].fork
+    assert (second.restored, second.fallback) == (False, "failed to upload checkpoint to containerd")
+    assert records[2].status == "ok" and asked[-1].start is None and asked[-1].boundary is None  # a plain replay
+    assert len(asked) == 5  # the prefix, three restores, one full replay
+    records, asked = forking(start_fails={2}, strict=True)
+    assert (records[2].status, records[2].fork.restored, len(asked)) == ("infra_error", False, 4)
+    assert [r.status for r in records if r.fork.index != 2] == ["ok", "ok", "ok"]
+
+
+def test_a_failed_checkpoint_makes_every_fork_a_full_replay_unless_strict(forking):
+    records, asked = forking(checkpoint_fails=True)
+    assert records[0].fork.checkpoint_error.startswith("gVisor could not checkpoint the sandbox")
+    assert [(r.fork.restored, r.status) for r in records[1:]] == [(False, "ok")] * 3
+    assert all(w.start is None for w in asked[1:])
+    records, _ = forking(checkpoint_fails=True, strict=True)
+    assert [(r.fork.role, r.status) for r in records] == [("prefix", "infra_error")]
+
+
+def test_a_prefix_that_ends_before_the_boundary_is_the_only_record(forking):
+    from pvisor_host.models.record import fork_outcomes
+
+    records, asked = forking(ends_early=True)
+    assert [(r.fork.role, r.fork.reached) for r in records] == [("prefix", False)]
+    assert fork_outcomes(records, 3) == [records[0]] * 3  # each fork's row is the prefix's

@@ -53,6 +53,35 @@ def gateway_for(stub: StubServer, **overrides) -> Gateway:
     return Gateway(config, REAL_KEY)
 
 
+def post_to(socket_path: str, body: dict, token: str) -> int:
+    connection = UnixConnection(socket_path)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+    response = connection.getresponse()
+    response.read()
+    return response.status
+
+
+def test_forks_holding_one_token_are_told_apart_by_their_own_sockets(stub, tmp_path):
+    """``--fork``: every fork holds its prefix's token; each is granted it on a socket of its own, its calls are
+    journaled as its own, and releasing one fork closes its socket and leaves the others'."""
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "tools": []}
+    with gateway_for(stub) as gateway:
+        prefix = gateway.access("r", tmp_path / "prefix.jsonl")
+        gateway.release(prefix)  # the prefix is checkpointed: its token lives on in the forks' memory only
+        forks = [gateway.access("r", tmp_path / f"f{k}.jsonl", token=prefix.token) for k in (1, 2)]
+        assert [f.api_key for f in forks] == [prefix.token] * 2 and forks[0].socket_dir != forks[1].socket_dir
+        sockets = [str(f.socket_dir / "gw.sock") for f in forks]
+        assert [post_to(sockets[0], body, prefix.token), post_to(sockets[1], body, prefix.token),
+                post_to(sockets[1], body, prefix.token)] == [200, 200, 200]  # fmt: skip
+        assert post(gateway, "/v1/chat/completions", body, prefix.token)[0] == 401  # not on the gateway's own socket
+        gateway.release(forks[0])
+        assert not forks[0].socket_dir.exists() and post_to(sockets[1], body, prefix.token) == 200
+    assert not forks[1].socket_dir.exists()
+    lines = {k: len((tmp_path / f"f{k}.jsonl").read_text().splitlines()) for k in (1, 2)}
+    assert lines == {1: 1, 2: 3} and not (tmp_path / "prefix.jsonl").exists()
+
+
 def test_only_the_run_token_passes_and_the_upstream_gets_the_real_key(stub, tmp_path):
     journal = tmp_path / "model-traffic.jsonl"
     with gateway_for(stub) as gateway:
@@ -64,7 +93,7 @@ def test_only_the_run_token_passes_and_the_upstream_gets_the_real_key(stub, tmp_
         status, answer = post(gateway, "/v1/chat/completions", body, access.api_key)
         assert status == 200
         assert json.loads(answer)["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "bash"
-        gateway.release(access.token)
+        gateway.release(access)
         assert post(gateway, "/v1/chat/completions", body, access.api_key)[0] == 401
     (seen,) = stub.model.requests
     assert seen["headers"]["authorization"] == f"Bearer {REAL_KEY}"

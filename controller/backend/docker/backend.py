@@ -313,12 +313,15 @@ class DockerBackend:
         """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox` (``here``: the image is on this engine, so
         what it holds is checked too)."""
         from .sandbox import launch
+        from .sandbox.gate import GATE_PATH
         from .sandbox.stage import planned_staging, staging_root
 
         if prepared.spec.image_workspace and here:  # what the run's staging refuses, told now
             self._seeds.check(self.client, self._ownership, prepared.image.id, prepared.workspace_path)
         attempt = Attempt(run_id=prepared.run_id, run_dir=prepared.out_dir)
         staging = planned_staging(staging_root(prepared.out_dir), prepared.trajectory.path)
+        if prepared.spec.fork is not None:  # the prefix launches its agent through the gate
+            staging = staging.model_copy(update={"gate": GATE_PATH})
         cspec = launch.container_spec(prepared, attempt, staging, ownership=self._ownership)
         return launch.describe(prepared, cspec)
 

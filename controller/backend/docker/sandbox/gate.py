@@ -15,6 +15,8 @@ import shlex
 
 from .stage import FORK_GATE, FORK_GO, FORK_REACHED, INPUT_MOUNT, RUN_MOUNT, Staging, host_says
 
+#: Where the sandbox sees the gate.
+GATE_PATH = f"{INPUT_MOUNT}/{FORK_GATE}"
 #: Seconds between the gate's looks for the go-ahead.
 _LOOK = "0.05"
 
@@ -37,7 +39,7 @@ def add_gate(staging: Staging, real_entrypoint: str) -> Staging:
     path = staging.input_dir / FORK_GATE
     path.write_text(gate_script(real_entrypoint))
     path.chmod(0o555)
-    return staging.model_copy(update={"gate": f"{INPUT_MOUNT}/{FORK_GATE}"})
+    return staging.model_copy(update={"gate": GATE_PATH})
 
 
 def reached(staging: Staging) -> bool:
