@@ -236,7 +236,7 @@ def test_a_runtime_the_engine_does_not_have_is_one_line_and_starts_nothing(tmp_p
     )  # fmt: skip
     assert result.code == 2
     assert result.error_lines == [
-        "pvisor-host: error: --runtime kata: the engine has no runtime 'kata'; it has runc, runsc "
+        "pvisor-host: error: --runtime kata: the engine has no runtime 'kata'; it has runc, runsc, runsc-fork "
         "(register it in /etc/docker/daemon.json (docs/security.md#gvisor))"
     ]
     assert not (tmp_path / "run").exists() and containers_created(since) == []

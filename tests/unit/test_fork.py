@@ -5,6 +5,7 @@ tests/integration/test_fork.py)."""
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -185,7 +186,9 @@ def forking(tmp_path, monkeypatch):
     from fakebackend import FakeBackend
 
     trajectory = write_jsonl(tmp_path / "t.jsonl", claude_files_session("/workspace"))
-    spec = ReplaySpec(trajectory=trajectory, after_step=2, agent="claude-code")
+    monkeypatch.setenv("PVH_FORK_KEY", "k")
+    spec = ReplaySpec(trajectory=trajectory, after_step=2, agent="claude-code", model_base_url="http://127.0.0.1:9/v1",
+                      model="m", model_api_key_env="PVH_FORK_KEY")  # fmt: skip
     plain = prepare(check_inputs(spec, host_pvisor=False, run_id="r", out_dir=tmp_path / "out"), FakeBackend())
     backend = FakeBackend()
 
@@ -208,7 +211,7 @@ def forking(tmp_path, monkeypatch):
             attempt.run_dir.mkdir(parents=True, exist_ok=True)
             info: ForkInfo | None = way.fork
             if way.boundary is not None and not ends_early:
-                root = tmp_path / f"staging-{len(asked)}"
+                root = Path(tempfile.mkdtemp(dir=tmp_path))
                 dirs = {name: root / name for name in ("input", "workspace", "run", "logs")}
                 for path in dirs.values():
                     path.mkdir(parents=True)
