@@ -166,6 +166,47 @@ def test_an_engine_restart_mid_batch_retries_the_running_items_and_leaves_no_con
     assert "remove it with `pvisor-host gc`" not in stderr
 
 
+def test_an_engine_restart_while_forks_continue_leaves_nothing_behind(tmp_path, docker_client):
+    """``--fork 2``, the engine stopped and started again while both forks continue: each fork's record says the
+    engine went away, the command exits with the infrastructure's code, and nothing of the run is left: no
+    container, no checkpoint, no copy, no socket."""
+    info = docker_client.info()
+    missing = [m for m, ok in (("the engine was not started by scripts/ensure-engine.sh", engine_is_ours()),
+               ("the fork runtime (runsc-fork, experimental mode) is missing", "runsc-fork" in info["Runtimes"]
+                and info.get("ExperimentalBuild"))) if not ok]  # fmt: skip
+    if missing:
+        if IN_CI:
+            pytest.fail("; ".join(missing))
+        pytest.skip("; ".join(missing))
+    trajectory = write_jsonl(tmp_path / "t.jsonl", claude_session("Fork.", [
+        Turn([Call("Bash", {"command": "echo once >> once.txt", "description": "once"}, "")]), Turn(text="Done."),
+    ]))  # fmt: skip
+    out = tmp_path / "run"
+    sockets = set(Path("/tmp").glob("pvh-[ge][wg]-*"))
+    with StubServer(command="sleep 120") as stub:
+        process = start_cli(
+            "replay", "--agent", "claude-code", "--trajectory", trajectory, "--after-step", "1", "--max-steps", "6",
+            "--model-base-url", stub.base_url, "--model", "stub-model", "--model-api-key-env", "PVH_FAULT_KEY",
+            "--fork", "2", "--runtime", "runsc-fork", "--run-id", "fkeng", "--out", out, env={"PVH_FAULT_KEY": "k"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 180
+        while len(stub.model.model_requests()) < 2:  # both forks have asked their model: both continue
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1]
+            time.sleep(0.1)
+        restart_engine()
+        stderr = finished(process, 300)
+    assert process.returncode == ExitCode.INFRASTRUCTURE, stderr
+    for k in (1, 2):
+        record = json.loads((out / f"fork-{k}" / "record.json").read_text())
+        assert (record["status"], record["fork"]["restored"]) == ("infra_error", True), record["failure"]
+    import docker
+
+    client = docker.from_env()
+    assert [c for c in ours(client, role="replay") if c.labels.get("pvisor-host.run", "").startswith("fkeng")] == []
+    assert not (out / ".pvisor-host-fork").exists() and not list(out.rglob(".pvisor-host-staging"))
+    assert set(Path("/tmp").glob("pvh-[ge][wg]-*")) <= sockets
+
+
 # -- the output directory's filesystem fills up ----------------------------------------------------------------
 
 

@@ -98,14 +98,15 @@ def test_agents_whose_launch_the_gate_cannot_stand_in_front_of_are_refused():
         ("0.0~20240729.0", {"ExperimentalBuild": False},
          'the engine\'s experimental mode is off: Docker restores a checkpoint only with "experimental": true'),
         ("release-20250106.0", {"ExperimentalBuild": True, "DockerRootDir": "/nonexistent/docker"},
-         "the engine's root directory is not on this host (the controller must run beside the engine)"),
+         "the engine's directories are not on this host (the controller must run beside the engine)"),
         ("0.0~20240729.0", {"ExperimentalBuild": True, "DockerRootDir": "/"}, None),
     ],
 )  # fmt: skip
-def test_which_gvisor_can_fork_on_which_engine(version, info, problem):
-    from pvisor_host.backend.docker.runtimes import fork_problem
+def test_which_gvisor_can_fork_on_which_engine(version, info, problem, monkeypatch, tmp_path):
+    from pvisor_host.backend.docker import runtimes
 
-    assert fork_problem(version, info) == problem
+    monkeypatch.setattr(runtimes, "RUNTIME_ROOT", str(tmp_path))  # the engine's shim state, here or not
+    assert runtimes.fork_problem(version, info) == problem
 
 
 def test_a_cluster_refuses_to_fork():

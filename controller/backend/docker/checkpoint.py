@@ -23,9 +23,8 @@ from docker.models.containers import Container
 from ...errors import InfrastructureError
 from ...models.replay import Runtime
 from .engine import engine_errors, request_within, timed_out
+from .runtimes import RUNTIME_ROOT
 
-#: Where Docker 20.10's runc.v2 shim keeps its runtimes' state (runsc's included), for the moby namespace.
-RUNTIME_ROOT = "/var/run/docker/runtime-runc/moby"
 #: The name of the checkpoint in a copy's own checkpoints directory.
 NAME = "pvisor-host-fork"
 #: Seconds a checkpoint may take.

@@ -7,6 +7,7 @@ installed but not registered — the exact ``daemon.json`` lines that register i
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +22,9 @@ from ...models.replay import Runtime
 #: What ``make test`` registers gVisor with: no network of its own (the only mode that starts on these hosts)
 #: and connections to host unix sockets opened for the sandbox (the model gateway's).
 RUNSC_ARGS = ["--network=none", "--host-uds=open"]
+#: Where Docker 20.10's runc.v2 shim keeps its runtimes' state (runsc's included), for the moby namespace: where
+#: ``runsc checkpoint`` finds a sandbox.
+RUNTIME_ROOT = "/var/run/docker/runtime-runc/moby"
 #: The oldest gVisor that saves a sandbox at the boundary: Debian 12's 20221219 fails there with "endpoint still
 #: has waiters upon save" on the loopback listeners pvisor's bridge and the relay hold; Debian 13's 20240729 saves it.
 FORK_GVISOR = 20240729
@@ -70,8 +74,10 @@ def fork_problem(version: str | None, info: dict[str, Any]) -> str | None:
                 f"{FORK_GVISOR} or later (docs/fork.md)")  # fmt: skip
     if not info.get("ExperimentalBuild"):
         return 'the engine\'s experimental mode is off: Docker restores a checkpoint only with "experimental": true'
-    if not Path(str(info.get("DockerRootDir") or "/var/lib/docker")).is_dir():
-        return "the engine's root directory is not on this host (the controller must run beside the engine)"
+    if not Path(str(info.get("DockerRootDir") or "/var/lib/docker")).is_dir() or not Path(RUNTIME_ROOT).is_dir():
+        return "the engine's directories are not on this host (the controller must run beside the engine)"
+    if os.geteuid() != 0:
+        return "checkpointing a sandbox takes root (gVisor's state and the engine's directories are root's)"
     return None
 
 
