@@ -14,7 +14,8 @@
 # The same goes for the fork runtime (`--fork`, docs/fork.md): Debian 13's gVisor 0.0~20240729 (Debian 12's
 # cannot save a sandbox at the boundary), fetched from Debian's archive by its pinned sha256 into $FORK_DIR and
 # registered as "runsc-fork", with the engine's experimental mode on (Docker 20.10 restores a checkpoint only
-# then). Experimental mode is not reloaded on SIGHUP: an engine of ours that runs without it is restarted once.
+# then). Experimental mode is not reloaded on SIGHUP: an engine of ours that runs without it is told how to restart
+# (it may be busy: this script never restarts an engine).
 #
 # mmdebstrap is what pvisor-host uses to bootstrap a base image when no registry is reachable.
 set -euo pipefail
@@ -153,22 +154,10 @@ if ping_engine; then
         kill -HUP "$(cat "$PIDFILE")" && sleep 1
         if runsc_registered; then
             log "runsc is registered"
-            exit 0
+        else  # experimental mode (for --fork) is read at the engine's start only; it may be busy: never restarted
+            log "restart the engine to turn on experimental mode for --fork: kill \$(cat $PIDFILE); $0 --with-runsc"
         fi
-        # Experimental mode (for --fork) is read at the engine's start only: restart ours, once, if it runs nothing.
-        if [[ "$(engine_get '/containers/json' || echo x)" != "[]" ]]; then
-            log "our dockerd runs containers: not restarting it for experimental mode (--fork is refused until then)"
-            exit 0
-        fi
-        log "restarting our dockerd: experimental mode (for --fork) is read only at its start"
-        pid=$(cat "$PIDFILE")
-        kill "$pid"
-        for _ in $(seq 1 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        if kill -0 "$pid" 2>/dev/null; then
-            log "our dockerd ($pid) did not stop within 60 s"
-            exit 3
-        fi
-        rm -f "$PIDFILE"
+        exit 0
     else
         exit 0
     fi

@@ -139,7 +139,7 @@ def at_boundary(forks: int) -> int:
             upstream = ModelUpstream(base_url=stub.base_url, model="stub-model", api_key_env=KEY_ENV)
             gateway = cleanup.enter_context(Gateway(upstream, "sk-fork-probe", sandbox_uid=uid))
             proxy = gateway._proxy  # a gateway per copy: the token every copy holds is that copy's run there
-            proxy._runs[token] = proxy._runs.pop(proxy.grant(f"fork{k}", work / f"journal{k}.jsonl"))
+            proxy.grant(f"fork{k}", work / f"journal{k}.jsonl", token=token)
             restores |= _restore(cleanup, client, attrs, work, k, sockets={"/pvisor-host/gateway": gateway})
         released = time.monotonic()
         for k in range(forks):

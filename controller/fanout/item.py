@@ -33,7 +33,7 @@ from ..models.image import BuildOptions, ImageRequest, ResolvedImage
 from ..models.record import DISK_FULL, BatchInfo, ReplayRecord, fork_outcomes
 from ..models.spec import ModelUpstream, ReplaySpec
 from ..preflight.checks import CheckedInputs
-from ..preflight.prepare import image_request, prepare, prepare_image
+from ..preflight.prepare import check_fork, image_request, prepare, prepare_image
 from ..preflight.trajectory import read_trajectory
 from .images import ImageWindow
 from .manifest import BatchItem
@@ -235,6 +235,7 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> Ro
             if earlier is not None:
                 return skipped_result(item, earlier, batch.out)
             checked = check_item(item, trajectory, batch.out)
+            check_fork(checked, batch.backend)
             batch.want_image(spec)  # its pull may start now
             asked.set()
             waiting = time.monotonic()

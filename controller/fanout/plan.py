@@ -26,9 +26,9 @@ from ..errors import ExitCode, PvisorHostError
 from ..files.digest import Tree, tree_digest
 from ..models.batch import BatchSummary
 from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
-from ..models.record import Limits, fork_outcomes
+from ..models.record import Limits, first_not_ok, fork_outcomes
 from ..models.spec import ReplaySpec
-from ..preflight.prepare import assemble, check_before_image, image_request
+from ..preflight.prepare import assemble, check_before_image, check_fork, image_request
 from ..preflight.trajectory import read_trajectory
 from ..units import format_size
 from .manifest import BatchItem
@@ -183,13 +183,15 @@ class _Planner:
         rows = _rows(item)
         if earlier is not None:
             outcomes = fork_outcomes(earlier, spec.fork) if spec.fork is not None else earlier
-            status = next((r.status for r in outcomes if not r.ok), "ok")  # a fork's that failed, say
+            worst = first_not_ok(earlier, spec.fork)  # a fork's that failed, say
+            status = worst.status if worst is not None else "ok"
             return ItemPlan(
                 id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier[0].inputs.agent,
                 image=earlier[0].image.ref, reason=f"finished earlier: {status}", content_key=key, earlier=status,
                 rows=rows, earlier_rows=[r.status for r in outcomes] if rows else None,
             )  # fmt: skip
         checked = check_item(item, trajectory, self.options.out)
+        check_fork(checked, self.backend)
         if cost is not None and not cost.present:
             return _unpulled(item, checked.spec, cost)
         plan, preview = self._preview(request)

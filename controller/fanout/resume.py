@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
-from ..models.record import ReplayRecord, fork_dir_name, load_record
+from ..models.record import ReplayRecord, first_not_ok, fork_dir_name, load_record
 from ..models.replay import FORK_WORK, STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
 from ..preflight.checks import CheckedInputs, check_trajectory_inputs
@@ -95,13 +95,19 @@ def finished_earlier(
     if item.spec.fork is None:
         record = finished_record(run_dir, key, rerun_failed)
         return key, [record] if record is not None else None
-    prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed)
-    if prefix is not None and prefix.fork is not None and not prefix.fork.reached:  # it ended before the boundary
-        return key, [prefix]
-    forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed) for k in range(1, item.spec.fork + 1)]
-    if prefix is None or None in forks:
+    prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed=False)
+    if prefix is None or prefix.fork is None:
         return key, None
-    return key, [prefix, *(f for f in forks if f is not None)]
+    records: list[ReplayRecord] = [prefix]
+    if not prefix.fork.alone(strict=item.spec.fork_strict):
+        forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed=False)
+                 for k in range(1, item.spec.fork + 1)]  # fmt: skip
+        if None in forks:
+            return key, None
+        records += [f for f in forks if f is not None]
+    if rerun_failed and first_not_ok(records, item.spec.fork) is not None:  # judged by its rows, as they are
+        return key, None
+    return key, records
 
 
 def check_item(item: BatchItem, trajectory: TrajectoryInfo, out: Path) -> CheckedInputs:

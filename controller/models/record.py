@@ -450,6 +450,11 @@ class ForkInfo(BaseModel):
     restore_seconds: float | None = None
     """A fork's: how long its start from the checkpoint took."""
 
+    def alone(self, *, strict: bool) -> bool:
+        """A prefix that has no forks: it ended before the boundary, or (``--fork-strict``) it could not be
+        checkpointed there (else each fork ran as a full replay)."""
+        return self.role == "prefix" and (not self.reached or (strict and self.checkpoint_error is not None))
+
     @property
     def dir_name(self) -> str:
         """Its run directory, under the replay's: ``prefix``, ``fork-1``, ..."""
@@ -464,6 +469,13 @@ def fork_dir_name(index: int | None) -> str:
 def fork_run_id(prefix_run_id: str, index: int) -> str:
     """Fork ``index``'s run id (its sandbox's, its records'); pvisor in it still knows the prefix's."""
     return f"{prefix_run_id}-f{index}"
+
+
+def first_not_ok(records: list[ReplayRecord], forks: int | None) -> ReplayRecord | None:
+    """The first record that is not ok, of a replay's records (with ``forks``: of its forks' outcomes,
+    :func:`fork_outcomes`); None: all are."""
+    outcomes = fork_outcomes(records, forks) if forks else records
+    return next((r for r in outcomes if not r.ok), None)
 
 
 def fork_outcomes(records: list[ReplayRecord], forks: int) -> list[ReplayRecord]:

@@ -138,12 +138,20 @@ def runtime_checks(spec: ReplaySpec, runtime: Runtime) -> None:
         )
 
 
-def fork_checks(spec: ReplaySpec, agent: AgentProfile, runtime: Runtime) -> None:
+def check_fork(checked: CheckedInputs, backend: AnyBackend) -> None:
+    """``--fork``'s refusals, as soon as an item's host checks pass and before its image is made ready (a task image
+    pulled), for the plan and the run alike: the agent when it is known, the runtime."""
+    spec = checked.spec
+    if spec.fork is not None:
+        fork_checks(spec, get_profile(spec.agent) if spec.agent else None, backend.runtime(spec.runtime))
+
+
+def fork_checks(spec: ReplaySpec, agent: AgentProfile | None, runtime: Runtime) -> None:
     """Refuse ``--fork`` where the sandbox cannot be forked: an agent whose launch the gate cannot stand in front of,
     a runtime that cannot checkpoint it on this engine."""
     if spec.fork is None:
         return
-    if agent.fork_unsupported is not None:
+    if agent is not None and agent.fork_unsupported is not None:
         raise UsageError(f"--fork: {agent.agent} cannot be forked at the boundary: {agent.fork_unsupported}")
     if runtime.fork_problem is not None:
         raise UsageError(

@@ -179,6 +179,7 @@ def forking(tmp_path, monkeypatch):
     from pvisor_host.backend.docker import checkpoint as ck
     from pvisor_host.backend.docker.sandbox import fork
     from pvisor_host.backend.docker.sandbox.stage import Staging
+    from pvisor_host.errors import InfrastructureError
     from pvisor_host.models.record import ForkInfo
     from pvisor_host.models.spec import ReplaySpec
     from pvisor_host.preflight.checks import check_inputs
@@ -193,9 +194,17 @@ def forking(tmp_path, monkeypatch):
     plain = prepare(check_inputs(spec, host_pvisor=False, run_id="r", out_dir=tmp_path / "out"), FakeBackend())
     backend = FakeBackend()
 
-    def go(*, start_fails=(), checkpoint_fails=False, ends_early=False, strict=False):
+    def go(*, start_fails=(), checkpoint_fails=False, ends_early=False, strict=False, copy_fails=()):
         prepared = plain.model_copy(update={"spec": plain.spec.model_copy(update={"fork": 3, "fork_strict": strict})})
         asked: list = []
+        copy = fork.copy_staging
+
+        def copying(staging, root):
+            if any(f"fork-{k}" in str(root) for k in copy_fails):
+                raise InfrastructureError("cp -a workspace: No space left on device")
+            return copy(staging, root)
+
+        monkeypatch.setattr(fork, "copy_staging", copying)
         monkeypatch.setattr(ck, "give", lambda box, image, root: None)
 
         def checkpoint(runtime, box, image):
@@ -222,10 +231,18 @@ def forking(tmp_path, monkeypatch):
                                   workspace_before=[])  # fmt: skip
                 spec = type("Spec", (), {"command": ["pvisor", "replay"]})()
                 try:
-                    info = way.boundary(_Box(), staging, spec, "tok")
+                    info = way.boundary(_Box(), staging, spec, "tok", 1.0)
                 except ck.CheckpointFailed as exc:
                     info = info.model_copy(update={"reached": True, "checkpoint_error": exc.one_line()})
                     record = record.model_copy(update={"status": "infra_error"})
+            elif way.before_start is not None and way.start is None:  # refused before it starts
+                try:
+                    way.before_start(_Box())
+                except ck.CheckpointFailed as exc:
+                    from pvisor_host.models.record import Failure
+
+                    failure = Failure(category="infra_error", message=exc.one_line())
+                    record = record.model_copy(update={"status": "infra_error", "failure": failure})
             elif way.start is not None:
                 staged = way.staged(tmp_path)
                 assert not (staged.input_dir / "env.sh").exists()  # its values are in the restored processes
@@ -266,7 +283,8 @@ def test_a_fork_that_cannot_start_runs_once_as_a_full_replay_unless_strict(forki
     records, asked = forking(start_fails={2})
     second = records[2].fork
     assert (second.restored, second.fallback) == (False, "failed to upload checkpoint to containerd")
-    assert records[2].status == "ok" and asked[-1].start is None and asked[-1].boundary is None  # a plain replay
+    plain = [w for w in asked if w.start is None and w.boundary is None]  # a plain replay's way
+    assert records[2].status == "ok" and [(w.fork.index, w.fork.restored) for w in plain] == [(2, False)]
     assert len(asked) == 5  # the prefix, three restores, one full replay
     records, asked = forking(start_fails={2}, strict=True)
     assert (records[2].status, records[2].fork.restored, len(asked)) == ("infra_error", False, 4)
@@ -288,3 +306,17 @@ def test_a_prefix_that_ends_before_the_boundary_is_the_only_record(forking):
     records, asked = forking(ends_early=True)
     assert [(r.fork.role, r.fork.reached) for r in records] == [("prefix", False)]
     assert fork_outcomes(records, 3) == [records[0]] * 3  # each fork's row is the prefix's
+
+
+def test_a_fork_whose_copy_fails_runs_as_a_full_replay_or_fails_alone_with_strict(forking):
+    records, asked = forking(copy_fails={3})
+    assert (records[3].fork.restored, records[3].status) == (False, "ok")
+    assert (
+        records[3].fork.fallback
+        == "could not copy the sandbox at the boundary: cp -a workspace: No space left on device"
+    )
+    records, asked = forking(copy_fails={3}, strict=True)
+    assert [(r.fork.index, r.status, r.fork.restored) for r in records] == [
+        (None, "ok", None), (1, "ok", True), (2, "ok", True), (3, "infra_error", False),
+    ]  # fmt: skip
+    assert records[3].failure.message == records[3].fork.fallback  # the copy's error, in its own record

@@ -49,7 +49,10 @@ def checkpoint(runtime: Runtime, container: Container, image: Path) -> tuple[flo
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         raise CheckpointFailed(f"gVisor could not checkpoint the sandbox: {said[-600:]}")
-    size = sum(path.stat().st_size for path in image.rglob("*") if path.is_file())
+    try:
+        size = sum(path.stat().st_size for path in image.rglob("*") if path.is_file())
+    except OSError as exc:
+        raise CheckpointFailed(f"gVisor's checkpoint is unreadable: {exc.strerror or exc}") from exc
     return round(time.monotonic() - started, 3), size
 
 

@@ -21,6 +21,7 @@ import contextlib
 import ipaddress
 import secrets
 import shutil
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,8 @@ class Gateway:
         self._socket_dir: Path | None = None
         self._network: Any = None
         self._forks: dict[str, tuple[Any, Path]] = {}
-        """A fork's socket path: its site and directory (:meth:`access` with a ``token``)."""
+        """A fork's socket path: its site and directory (:meth:`access` with a ``token``), under ``_forks_lock``."""
+        self._forks_lock = threading.Lock()
         self.address: str | None = None
         """``host:port`` (internal) or the socket path (unix) once started."""
 
@@ -120,9 +122,10 @@ class Gateway:
 
     def close(self) -> None:
         """Stop listening and remove the socket directories and the internal network (every path)."""
-        for _, directory in self._forks.values():
+        with self._forks_lock:
+            forks, self._forks = list(self._forks.values()), {}
+        for _, directory in forks:
             shutil.rmtree(directory, ignore_errors=True)
-        self._forks.clear()
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
@@ -178,15 +181,8 @@ class Gateway:
             return self._fork_access(self._proxy, run_id, journal, tape, token)
         token = self._proxy.grant(run_id, journal, tape)
         if self.config.network == "unix":
-            return ModelAccess(
-                base_url=f"http://127.0.0.1:{RELAY_PORT}/v1",
-                api_key=token,
-                model=model,
-                container_env={"PVISOR_HOST_RELAY": f"{RELAY_PORT} {SOCKET_MOUNT}/{_SOCKET_NAME}"},
-                network="none",
-                socket_dir=self._socket_dir,
-                token=token,
-            )
+            assert self._socket_dir is not None
+            return self._unix_access(token, self._socket_dir)
         assert self._network is not None
         return ModelAccess(
             base_url=f"http://{self.address}/v1", api_key=token, model=model, network=self._network.name, token=token
@@ -197,18 +193,25 @@ class Gateway:
             raise ValueError("a fork reaches the gateway through a socket of its own: --model-network unix")
         directory = socket_dir("pvh-gw-")
         path = directory / _SOCKET_NAME
-        self._forks[str(path)] = (None, directory)
+        with self._forks_lock:
+            self._forks[str(path)] = (None, directory)
         try:
-            self._forks[str(path)] = (proxy.listen_unix(str(path)), directory)
+            site = proxy.listen_unix(str(path))
+            with self._forks_lock:
+                self._forks[str(path)] = (site, directory)
             own_socket(path, self._uid)
             proxy.grant(run_id, journal, tape, token=token, socket=str(path))
         except BaseException:
             self._forget_fork(str(path))
             raise
+        return self._unix_access(token, directory, socket=str(path))
+
+    def _unix_access(self, token: str, directory: Path, socket: str | None = None) -> ModelAccess:
+        """How a sandbox with no network reaches the gateway: the relay, to the socket in ``directory``."""
         return ModelAccess(
             base_url=f"http://127.0.0.1:{RELAY_PORT}/v1", api_key=token, model=self.config.model,
             container_env={"PVISOR_HOST_RELAY": f"{RELAY_PORT} {SOCKET_MOUNT}/{_SOCKET_NAME}"}, network="none",
-            socket_dir=directory, token=token, socket=str(path),
+            socket_dir=directory, token=token, socket=socket,
         )  # fmt: skip
 
     def release(self, model: ModelAccess) -> None:
@@ -219,7 +222,8 @@ class Gateway:
             self._forget_fork(model.socket)
 
     def _forget_fork(self, socket: str) -> None:
-        site, directory = self._forks.pop(socket, (None, None))
+        with self._forks_lock:
+            site, directory = self._forks.pop(socket, (None, None))
         if site is not None and self._proxy is not None:
             with contextlib.suppress(Exception):  # a site that never started listening
                 self._proxy.stop_listening(site)

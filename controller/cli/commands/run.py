@@ -56,7 +56,7 @@ def _forked(prepared: PreparedReplay, backend: AnyBackend, json_output: bool) ->
     import json
 
     from ...attempts import run_forked
-    from ...models.record import fork_outcomes
+    from ...models.record import first_not_ok
     from .. import render
 
     records = run_forked(prepared, backend)
@@ -64,7 +64,7 @@ def _forked(prepared: PreparedReplay, backend: AnyBackend, json_output: bool) ->
         typer.echo(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
     else:
         render.fork_summary(console(), records, prepared.out_dir)
-    worst = next((r for r in fork_outcomes(records, prepared.spec.fork or 0) if not r.ok), None)
+    worst = first_not_ok(records, prepared.spec.fork)
     return exit_code_for_status(worst.status if worst is not None else "ok")
 
 

@@ -25,10 +25,8 @@ rerun removes (:func:`~pvisor_host.fanout.resume.set_aside`).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-import subprocess
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -50,7 +48,7 @@ from ..engine import engine_errors
 from ..gateway import Gateway
 from .gate import release
 from .run import Way, run_attempt
-from .stage import Staging
+from .stage import Staging, copy_staging
 
 Run = Callable[..., ReplayRecord]
 """:func:`~.run.run_attempt` with the backend's own arguments bound."""
@@ -98,18 +96,18 @@ def run_forks(
             root = Path(str(client.info().get("DockerRootDir") or "/var/lib/docker"))
         info = ForkInfo(role="prefix", of=prepared.run_id, forks=prepared.spec.fork, reached=False)
 
-        def at_boundary(box: Container, staging: Staging, cspec: sandbox.ContainerSpec, token: str | None) -> ForkInfo:
+        def at_boundary(box: Container, staging: Staging, cspec: sandbox.ContainerSpec, token: str | None,
+                        elapsed: float) -> ForkInfo:  # fmt: skip
             seconds, size = ck.checkpoint(prepared.runtime, box, work / "checkpoint")
-            copied = _copy_staging(staging, work / "boundary")
-            left = prepared.spec.timeout - box_seconds(box)
+            copied = copy_staging(staging, work / "boundary")
+            left = prepared.spec.timeout - elapsed
             found.append(Boundary(work / "checkpoint", copied, cspec.command, token, max(1.0, left)))
             logger.info("checkpointed the prefix at the boundary in {:.2f}s ({} bytes)", seconds, size)
             return info.model_copy(update={"reached": True, "checkpoint_seconds": seconds, "checkpoint_bytes": size})
 
         attempt = Attempt(run_id=prepared.run_id, run_dir=out / info.dir_name)
         prefix = run(prepared, attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary, fork=info))
-        reached = prefix.fork is not None and prefix.fork.reached
-        if not reached or (not found and prepared.spec.fork_strict):
+        if prefix.fork is None or prefix.fork.alone(strict=prepared.spec.fork_strict):
             return [prefix]  # it ended before the boundary, or its checkpoint failed: its record says why
         why = None if found else (prefix.fork.checkpoint_error if prefix.fork else None) or "the checkpoint failed"
         if why is not None:
@@ -117,20 +115,8 @@ def run_forks(
         forks = _run_all(prepared, found[0] if found else None, root, gateway, cancel, kill, run, why)
         return [prefix, *forks]
     finally:
-        remove_tree(work)
-
-
-def box_seconds(box: Container) -> float:
-    """Seconds since the engine started ``box`` (0 when it cannot say)."""
-    from datetime import UTC, datetime
-
-    box.reload()
-    started = str(box.attrs.get("State", {}).get("StartedAt") or "")
-    try:
-        since = datetime.fromisoformat(started[:26].rstrip("Z") + "+00:00")
-    except ValueError:
-        return 0.0
-    return max(0.0, (datetime.now(UTC) - since).total_seconds())
+        with deferred_interrupts():  # the checkpoint holds the sandbox's memory: a second Ctrl-C must not keep it
+            remove_tree(work)
 
 
 def _run_all(
@@ -147,19 +133,21 @@ def _run_all(
     error, cancels and kills them all, and waits for their workers' cleanup."""
     forks = prepared.spec.fork or 0
     starting = threading.Lock()  # one start from the checkpoint at a time (see the module docstring)
+    stop, ended = threading.Event(), threading.Event()  # this replay's forks' own: a batch's cancel stops them too,
+    threading.Thread(target=_relay, args=(cancel, stop, ended), daemon=True).start()  # never the other way round
     pool = futures.ThreadPoolExecutor(max_workers=forks, thread_name_prefix="pvisor-host-fork")
     running: list[futures.Future[ReplayRecord]] = []
     try:
         for index in range(1, forks + 1):
             context = contextvars.copy_context()  # the item's logging context, in each fork's thread
-            one = _Fork(prepared, boundary, root, index, gateway, cancel, run, why, starting)
+            one = _Fork(prepared, boundary, root, index, gateway, stop, run, why, starting)
             running.append(pool.submit(context.run, one.run))
         futures.wait(running, return_when=futures.FIRST_EXCEPTION)
         if any(f.done() and f.exception() is not None for f in running):
             raise next(e for f in running if f.done() and (e := f.exception()) is not None)
     except BaseException as exc:
         with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
-            cancel.set()
+            stop.set()
             for index in range(1, forks + 1):
                 kill(fork_run_id(prepared.run_id, index))
             pool.shutdown(wait=True, cancel_futures=True)
@@ -167,8 +155,17 @@ def _run_all(
             raise Interrupted("interrupted; every fork's sandbox was removed") from None
         raise
     finally:
+        ended.set()
         pool.shutdown(wait=True)
     return [f.result() for f in running]
+
+
+def _relay(cancel: threading.Event, stop: threading.Event, ended: threading.Event) -> None:
+    """Set ``stop`` once ``cancel`` is, until ``ended``."""
+    while not ended.is_set():
+        if cancel.wait(0.2):
+            stop.set()
+            return
 
 
 @dataclasses.dataclass
@@ -194,25 +191,25 @@ class _Fork:
         copy_root = run_dir / STAGING_NAME
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            copied = _copy_staging(self.boundary.staging, copy_root)
+            copied = copy_staging(self.boundary.staging, copy_root)
         except (InfrastructureError, OSError) as exc:
             failed = f"could not copy the sandbox at the boundary: {exc}"
             if self.prepared.spec.fork_strict:
-                raise InfrastructureError(f"fork {self.index}: {failed}") from exc
+                return self._failed(info, failed)
             return self._full_replay(info, failed)
         boundary = self.boundary
         attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index), run_dir=run_dir,
                           pvisor_run_id=self.prepared.run_id)  # fmt: skip
 
         def start(box: Container) -> float:
-            with self.starting:
-                seconds = ck.start_from(box, self.root, self.prepared.spec.start_timeout)
+            seconds = ck.start_from(box, self.root, self.prepared.spec.start_timeout)
             release(copied)
             return seconds
 
         way = Way(
             staged=lambda _: copied, before_start=lambda box: ck.give(box, boundary.image, self.root), start=start,
-            command=boundary.command, token=boundary.token, fork=info, timeout=boundary.timeout,
+            start_lock=self.starting, command=boundary.command, token=boundary.token, fork=info,
+            timeout=boundary.timeout,
         )  # fmt: skip
         try:
             record = self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel, way=way)
@@ -231,34 +228,21 @@ class _Fork:
         remove_tree(run_dir)
         return self._full_replay(info, failed)
 
+    def _failed(self, info: ForkInfo, why: str) -> ReplayRecord:
+        """This fork's record, failed before its sandbox started (``--fork-strict``): ``why``."""
+
+        def refuse(box: Container) -> None:
+            raise ck.CheckpointFailed(why)
+
+        attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
+                          run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
+        failed = info.model_copy(update={"restored": False, "fallback": why})
+        return self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel,
+                                way=Way(fork=failed, before_start=refuse))  # fmt: skip
+
     def _full_replay(self, info: ForkInfo, why: str) -> ReplayRecord:
         """This fork as a plain replay of its own (the prefix's tool calls run again in it), saying ``why``."""
         plain = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
                         run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
         fallback = info.model_copy(update={"restored": False, "fallback": why})
         return self.run_attempt(self.prepared, plain, gateway=self.gateway, cancel=self.cancel, way=Way(fork=fallback))
-
-
-def _copy_staging(staging: Staging, root: Path) -> Staging:
-    """A copy of ``staging``'s directories under ``root``, but ``env.sh`` (whose values the restored processes hold
-    already): ``cp -a``, which keeps owners, modes and times, so the restored processes find their files as they
-    left them (the standard library's copies keep no owner). Nothing of it is left when it fails."""
-    root.mkdir(mode=0o700)
-    moved: dict[str, Path] = {}
-    try:
-        for field in ("input_dir", "workspace_dir", "run_dir", "logs_dir", "verifier_dir"):
-            source: Path | None = getattr(staging, field)
-            if source is None:
-                continue
-            target = root / source.name
-            done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True,
-                                  check=False)  # fmt: skip
-            if done.returncode != 0:
-                raise InfrastructureError(f"cp -a {source.name}: {done.stderr.strip()[-300:]}")
-            moved[field] = target
-        with contextlib.suppress(FileNotFoundError):
-            (root / staging.input_dir.name / "env.sh").unlink()
-    except BaseException:
-        remove_tree(root)
-        raise
-    return staging.model_copy(update={"root": root, **moved})

@@ -29,7 +29,7 @@ def gate_script(real_entrypoint: str) -> str:
         "# pvisor-host's fork gate (docs/fork.md): the agent's launch waits here at the boundary.\n"
         f'case "${{1:-}}" in --version | -v | -V) exec {real} "$@" ;; esac\n'
         f": >{RUN_MOUNT}/{FORK_REACHED}\n"
-        f"until [ -e {INPUT_MOUNT}/{FORK_GO} ]; do sleep {_LOOK}; done\n"
+        f"until [ -e {INPUT_MOUNT}/{FORK_GO} ]; do sleep {_LOOK} 2>/dev/null || sleep 1; done\n"
         f'exec {real} "$@"\n'
     )
 

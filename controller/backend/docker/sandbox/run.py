@@ -37,6 +37,7 @@ from ....signals import deferred_interrupts
 from ....units import format_duration
 from .. import container as sandbox
 from .. import state as usage
+from ..checkpoint import CheckpointFailed
 from ..container import Leftovers
 from ..egress import egress_access
 from ..gateway import Gateway, ModelAccess
@@ -99,15 +100,17 @@ class Way:
     """How an attempt's sandbox comes to be, when not as a plain replay's (staged fresh, started by the engine):
     ``--fork``'s prefix (:attr:`boundary`) and its copies (the other fields), see :mod:`.fork`."""
 
-    boundary: Callable[[Container, Staging, sandbox.ContainerSpec, str | None], ForkInfo] | None = None
+    boundary: Callable[[Container, Staging, sandbox.ContainerSpec, str | None, float], ForkInfo] | None = None
     """The prefix's: stage the gate, and once the sandbox reaches it, checkpoint it (the sandbox stops; given its
-    container, staging, spec and gateway token): its fork information."""
+    container, staging, spec, gateway token and the seconds since it started): its fork information."""
     staged: Callable[[Path], Staging] | None = None
     """A copy's: its staging (copied from the prefix's at the boundary; given the root a plain replay's has)."""
     before_start: Callable[[Container], None] | None = None
     """A copy's: give the created container the checkpoint (before it waits for a start slot)."""
     start: Callable[[Container], float] | None = None
     """A copy's: start the created container from the checkpoint (the seconds it took), then let it go."""
+    start_lock: threading.Lock | None = None
+    """A copy's: held around its start (one start from a checkpoint at a time), before it takes a start slot."""
     command: list[str] | None = None
     """A copy's: the prefix's command (the restored processes are the prefix's)."""
     token: str | None = None
@@ -269,13 +272,17 @@ def _run_container(
             way.before_start(box)
         clock = state.phase("create", clock)
         timeout = way.timeout if way.timeout is not None else spec.timeout
-        with starts.holding(cancel) if starts is not None else contextlib.nullcontext():
+        with (
+            way.start_lock or contextlib.nullcontext(),
+            starts.holding(cancel) if starts is not None else contextlib.nullcontext(),
+        ):
             if way.start is not None:
                 restored = way.start(box)
                 if state.fork is not None:
                     state.fork = state.fork.model_copy(update={"restore_seconds": restored, "restored": True})
             else:
                 sandbox.start(box, spec.start_timeout)
+        started = time.monotonic()  # the sandbox's own deadline counts from about here
         logger.info(
             "running {} {} (after step {}) in container {} [{}]",
             prepared.profile.agent,
@@ -293,7 +300,7 @@ def _run_container(
             state.outcome = sandbox.wait(box, timeout, until=until)
             clock = state.phase("run", clock)
             if state.outcome.running and gate_reached(staging):
-                _checkpoint(state, way, box, staging, cspec)
+                _checkpoint(state, way, box, staging, cspec, time.monotonic() - started)
                 state.outcome = sandbox.wait(box, timeout)
                 clock = state.phase("checkpoint", clock)
         elif spec.verify is None:
@@ -335,14 +342,17 @@ def _run_container(
         warn_if_cut(budget, spec.collect_limit)
 
 
-def _checkpoint(state: AttemptState, way: Way, box: Container, staging: Staging, cspec: sandbox.ContainerSpec) -> None:
+def _checkpoint(
+    state: AttemptState, way: Way, box: Container, staging: Staging, cspec: sandbox.ContainerSpec, elapsed: float
+) -> None:
     """The prefix at the boundary: checkpointed (``way.boundary``), its record to say so, or why it could not be."""
     assert way.boundary is not None and state.fork is not None
     try:
-        state.fork = way.boundary(box, staging, cspec, state.model_token)
-    except InfrastructureError as exc:
-        state.fork = state.fork.model_copy(update={"reached": True, "checkpoint_error": exc.one_line()})
-        raise
+        state.fork = way.boundary(box, staging, cspec, state.model_token, elapsed)
+    except (InfrastructureError, OSError) as exc:
+        why = exc.one_line() if isinstance(exc, InfrastructureError) else f"{exc.strerror or exc}: {exc.filename}"
+        state.fork = state.fork.model_copy(update={"reached": True, "checkpoint_error": why})
+        raise CheckpointFailed(why) from exc
 
 
 def self_deadline(marker: Path, prepared: PreparedReplay) -> str | None:

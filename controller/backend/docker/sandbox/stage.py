@@ -22,19 +22,22 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import subprocess
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from ....errors import UsageError
+from ....errors import InfrastructureError, UsageError
 from ....files.digest import hash_file
 from ....files.trees import Entry, chown_tree, copy_tree, remove_tree
 from ....models.replay import STAGING_NAME
 from ....models.spec import parse_user
 
 INPUT_MOUNT = "/pvisor-host/input"
+#: In the input directory: where ``--env`` values and the model's token are handed over (the sandbox user's, 0400).
+ENV_FILE = "env.sh"
 RUN_MOUNT = "/pvisor-host/run"
 LOGS_MOUNT = "/pvisor-host/logs"
 #: The streams entry.sh writes to, in the logs directory.
@@ -144,7 +147,7 @@ def stage(
     entry.write_bytes(resources.files("pvisor_host.assets").joinpath("entry.sh").read_bytes())
     entry.chmod(0o555)
     if env:
-        env_file = input_dir / "env.sh"
+        env_file = input_dir / ENV_FILE
         env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in env.items()), encoding="utf-8")
         env_file.chmod(0o400)
         if owner_uid is not None:
@@ -196,9 +199,48 @@ def stage(
 
 def _sandbox_name(name: str) -> str:
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
-    if not safe or safe in {"entry.sh", "env.sh", VERIFY_SCRIPT, VERIFY_GO, FORK_GATE, FORK_GO}:
+    if not safe or safe in {"entry.sh", ENV_FILE, VERIFY_SCRIPT, VERIFY_GO, FORK_GATE, FORK_GO}:
         safe = "trajectory" + (Path(name).suffix or ".jsonl")
     return safe
+
+
+def copy_staging(staging: Staging, root: Path) -> Staging:
+    """A copy of ``staging``'s directories under ``root`` but :data:`ENV_FILE` (``--fork``: a restored fork's
+    processes hold its values already, and no copy of it ever exists): ``cp -a``, which keeps owners, modes and
+    times, so the restored processes find their files as they left them (the standard library's copies keep no
+    owner). Nothing of it is left when it fails.
+
+    Raises:
+        InfrastructureError: a copy failed (``cp``'s own words).
+    """
+    root.mkdir(mode=0o700)
+    moved: dict[str, Path] = {}
+    try:
+        for field in ("input_dir", "workspace_dir", "run_dir", "logs_dir", "verifier_dir"):
+            source: Path | None = getattr(staging, field)
+            if source is None:
+                continue
+            target = moved[field] = root / source.name
+            if field != "input_dir":
+                _cp(source, target)
+                continue
+            target.mkdir()
+            shutil.copystat(source, target)
+            info = source.stat()
+            os.chown(target, info.st_uid, info.st_gid)
+            for entry in source.iterdir():
+                if entry.name != ENV_FILE:
+                    _cp(entry, target / entry.name)
+    except BaseException:
+        remove_tree(root)
+        raise
+    return staging.model_copy(update={"root": root, **moved})
+
+
+def _cp(source: Path, target: Path) -> None:
+    done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise InfrastructureError(f"cp -a {source.name}: {done.stderr.strip()[-300:]}")
 
 
 def host_says(staging: Staging, name: str) -> None:
