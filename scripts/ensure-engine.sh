@@ -155,7 +155,8 @@ if ping_engine; then
         if runsc_registered; then
             log "runsc is registered"
         else  # experimental mode (for --fork) is read at the engine's start only; it may be busy: never restarted
-            log "restart the engine to turn on experimental mode for --fork: kill \$(cat $PIDFILE); $0 --with-runsc"
+            log "restart the engine to turn on experimental mode for --fork: pid=\$(cat $PIDFILE); kill \$pid;" \
+                "while kill -0 \$pid 2>/dev/null; do sleep 0.2; done; $0 --with-runsc"
         fi
         exit 0
     else

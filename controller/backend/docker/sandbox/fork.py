@@ -48,7 +48,7 @@ from ..engine import engine_errors
 from ..gateway import Gateway
 from .gate import release
 from .run import Way, run_attempt
-from .stage import Staging, copy_staging
+from .stage import Staging, copy_staging, planned_staging
 
 Run = Callable[..., ReplayRecord]
 """:func:`~.run.run_attempt` with the backend's own arguments bound."""
@@ -134,10 +134,10 @@ def _run_all(
     forks = prepared.spec.fork or 0
     starting = threading.Lock()  # one start from the checkpoint at a time (see the module docstring)
     stop, ended = threading.Event(), threading.Event()  # this replay's forks' own: a batch's cancel stops them too,
-    threading.Thread(target=_relay, args=(cancel, stop, ended), daemon=True).start()  # never the other way round
     pool = futures.ThreadPoolExecutor(max_workers=forks, thread_name_prefix="pvisor-host-fork")
     running: list[futures.Future[ReplayRecord]] = []
     try:
+        threading.Thread(target=_relay, args=(cancel, stop, ended), daemon=True).start()  # never the other way round
         for index in range(1, forks + 1):
             context = contextvars.copy_context()  # the item's logging context, in each fork's thread
             one = _Fork(prepared, boundary, root, index, gateway, stop, run, why, starting)
@@ -185,6 +185,8 @@ class _Fork:
 
     def run(self) -> ReplayRecord:
         info = ForkInfo(role="fork", of=self.prepared.run_id, index=self.index, forks=self.prepared.spec.fork or 0)
+        if self.cancel.is_set():
+            raise Interrupted("interrupted before it started")
         if self.boundary is None:
             return self._full_replay(info, self.why or "no checkpoint")
         run_dir = self.prepared.out_dir / info.dir_name
@@ -234,11 +236,17 @@ class _Fork:
         def refuse(box: Container) -> None:
             raise ck.CheckpointFailed(why)
 
+        def empty(root: Path) -> Staging:  # nothing copied, nothing secret: the sandbox never starts
+            staging = planned_staging(root, self.prepared.trajectory.path)
+            for directory in (root, staging.input_dir, staging.workspace_dir, staging.run_dir, staging.logs_dir):
+                directory.mkdir(mode=0o700)
+            return staging
+
         attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
                           run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
         failed = info.model_copy(update={"restored": False, "fallback": why})
         return self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel,
-                                way=Way(fork=failed, before_start=refuse))  # fmt: skip
+                                way=Way(fork=failed, staged=empty, before_start=refuse))  # fmt: skip
 
     def _full_replay(self, info: ForkInfo, why: str) -> ReplayRecord:
         """This fork as a plain replay of its own (the prefix's tool calls run again in it), saying ``why``."""

@@ -24,7 +24,7 @@ from ...._log import logger
 from ....errors import InfrastructureError, Interrupted, UsageError
 from ....files.archive import Budget
 from ....files.atomic import write_atomic
-from ....files.space import full_disk_raises
+from ....files.space import full_disk_raises, is_full
 from ....files.trees import Entry
 from ....gateway.cassette import Tape
 from ....models.gateway import MODEL_CASSETTE
@@ -276,6 +276,8 @@ def _run_container(
             way.start_lock or contextlib.nullcontext(),
             starts.holding(cancel) if starts is not None else contextlib.nullcontext(),
         ):
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt  # stopped while it waited for its turn: it never starts
             if way.start is not None:
                 restored = way.start(box)
                 if state.fork is not None:
@@ -350,7 +352,12 @@ def _checkpoint(
     try:
         state.fork = way.boundary(box, staging, cspec, state.model_token, elapsed)
     except (InfrastructureError, OSError) as exc:
-        why = exc.one_line() if isinstance(exc, InfrastructureError) else f"{exc.strerror or exc}: {exc.filename}"
+        if is_full(exc):
+            raise  # the host's disk: DiskFull, as any write of ours that finds no space
+        if isinstance(exc, InfrastructureError):
+            why = exc.one_line()
+        else:
+            why = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
         state.fork = state.fork.model_copy(update={"reached": True, "checkpoint_error": why})
         raise CheckpointFailed(why) from exc
 

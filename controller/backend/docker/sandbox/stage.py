@@ -225,12 +225,12 @@ def copy_staging(staging: Staging, root: Path) -> Staging:
                 _cp(source, target)
                 continue
             target.mkdir()
-            shutil.copystat(source, target)
-            info = source.stat()
-            os.chown(target, info.st_uid, info.st_gid)
             for entry in source.iterdir():
                 if entry.name != ENV_FILE:
                     _cp(entry, target / entry.name)
+            info = source.stat()
+            os.chown(target, info.st_uid, info.st_gid)
+            shutil.copystat(source, target)  # last: the copies above would change its times
     except BaseException:
         remove_tree(root)
         raise
