@@ -174,19 +174,16 @@ Rows = list[ItemResult]
 
 
 def skipped_result(item: BatchItem, earlier: list[ReplayRecord], out: Path) -> Rows:
-    """The rows of an item that finished earlier (:func:`~.resume.finished_earlier`): its records', marked
+    """The rows of an item that finished earlier (:func:`~.resume.finished_earlier`: a record per row), marked
     skipped."""
     return record_rows(item, earlier, out, skipped=True)
 
 
-def record_rows(item: BatchItem, records: list[ReplayRecord], out: Path, *, skipped: bool = False) -> Rows:
-    """An item's rows from its records: its own record's; with ``fork: K`` each fork's from what it came to
+def record_rows(item: BatchItem, outcomes: list[ReplayRecord], out: Path, *, skipped: bool = False) -> Rows:
+    """An item's rows from what each came to, a record per row: its own record; with ``fork: K`` each fork's
     (:func:`~pvisor_host.models.record.fork_outcomes`: its own record, or the prefix's)."""
-    if item.spec.fork is None:
-        (record,) = records
-        return [ItemResult.from_record(record, item.keys, path=item.id, skipped=skipped, run_dir=out / item.id)]
     rows = []
-    for keys, record in zip(item.rows, fork_outcomes(records, item.spec.fork), strict=True):
+    for keys, record in zip(item.rows, outcomes, strict=True):
         where = f"{item.id}/{record.fork.dir_name}" if record.fork is not None else item.id
         rows.append(ItemResult.from_record(record, keys, path=where, skipped=skipped, run_dir=out / where))
     return rows
@@ -285,7 +282,8 @@ def _outcome(item: BatchItem, batch: BatchContext, asked: threading.Event) -> Ro
         return base_result(item, "infra_error", out=batch.out, category="internal", message=repr(exc))
     if any(r.failure is not None and r.failure.disk_full for r in records):
         batch.stopped = batch.stopped or disk_full(run_dir)
-    return record_rows(item, records, batch.out)
+    outcomes = fork_outcomes(records, item.spec.fork) if item.spec.fork is not None else records
+    return record_rows(item, outcomes, batch.out)
 
 
 def _within(checked: CheckedInputs, remaining: float) -> CheckedInputs:

@@ -26,7 +26,7 @@ from ..errors import ExitCode, PvisorHostError
 from ..files.digest import Tree, tree_digest
 from ..models.batch import BatchSummary
 from ..models.image import ImageCost, ImagePlan, ImagePreview, ImageRequest
-from ..models.record import Limits, first_not_ok, fork_outcomes
+from ..models.record import Limits
 from ..models.spec import ReplaySpec
 from ..preflight.prepare import assemble, check_before_image, check_fork, image_request
 from ..preflight.trajectory import read_trajectory
@@ -170,6 +170,7 @@ class _Planner:
 
     def plan(self, item: BatchItem) -> ItemPlan:
         spec = item.spec
+        rows = _rows(item)
         request = image_request(spec)
         trajectory = read_trajectory(spec.trajectory)
         cost = self._cost(spec.image)
@@ -180,15 +181,12 @@ class _Planner:
             item, trajectory, identity, workspace.sha256 if workspace is not None else None, out=self.options.out,
             rerun_failed=self.options.rerun_failed,
         )  # fmt: skip
-        rows = _rows(item)
-        if earlier is not None:
-            outcomes = fork_outcomes(earlier, spec.fork) if spec.fork is not None else earlier
-            worst = first_not_ok(earlier, spec.fork)  # a fork's that failed, say
-            status = worst.status if worst is not None else "ok"
+        if earlier is not None:  # a record per row: a fork's that failed, say, is the item's status
+            status = next((r.status for r in earlier if not r.ok), "ok")
             return ItemPlan(
                 id=item.id, line=item.line, after_step=spec.after_step, action="skip", agent=earlier[0].inputs.agent,
                 image=earlier[0].image.ref, reason=f"finished earlier: {status}", content_key=key, earlier=status,
-                rows=rows, earlier_rows=[r.status for r in outcomes] if rows else None,
+                rows=rows, earlier_rows=[r.status for r in earlier] if rows else None,
             )  # fmt: skip
         checked = check_item(item, trajectory, self.options.out)
         check_fork(checked, self.backend)

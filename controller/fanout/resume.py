@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ..files.trees import remove_tree
 from ..models.batch import FINAL_STATUSES
-from ..models.record import ReplayRecord, first_not_ok, fork_dir_name, load_record
+from ..models.record import ReplayRecord, fork_dir_name, load_record
 from ..models.replay import FORK_WORK, STAGING_NAME, TrajectoryInfo
 from ..models.spec import ReplaySpec
 from ..preflight.checks import CheckedInputs, check_trajectory_inputs
@@ -85,9 +85,9 @@ def finished_earlier(
     out: Path,
     rerun_failed: bool,
 ) -> tuple[str | None, list[ReplayRecord] | None]:
-    """The item's content key (None: its image is not known yet) and its records from an earlier run that need not
-    run again (None: it runs), the same for the run and the plan: its record, or with ``fork: K`` the prefix's and
-    every fork's (the prefix's alone when it ended before the boundary)."""
+    """The item's content key (None: its image is not known yet) and what it came to in an earlier run that need
+    not run again, a record per row (None: it runs), the same for the run and the plan: its record, or with
+    ``fork: K`` each fork's (the prefix's for each, when it stood alone: ``fork.alone``)."""
     if image is None:
         return None, None
     key = content_key(item.spec, trajectory.sha256, image, workspace_sha256)
@@ -96,18 +96,18 @@ def finished_earlier(
         record = finished_record(run_dir, key, rerun_failed)
         return key, [record] if record is not None else None
     prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed=False)
+    forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed=False) for k in range(1, item.spec.fork + 1)]
     if prefix is None or prefix.fork is None:
         return key, None
-    records: list[ReplayRecord] = [prefix]
-    if not prefix.fork.alone(strict=item.spec.fork_strict):
-        forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed=False)
-                 for k in range(1, item.spec.fork + 1)]  # fmt: skip
-        if None in forks:
-            return key, None
-        records += [f for f in forks if f is not None]
-    if rerun_failed and first_not_ok(records, item.spec.fork) is not None:  # judged by its rows, as they are
+    if prefix.fork.alone:  # no fork ran: each fork's row is the prefix's record
+        outcomes = [prefix] * item.spec.fork
+    elif None in forks:
         return key, None
-    return key, records
+    else:
+        outcomes = [f for f in forks if f is not None]
+    if rerun_failed and any(not r.ok for r in outcomes):  # judged by its rows
+        return key, None
+    return key, outcomes
 
 
 def check_item(item: BatchItem, trajectory: TrajectoryInfo, out: Path) -> CheckedInputs:

@@ -442,6 +442,9 @@ class ForkInfo(BaseModel):
     """The prefix's: the size of its checkpoint (the sandbox's memory at the boundary)."""
     checkpoint_error: str | None = None
     """The prefix's: why the checkpoint failed."""
+    alone: bool = False
+    """The prefix's: it has no forks: it ended before the boundary, or (``--fork-strict``) it could not be
+    checkpointed there (else each fork ran as a full replay). Each fork's row is then its record."""
     restored: bool | None = None
     """A fork's: whether it started from the checkpoint (False: it could not, and ran as a full replay or, with
     ``--fork-strict``, failed)."""
@@ -449,11 +452,6 @@ class ForkInfo(BaseModel):
     """A fork's: why it did not start from the checkpoint."""
     restore_seconds: float | None = None
     """A fork's: how long its start from the checkpoint took."""
-
-    def alone(self, *, strict: bool) -> bool:
-        """A prefix that has no forks: it ended before the boundary, or (``--fork-strict``) it could not be
-        checkpointed there (else each fork ran as a full replay)."""
-        return self.role == "prefix" and (not self.reached or (strict and self.checkpoint_error is not None))
 
     @property
     def dir_name(self) -> str:

@@ -143,7 +143,7 @@ def check_fork(checked: CheckedInputs, backend: AnyBackend) -> None:
     pulled), for the plan and the run alike: the agent when it is known, the runtime."""
     spec = checked.spec
     if spec.fork is not None:
-        fork_checks(spec, get_profile(spec.agent) if spec.agent else None, backend.runtime(spec.runtime))
+        fork_checks(spec, checked.agent.profile if checked.agent else None, backend.runtime(spec.runtime))
 
 
 def fork_checks(spec: ReplaySpec, agent: AgentProfile | None, runtime: Runtime) -> None:

@@ -112,7 +112,8 @@ def test_k_forks_continue_from_one_prefix_whose_calls_ran_once(tmp_path, claude_
     assert head["model"]["requests"] == 0  # nothing asked the model before the boundary
     assert head["fork"] | {"checkpoint_seconds": 0, "checkpoint_bytes": 0} == {
         "role": "prefix", "of": "fk", "index": None, "forks": 3, "reached": True, "checkpoint_error": None,
-        "restored": None, "fallback": None, "checkpoint_seconds": 0, "checkpoint_bytes": 0, "restore_seconds": None,
+        "alone": False, "restored": None, "fallback": None, "checkpoint_seconds": 0, "checkpoint_bytes": 0,
+        "restore_seconds": None,
     }  # fmt: skip
     assert head["fork"]["checkpoint_bytes"] > 0 and set(head["timings"]) >= {"run", "checkpoint"}
     assert [e["host"] for e in head["egress"]["events"]] == [HOST_ALIAS]

@@ -107,7 +107,10 @@ def run_forks(
 
         attempt = Attempt(run_id=prepared.run_id, run_dir=out / info.dir_name)
         prefix = run(prepared, attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary, fork=info))
-        if prefix.fork is None or prefix.fork.alone(strict=prepared.spec.fork_strict):
+        fork = prefix.fork
+        if fork is not None and (not fork.reached or (prepared.spec.fork_strict and fork.checkpoint_error)):
+            prefix = prefix.model_copy(update={"fork": fork.model_copy(update={"alone": True})})
+            save_record(prefix, attempt.run_dir)
             return [prefix]  # it ended before the boundary, or its checkpoint failed: its record says why
         why = None if found else (prefix.fork.checkpoint_error if prefix.fork else None) or "the checkpoint failed"
         if why is not None:
