@@ -107,7 +107,9 @@ def fork_summary(console: Console, records: list[ReplayRecord], out_dir: Path) -
         if fork is None or fork.role == "prefix":
             name = "prefix"
             how = "ended before the boundary"
-            if fork is not None and fork.checkpoint_seconds is not None:
+            if fork is not None and fork.checkpoint_error is not None:
+                how = f"could not be checkpointed: {fork.checkpoint_error}"
+            elif fork is not None and fork.checkpoint_seconds is not None:
                 size = format_size(fork.checkpoint_bytes or 0)
                 how = f"checkpointed at the boundary in {fork.checkpoint_seconds:.2f}s ({size})"
         else:

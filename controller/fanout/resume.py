@@ -96,14 +96,15 @@ def finished_earlier(
         record = finished_record(run_dir, key, rerun_failed)
         return key, [record] if record is not None else None
     prefix = finished_record(run_dir / fork_dir_name(None), key, rerun_failed=False)
-    forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed=False) for k in range(1, item.spec.fork + 1)]
     if prefix is None or prefix.fork is None:
         return key, None
     if prefix.fork.alone:  # no fork ran: each fork's row is the prefix's record
         outcomes = [prefix] * item.spec.fork
-    elif None in forks:
-        return key, None
     else:
+        forks = [finished_record(run_dir / fork_dir_name(k), key, rerun_failed=False)
+                 for k in range(1, item.spec.fork + 1)]  # fmt: skip
+        if None in forks:
+            return key, None
         outcomes = [f for f in forks if f is not None]
     if rerun_failed and any(not r.ok for r in outcomes):  # judged by its rows
         return key, None

@@ -4,6 +4,8 @@ tests/integration/test_fork.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -267,6 +269,8 @@ def forking(tmp_path, monkeypatch):
         assert not (prepared.out_dir / ".pvisor-host-fork").exists()  # the checkpoint and the copies, gone
         return records, asked
 
+    go.out = plain.out_dir  # type: ignore[attr-defined]
+    go.prepared = plain  # type: ignore[attr-defined]
     return go
 
 
@@ -297,14 +301,15 @@ def test_a_failed_checkpoint_makes_every_fork_a_full_replay_unless_strict(forkin
     assert [(r.fork.restored, r.status) for r in records[1:]] == [(False, "ok")] * 3
     assert all(w.start is None for w in asked[1:])
     records, _ = forking(checkpoint_fails=True, strict=True)
-    assert [(r.fork.role, r.status) for r in records] == [("prefix", "infra_error")]
+    assert [(r.fork.role, r.status, r.fork.alone) for r in records] == [("prefix", "infra_error", True)]
 
 
 def test_a_prefix_that_ends_before_the_boundary_is_the_only_record(forking):
     from pvisor_host.models.record import fork_outcomes
 
     records, asked = forking(ends_early=True)
-    assert [(r.fork.role, r.fork.reached) for r in records] == [("prefix", False)]
+    assert [(r.fork.role, r.fork.reached, r.fork.alone) for r in records] == [("prefix", False, True)]
+    assert json.loads((forking.out / "prefix" / "record.json").read_text())["fork"]["alone"] is True  # as saved
     assert fork_outcomes(records, 3) == [records[0]] * 3  # each fork's row is the prefix's
 
 
@@ -320,3 +325,30 @@ def test_a_fork_whose_copy_fails_runs_as_a_full_replay_or_fails_alone_with_stric
         (None, "ok", None), (1, "ok", True), (2, "ok", True), (3, "infra_error", False),
     ]  # fmt: skip
     assert records[3].failure.message == records[3].fork.fallback  # the copy's error, in its own record
+
+
+def test_a_rerun_reads_a_forked_items_rows_from_its_records(forking, tmp_path, monkeypatch):
+    """Resume: a prefix that stood alone is every fork's row; a forked prefix needs every fork's record."""
+    from pvisor_host.fanout import resume
+    from pvisor_host.fanout.manifest import BatchItem
+    from pvisor_host.models.record import BatchInfo, save_record
+
+    monkeypatch.setattr(resume, "content_key", lambda *_: "K")
+    spec = forking.prepared.spec.model_copy(update={"fork": 3})
+    item = BatchItem(id="a", line=1, spec=spec)
+    out = tmp_path / "batch"
+
+    def earlier(records):
+        for record in records:
+            keyed = record.model_copy(update={"batch": BatchInfo(item_id="a", line=1, content_key="K")})
+            (out / "a" / record.fork.dir_name).mkdir(parents=True, exist_ok=True)
+            save_record(keyed, out / "a" / record.fork.dir_name)
+        return resume.finished_earlier(item, forking.prepared.trajectory, ("img", None), None, out=out,
+                                       rerun_failed=False)[1]  # fmt: skip
+
+    alone, _ = forking(ends_early=True)
+    assert [(r.fork.role, r.run_id) for r in earlier(alone)] == [("prefix", "r")] * 3
+    shutil.rmtree(out)
+    forked, _ = forking()
+    assert earlier(forked[:3]) is None  # fork 3 has no record: the item runs again
+    assert [r.fork.index for r in earlier(forked[3:])] == [1, 2, 3]

@@ -108,7 +108,9 @@ def run_forks(
         attempt = Attempt(run_id=prepared.run_id, run_dir=out / info.dir_name)
         prefix = run(prepared, attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary, fork=info))
         fork = prefix.fork
-        if fork is not None and (not fork.reached or (prepared.spec.fork_strict and fork.checkpoint_error)):
+        if fork is None:
+            return [prefix]
+        if not fork.reached or (prepared.spec.fork_strict and fork.checkpoint_error is not None):
             prefix = prefix.model_copy(update={"fork": fork.model_copy(update={"alone": True})})
             save_record(prefix, attempt.run_dir)
             return [prefix]  # it ended before the boundary, or its checkpoint failed: its record says why
