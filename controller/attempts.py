@@ -13,7 +13,6 @@ import contextlib
 import shutil
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel
@@ -27,7 +26,7 @@ from .files.space import disk_full, is_full
 from .files.trees import remove_if_empty
 from .models.batch import fork_row_id
 from .models.gateway import MODEL_CASSETTE
-from .models.observations import Observations, match_observations
+from .models.observations import observations_of
 from .models.record import (
     START_TIMEOUT,
     AttemptSummary,
@@ -122,21 +121,12 @@ def _finished_fork(prepared: PreparedReplay, record: ReplayRecord, batch: BatchI
     fork = record.fork
     assert fork is not None  # run_forks gives every record its place
     run_dir = prepared.out_dir / fork.dir_name
-    update: dict[str, object] = {"observations": _observations(prepared, record, run_dir)}
+    update: dict[str, object] = {"observations": observations_of(record, run_dir, prepared.trajectory.path)}
     if batch is not None:  # a fork's row is an item of its own
         update["batch"] = batch.model_copy(update={"item_id": fork_row_id(batch.item_id, fork.index)})
     record = record.model_copy(update=update)
     save_record(record, run_dir)
     return record
-
-
-def _observations(prepared: PreparedReplay, record: ReplayRecord, run_dir: Path) -> Observations | None:
-    """How the replayed calls' fresh observations in ``run_dir`` matched the trajectory's."""
-    return match_observations(
-        record.artifact_json(run_dir, "observation_comparison"),
-        prepared.trajectory.path,
-        record.artifact_path(run_dir, "reconstructed_native_trajectory"),
-    )
 
 
 def run_attempts(
@@ -249,7 +239,7 @@ def _keep(
         )
         for r in records
     ]
-    observations = _observations(prepared, last, out)
+    observations = observations_of(last, out, prepared.trajectory.path)
     failure = last.failure
     if failure is not None and str(last_dir) in failure.message:  # the files it names moved up with it
         failure = failure.model_copy(update={"message": failure.message.replace(str(last_dir), str(out))})

@@ -22,9 +22,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:  # a record holds its observations: it imports this module
+    from .record import ReplayRecord
 
 #: How a replayed call's fresh observation matches the recorded one.
 Match = Literal["exact", "whitespace", "diverged"]
@@ -173,3 +176,13 @@ def _output(output: Any) -> str:
     if isinstance(output, dict) and "output" in output:
         return _text(output["output"])
     return _text(output)
+
+
+def observations_of(record: ReplayRecord, run_dir: Path, trajectory: Path) -> Observations | None:
+    """How ``record``'s replayed calls' fresh observations (its artifacts under ``run_dir``) matched those recorded
+    in ``trajectory`` (None: pvisor compared none)."""
+    return match_observations(
+        record.artifact_json(run_dir, "observation_comparison"),
+        trajectory,
+        record.artifact_path(run_dir, "reconstructed_native_trajectory"),
+    )
