@@ -24,7 +24,7 @@ import concurrent.futures as futures
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from docker.errors import NotFound
 
@@ -89,7 +89,8 @@ class DockerBackend:
         self._injector = Injector(client, ownership)
         self._files = ImageFiles(client, ownership)
         self._users = ImageUsers(self._files)
-        self._runtimes: tuple[str, dict[str, Runtime]] | None = None
+        self._runtimes: tuple[str, dict[str, Runtime], dict[str, Any]] | None = None
+        self._probed: dict[str, Runtime] = {}
         self._leftovers = Leftovers()
         self.images = ImageStore(client)
         """The engine's images as other parts need them (the cluster ships images through it)."""
@@ -306,8 +307,11 @@ class DockerBackend:
         if self._runtimes is None:
             with engine_errors("read the engine's runtimes"):
                 self._runtimes = runtimes.registered(self.client)
-        default, known = self._runtimes
-        return runtimes.choose(name or default, known)
+        default, known, info = self._runtimes
+        chosen = runtimes.choose(name or default, known)
+        if chosen.name not in self._probed:  # once per runtime: a batch asks for each item
+            self._probed[chosen.name] = runtimes.probed(chosen, info)
+        return self._probed[chosen.name]
 
     def describe_sandbox(self, prepared: PreparedReplay, *, here: bool = True) -> SandboxPlan:
         """See :meth:`pvisor_host.backend.base.Backend.describe_sandbox` (``here``: the image is on this engine, so

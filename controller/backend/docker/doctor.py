@@ -36,7 +36,7 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         status="ok",
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
-    default, known = registered(client)
+    default, known, _ = registered(client)
     runtime = known.get(default) or Runtime(name=default)
     checks = [engine, _architecture(info), _disk(info), _runtimes(info), _escape_fixes(runtime)]
     return [*checks, *_start_hangs(runtime), *_images(client)]

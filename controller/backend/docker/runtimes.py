@@ -30,21 +30,25 @@ RUNTIME_ROOT = "/var/run/docker/runtime-runc/moby"
 FORK_GVISOR = 20240729
 
 
-def registered(client: docker.DockerClient) -> tuple[str, dict[str, Runtime]]:
-    """The engine's default runtime, and every runtime it has registered (runc's with the version the engine
-    reports for it; gVisor's with its own, and whether it can fork a sandbox here)."""
+def registered(client: docker.DockerClient) -> tuple[str, dict[str, Runtime], dict[str, Any]]:
+    """The engine's default runtime, every runtime it has registered (runc's with the version the engine reports
+    for it), and the engine's information (for :func:`probed`)."""
     info: dict[str, Any] = client.info()
     runc = runc_version(client)
     found = {}
     for name, entry in (info.get("Runtimes") or {"runc": {"path": "runc"}}).items():
         runtime = Runtime(name=name, path=str(entry.get("path") or name), args=list(entry.get("runtimeArgs") or []))
-        if runtime.runc:
-            runtime = runtime.model_copy(update={"version": runc})
-        elif runtime.gvisor:
-            version = gvisor_version(runtime.path)
-            runtime = runtime.model_copy(update={"version": version, "fork_problem": fork_problem(version, info)})
-        found[name] = runtime
-    return str(info.get("DefaultRuntime") or "runc"), found
+        found[name] = runtime.model_copy(update={"version": runc}) if runtime.runc else runtime
+    return str(info.get("DefaultRuntime") or "runc"), found, info
+
+
+def probed(runtime: Runtime, info: dict[str, Any]) -> Runtime:
+    """``runtime`` as a sandbox runs under it: gVisor's with its version (``runsc --version``, run only for the
+    runtime chosen) and whether it can fork a sandbox on the engine ``info`` describes."""
+    if not runtime.gvisor:
+        return runtime
+    version = gvisor_version(runtime.path)
+    return runtime.model_copy(update={"version": version, "fork_problem": fork_problem(version, info)})
 
 
 def gvisor_version(path: str) -> str | None:
