@@ -114,7 +114,8 @@ def fork_summary(console: Console, records: list[ReplayRecord], out_dir: Path) -
                 how = f"checkpointed at the boundary in {fork.checkpoint_seconds:.2f}s ({size})"
         else:
             name = f"fork {fork.index}"
-            how = f"full replay: {fork.fallback}" if not fork.restored else "not restored"
+            ran = "full replay" if record.result is not None else "did not start"  # --fork-strict, or stopped
+            how = f"{ran}: {fork.fallback}" if not fork.restored else "not restored"
             if fork.restored and fork.restore_seconds is not None:
                 how = f"restored in {fork.restore_seconds:.2f}s"
         failure = f"{record.failure.category}: {record.failure.message}" if record.failure else ""

@@ -219,6 +219,7 @@ def forking(tmp_path, monkeypatch):
 
         def run(prepared, attempt, *, gateway, cancel, way):
             asked.append(way)
+            way.attempt = attempt  # what the fork was run as (for the tests)
             record = backend.run_attempt(prepared, attempt)
             attempt.run_dir.mkdir(parents=True, exist_ok=True)
             info: ForkInfo | None = way.fork
@@ -262,7 +263,7 @@ def forking(tmp_path, monkeypatch):
                     record = record.model_copy(update={"status": "infra_error", "failure": failure})
             return record.model_copy(update={"fork": info})
 
-        monkeypatch.setattr(ck, "start_from", lambda box, root, timeout: 0.3)
+        monkeypatch.setattr(fork.sandbox, "start", lambda box, timeout, *, checkpoint: None)
         client = type("Client", (), {"info": lambda self: {"DockerRootDir": str(tmp_path)}})()
         records = fork.run_forks(client, backend.ownership, prepared, gateway=None, cancel=threading.Event(),
                                  kill=lambda run_id: None, run=run)  # fmt: skip
@@ -280,7 +281,8 @@ def test_k_forks_start_from_the_checkpoint_each_under_its_own_run_id(forking):
         ("r", "prefix", None, None), ("r-f1", "fork", 1, True), ("r-f2", "fork", 2, True), ("r-f3", "fork", 3, True),
     ]  # fmt: skip
     assert records[0].fork.reached and records[0].fork.checkpoint_bytes == 1000
-    assert [w.token for w in asked[1:]] == ["tok"] * 3 and all(w.command == ["pvisor", "replay"] for w in asked[1:])
+    assert [w.token for w in asked[1:]] == ["tok"] * 3  # the prefix's, which each restored pvisor holds
+    assert [w.attempt.pvisor_id for w in asked[1:]] == ["r"] * 3  # pvisor in each is still the prefix's run
 
 
 def test_a_fork_that_cannot_start_runs_once_as_a_full_replay_unless_strict(forking):

@@ -17,12 +17,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import requests
 from docker.models.containers import Container
 
 from ...errors import InfrastructureError
+from ...files.space import disk_full, is_full, tree_bytes
 from ...models.replay import Runtime
-from .engine import engine_errors, request_within, timed_out
 from .runtimes import RUNTIME_ROOT
 
 #: The name of the checkpoint in a copy's own checkpoints directory.
@@ -49,34 +48,16 @@ def checkpoint(runtime: Runtime, container: Container, image: Path) -> tuple[flo
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         raise CheckpointFailed(f"gVisor could not checkpoint the sandbox: {said[-600:]}")
-    try:
-        size = sum(path.stat().st_size for path in image.rglob("*") if path.is_file())
-    except OSError as exc:
-        raise CheckpointFailed(f"gVisor's checkpoint is unreadable: {exc.strerror or exc}") from exc
-    return round(time.monotonic() - started, 3), size
+    return round(time.monotonic() - started, 3), tree_bytes(image)
 
 
 def give(container: Container, image: Path, docker_root: Path) -> None:
     """Put the checkpoint in ``image`` into the created ``container``'s own checkpoints directory (under the
-    engine's ``docker_root``), where :func:`start_from` starts it from."""
+    engine's ``docker_root``), where the engine starts it from (:func:`~.container.start` with ``checkpoint=NAME``)."""
     own = docker_root / "containers" / container.id / "checkpoints" / NAME
     try:
         shutil.copytree(image, own)
     except OSError as exc:
+        if is_full(exc):
+            raise disk_full(own) from exc
         raise CheckpointFailed(f"could not give the copy its checkpoint ({own}): {exc.strerror or exc}") from exc
-
-
-def start_from(container: Container, docker_root: Path, timeout: float) -> float:
-    """Start the created ``container`` from the checkpoint :func:`give` gave it: the seconds the start took."""
-    started = time.monotonic()
-    with engine_errors(f"start container {container.short_id} from the checkpoint"):
-        try:
-            api = container.client.api
-            request_within(api, "post", "/containers/{0}/start", timeout, container.id, checkpoint=NAME)
-        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
-            if not timed_out(exc):
-                raise
-            raise CheckpointFailed(
-                f"the engine did not start the copy from the checkpoint within {timeout:.0f}s"
-            ) from None
-    return round(time.monotonic() - started, 3)

@@ -272,16 +272,20 @@ def _remove_at_the_end(container: Container, leftovers: Leftovers | None, *, hun
                 )
 
 
-def start(container: Container, timeout: float | None = None) -> None:
-    """Start the container; one the engine has not started within ``timeout`` seconds is a :class:`StartHung`
-    naming the step that hangs (see :func:`hung_step`): a runtime that never returns from ``create`` holds the
-    engine's answer, and a batch waiting on it waits for good."""
+def start(container: Container, timeout: float | None = None, *, checkpoint: str | None = None) -> None:
+    """Start the container (from its ``checkpoint``, ``--fork``, the engine in experimental mode); one the engine has
+    not started within ``timeout`` seconds is a :class:`StartHung` naming the step that hangs (see
+    :func:`hung_step`): a runtime that never returns from ``create`` holds the engine's answer, and a batch waiting on
+    it waits for good."""
     with engine_errors(f"start container {container.short_id}"):
-        if timeout is None:
+        if timeout is None and checkpoint is None:
             container.start()
             return
+        assert timeout is not None, "a start from a checkpoint takes a timeout"
+        params = {"checkpoint": checkpoint} if checkpoint is not None else {}
         try:
-            request_within(container.client.api, "post", "/containers/{0}/start", timeout, container.id)
+            api = container.client.api
+            request_within(api, "post", "/containers/{0}/start", timeout, container.id, **params)
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
             if not timed_out(exc):
                 raise

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -36,10 +37,11 @@ import docker
 from docker.models.containers import Container
 
 from ...._log import logger
-from ....errors import InfrastructureError, Interrupted
+from ....errors import DiskFull, InfrastructureError, Interrupted
+from ....files.space import disk_full, is_full
 from ....files.trees import remove_tree
 from ....models.ownership import Ownership
-from ....models.record import ForkInfo, ReplayRecord, fork_run_id, save_record
+from ....models.record import ForkInfo, ReplayRecord, fork_dir_name, fork_run_id, save_record
 from ....models.replay import FORK_WORK, STAGING_NAME, Attempt, PreparedReplay
 from ....signals import deferred_interrupts
 from .. import checkpoint as ck
@@ -62,7 +64,6 @@ class Boundary:
     """The checkpoint."""
     staging: Staging
     """The prefix's staging, copied at the boundary (its paths are the copies')."""
-    command: list[str]
     token: str | None
     timeout: float
     """What the prefix left of ``--timeout``."""
@@ -101,20 +102,19 @@ def run_forks(
             seconds, size = ck.checkpoint(prepared.runtime, box, work / "checkpoint")
             copied = copy_staging(staging, work / "boundary")
             left = prepared.spec.timeout - elapsed
-            found.append(Boundary(work / "checkpoint", copied, cspec.command, token, max(1.0, left)))
+            found.append(Boundary(work / "checkpoint", copied, token, max(1.0, left)))
             logger.info("checkpointed the prefix at the boundary in {:.2f}s ({} bytes)", seconds, size)
             return info.model_copy(update={"reached": True, "checkpoint_seconds": seconds, "checkpoint_bytes": size})
 
         attempt = Attempt(run_id=prepared.run_id, run_dir=out / info.dir_name)
         prefix = run(prepared, attempt, gateway=gateway, cancel=cancel, way=Way(boundary=at_boundary, fork=info))
         fork = prefix.fork
-        if fork is None:
-            return [prefix]
+        assert fork is not None  # the run gives its record the way's fork information
         if not fork.reached or (prepared.spec.fork_strict and fork.checkpoint_error is not None):
             prefix = prefix.model_copy(update={"fork": fork.model_copy(update={"alone": True})})
             save_record(prefix, attempt.run_dir)
             return [prefix]  # it ended before the boundary, or its checkpoint failed: its record says why
-        why = None if found else (prefix.fork.checkpoint_error if prefix.fork else None) or "the checkpoint failed"
+        why = None if found else fork.checkpoint_error or "the checkpoint failed"
         if why is not None:
             logger.warning("no fork can start from the boundary ({}); running each once as a full replay", why)
         forks = _run_all(prepared, found[0] if found else None, root, gateway, cancel, kill, run, why)
@@ -138,18 +138,22 @@ def _run_all(
     error, cancels and kills them all, and waits for their workers' cleanup."""
     forks = prepared.spec.fork or 0
     starting = threading.Lock()  # one start from the checkpoint at a time (see the module docstring)
-    stop, ended = threading.Event(), threading.Event()  # this replay's forks' own: a batch's cancel stops them too,
+    stop = threading.Event()  # this replay's forks' own: the caller's cancel stops them, a fork's error not the caller
     pool = futures.ThreadPoolExecutor(max_workers=forks, thread_name_prefix="pvisor-host-fork")
     running: list[futures.Future[ReplayRecord]] = []
     try:
-        threading.Thread(target=_relay, args=(cancel, stop, ended), daemon=True).start()  # never the other way round
         for index in range(1, forks + 1):
             context = contextvars.copy_context()  # the item's logging context, in each fork's thread
             one = _Fork(prepared, boundary, root, index, gateway, stop, run, why, starting)
             running.append(pool.submit(context.run, one.run))
-        futures.wait(running, return_when=futures.FIRST_EXCEPTION)
-        if any(f.done() and f.exception() is not None for f in running):
-            raise next(e for f in running if f.done() and (e := f.exception()) is not None)
+        pending: set[futures.Future[ReplayRecord]] = set(running)
+        while pending:
+            done, pending = futures.wait(pending, timeout=0.2, return_when=futures.FIRST_EXCEPTION)
+            if cancel.is_set():
+                stop.set()
+            failed = next((e for f in done if (e := f.exception()) is not None), None)
+            if failed is not None:
+                raise failed
     except BaseException as exc:
         with deferred_interrupts():  # a second Ctrl-C must not cut the cleanup short
             stop.set()
@@ -160,17 +164,8 @@ def _run_all(
             raise Interrupted("interrupted; every fork's sandbox was removed") from None
         raise
     finally:
-        ended.set()
         pool.shutdown(wait=True)
     return [f.result() for f in running]
-
-
-def _relay(cancel: threading.Event, stop: threading.Event, ended: threading.Event) -> None:
-    """Set ``stop`` once ``cancel`` is, until ``ended``."""
-    while not ended.is_set():
-        if cancel.wait(0.2):
-            stop.set()
-            return
 
 
 @dataclasses.dataclass
@@ -199,27 +194,30 @@ class _Fork:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             copied = copy_staging(self.boundary.staging, copy_root)
+        except DiskFull:
+            raise  # the host's disk: every fork would meet it
         except (InfrastructureError, OSError) as exc:
+            if is_full(exc):
+                raise disk_full(run_dir) from exc
             failed = f"could not copy the sandbox at the boundary: {exc}"
             if self.prepared.spec.fork_strict:
                 return self._failed(info, failed)
             return self._full_replay(info, failed)
         boundary = self.boundary
-        attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index), run_dir=run_dir,
-                          pvisor_run_id=self.prepared.run_id)  # fmt: skip
 
         def start(box: Container) -> float:
-            seconds = ck.start_from(box, self.root, self.prepared.spec.start_timeout)
+            started = time.monotonic()
+            sandbox.start(box, self.prepared.spec.start_timeout, checkpoint=ck.NAME)
             release(copied)
-            return seconds
+            return round(time.monotonic() - started, 3)
 
         way = Way(
             staged=lambda _: copied, before_start=lambda box: ck.give(box, boundary.image, self.root), start=start,
-            start_lock=self.starting, command=boundary.command, token=boundary.token, fork=info,
-            timeout=boundary.timeout,
+            start_lock=self.starting, token=boundary.token, fork=info, timeout=boundary.timeout,
         )  # fmt: skip
         try:
-            record = self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel, way=way)
+            record = self.run_attempt(self.prepared, self._attempt(restored=True), gateway=self.gateway,
+                                      cancel=self.cancel, way=way)  # fmt: skip
         finally:
             remove_tree(copy_root)
         fork = record.fork or info
@@ -227,13 +225,21 @@ class _Fork:
             return record
         failed = record.failure.message if record.failure is not None else "the copy did not start"
         if self.prepared.spec.fork_strict or self.cancel.is_set() or record.status != "infra_error":
-            record = record.model_copy(update={"fork": fork.model_copy(update={"restored": False, "fallback": failed})})
+            record = record.model_copy(update={"fork": _not_restored(fork, failed)})
             save_record(record, run_dir)
             return record
         logger.warning("fork {} could not start from the checkpoint ({}); running it once as a full replay",
                        self.index, failed)  # fmt: skip
         remove_tree(run_dir)
         return self._full_replay(info, failed)
+
+    def _attempt(self, *, restored: bool) -> Attempt:
+        """This fork's attempt: restored, pvisor in it knows the prefix's run id; else its own."""
+        return Attempt(
+            run_id=fork_run_id(self.prepared.run_id, self.index),
+            run_dir=self.prepared.out_dir / fork_dir_name(self.index),
+            pvisor_run_id=self.prepared.run_id if restored else None,
+        )
 
     def _failed(self, info: ForkInfo, why: str) -> ReplayRecord:
         """This fork's record, failed before its sandbox started (``--fork-strict``): ``why``."""
@@ -247,15 +253,16 @@ class _Fork:
                 directory.mkdir(mode=0o700)
             return staging
 
-        attempt = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
-                          run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
-        failed = info.model_copy(update={"restored": False, "fallback": why})
-        return self.run_attempt(self.prepared, attempt, gateway=self.gateway, cancel=self.cancel,
-                                way=Way(fork=failed, staged=empty, before_start=refuse))  # fmt: skip
+        way = Way(fork=_not_restored(info, why), staged=empty, before_start=refuse)
+        return self.run_attempt(self.prepared, self._attempt(restored=False), gateway=self.gateway,
+                                cancel=self.cancel, way=way)  # fmt: skip
 
     def _full_replay(self, info: ForkInfo, why: str) -> ReplayRecord:
         """This fork as a plain replay of its own (the prefix's tool calls run again in it), saying ``why``."""
-        plain = Attempt(run_id=fork_run_id(self.prepared.run_id, self.index),
-                        run_dir=self.prepared.out_dir / info.dir_name)  # fmt: skip
-        fallback = info.model_copy(update={"restored": False, "fallback": why})
-        return self.run_attempt(self.prepared, plain, gateway=self.gateway, cancel=self.cancel, way=Way(fork=fallback))
+        return self.run_attempt(self.prepared, self._attempt(restored=False), gateway=self.gateway,
+                                cancel=self.cancel, way=Way(fork=_not_restored(info, why)))  # fmt: skip
+
+
+def _not_restored(info: ForkInfo, why: str) -> ForkInfo:
+    """A fork's information once it did not start from the checkpoint, for ``why``."""
+    return info.model_copy(update={"restored": False, "fallback": why})

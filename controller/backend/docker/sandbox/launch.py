@@ -47,7 +47,7 @@ def pvisor_command(
         agent_flags = ["--agent-entrypoint", image.agent_entrypoint]
     argv = request.argv(
         trajectory=trajectory_in_sandbox, workspace=prepared.workspace_path, state_dir=f"{RUN_MOUNT}/state",
-        output_dir=f"{RUN_MOUNT}/output", run_id=attempt.run_id, agent_flags=agent_flags,
+        output_dir=f"{RUN_MOUNT}/output", run_id=attempt.pvisor_id, agent_flags=agent_flags,
     )  # fmt: skip
     return ["/bin/sh", f"{INPUT_MOUNT}/entry.sh", image.pvisor_path, *argv]
 

@@ -111,8 +111,6 @@ class Way:
     """A copy's: start the created container from the checkpoint (the seconds it took), then let it go."""
     start_lock: threading.Lock | None = None
     """A copy's: held around its start (one start from a checkpoint at a time), before it takes a start slot."""
-    command: list[str] | None = None
-    """A copy's: the prefix's command (the restored processes are the prefix's)."""
     token: str | None = None
     """A copy's: the gateway token pvisor holds in its memory (the prefix's)."""
     fork: ForkInfo | None = None
@@ -185,8 +183,6 @@ def _run(
                     uid=parse_user(prepared.user)[0], no_proxy=launch.model_hosts(model),
                 ))  # fmt: skip
             cspec = launch.container_spec(prepared, attempt, staging, ownership=ownership, model=model, egress=egress)
-            if way.command is not None:
-                cspec = cspec.model_copy(update={"command": way.command})
             info = ContainerInfo(name=cspec.name, command=cspec.command)
             _run_container(client, state, cspec, info, staging, cancel, clock, leftovers, starts, way)
     except KeyboardInterrupt:

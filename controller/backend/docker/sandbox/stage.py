@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ....errors import InfrastructureError, UsageError
 from ....files.digest import hash_file
+from ....files.space import disk_full
 from ....files.trees import Entry, chown_tree, copy_tree, remove_tree
 from ....models.replay import STAGING_NAME
 from ....models.spec import parse_user
@@ -239,6 +240,8 @@ def copy_staging(staging: Staging, root: Path) -> Staging:
 
 def _cp(source: Path, target: Path) -> None:
     done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True, check=False)
+    if done.returncode != 0 and "No space left on device" in done.stderr:
+        raise disk_full(target)
     if done.returncode != 0:
         raise InfrastructureError(f"cp -a {source.name}: {done.stderr.strip()[-300:]}")
 
