@@ -114,7 +114,7 @@ def fork_summary(console: Console, records: list[ReplayRecord], out_dir: Path) -
                 how = f"checkpointed at the boundary in {fork.checkpoint_seconds:.2f}s ({size})"
         else:
             name = f"fork {fork.index}"
-            ran = "full replay" if record.result is not None else "did not start"  # --fork-strict, or stopped
+            ran = "full replay" if "run" in record.timings else "did not start"  # --fork-strict, or stopped
             how = f"{ran}: {fork.fallback}" if not fork.restored else "not restored"
             if fork.restored and fork.restore_seconds is not None:
                 how = f"restored in {fork.restore_seconds:.2f}s"

@@ -203,7 +203,7 @@ def forking(tmp_path, monkeypatch):
 
         def copying(staging, root):
             if any(f"fork-{k}" in str(root) for k in copy_fails):
-                raise InfrastructureError("cp -a workspace: No space left on device")
+                raise InfrastructureError("cp -a workspace: Permission denied")
             return copy(staging, root)
 
         monkeypatch.setattr(fork, "copy_staging", copying)
@@ -320,7 +320,7 @@ def test_a_fork_whose_copy_fails_runs_as_a_full_replay_or_fails_alone_with_stric
     assert (records[3].fork.restored, records[3].status) == (False, "ok")
     assert (
         records[3].fork.fallback
-        == "could not copy the sandbox at the boundary: cp -a workspace: No space left on device"
+        == "could not copy the sandbox at the boundary: cp -a workspace: Permission denied"
     )
     records, asked = forking(copy_fails={3}, strict=True)
     assert [(r.fork.index, r.status, r.fork.restored) for r in records] == [

@@ -20,7 +20,7 @@ from ...units import format_size
 from .engine import engine_address, engine_errors
 from .image.base import default_base, find_image, resolve_base_offline
 from .image.recipe import expected_tag
-from .runtimes import registered, runsc_registration, shown
+from .runtimes import probed, registered, runsc_registration, shown
 
 _LOW_DISK = 10 * 1024**3
 _TOO_LOW_DISK = 2 * 1024**3
@@ -37,7 +37,7 @@ def diagnose(client: docker.DockerClient) -> list[Check]:
         detail=f"Docker {version.get('Version')} (API {version.get('ApiVersion')}) at {engine_address()}",
     )
     default, known, _ = registered(client)
-    runtime = known.get(default) or Runtime(name=default)
+    runtime = probed(known.get(default) or Runtime(name=default), info)
     checks = [engine, _architecture(info), _disk(info), _runtimes(info), _escape_fixes(runtime)]
     return [*checks, *_start_hangs(runtime), *_images(client)]
 

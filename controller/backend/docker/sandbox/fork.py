@@ -147,6 +147,8 @@ def _run_all(
             one = _Fork(prepared, boundary, root, index, gateway, stop, run, why, starting)
             running.append(pool.submit(context.run, one.run))
         pending: set[futures.Future[ReplayRecord]] = set(running)
+        if cancel.is_set():
+            stop.set()
         while pending:
             done, pending = futures.wait(pending, timeout=0.2, return_when=futures.FIRST_EXCEPTION)
             if cancel.is_set():
@@ -206,8 +208,13 @@ class _Fork:
         boundary = self.boundary
 
         def start(box: Container) -> float:
-            started = time.monotonic()
-            sandbox.start(box, self.prepared.spec.start_timeout, checkpoint=ck.NAME)
+            started, timeout = time.monotonic(), self.prepared.spec.start_timeout
+            try:
+                sandbox.start(box, timeout, checkpoint=ck.NAME)
+            except sandbox.StartHung:  # a restore, not a runtime's create that hangs
+                raise ck.CheckpointFailed(
+                    f"the engine did not start the copy from the checkpoint in {timeout:.0f}s"
+                ) from None
             release(copied)
             return round(time.monotonic() - started, 3)
 

@@ -21,7 +21,7 @@ import docker
 from docker.models.containers import Container
 
 from ...._log import logger
-from ....errors import InfrastructureError, Interrupted, UsageError
+from ....errors import DiskFull, InfrastructureError, Interrupted, UsageError
 from ....files.archive import Budget
 from ....files.atomic import write_atomic
 from ....files.space import full_disk_raises, is_full
@@ -187,6 +187,8 @@ def _run(
             _run_container(client, state, cspec, info, staging, cancel, clock, leftovers, starts, way)
     except KeyboardInterrupt:
         state.interrupted = True
+    except DiskFull:
+        raise  # a write of ours found the host's disk full (--fork's copies): no record can be written either
     except InfrastructureError as exc:
         state.infra_error = exc.one_line()
         state.infra_category = exc.category if isinstance(exc, sandbox.StartHung) else None
@@ -348,7 +350,7 @@ def _checkpoint(
     try:
         state.fork = way.boundary(box, staging, cspec, state.model_token, elapsed)
     except (InfrastructureError, OSError) as exc:
-        if is_full(exc):
+        if isinstance(exc, DiskFull) or is_full(exc):
             raise  # the host's disk: DiskFull, as any write of ours that finds no space
         if isinstance(exc, InfrastructureError):
             why = exc.one_line()

@@ -20,6 +20,7 @@ names, whatever happens to the host file meanwhile, and so its permissions suit 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -240,7 +241,7 @@ def copy_staging(staging: Staging, root: Path) -> Staging:
 
 def _cp(source: Path, target: Path) -> None:
     done = subprocess.run(["cp", "-a", "--", str(source), str(target)], capture_output=True, text=True, check=False)
-    if done.returncode != 0 and "No space left on device" in done.stderr:
+    if done.returncode != 0 and re.search(r"No space left on device|Disk quota exceeded", done.stderr):
         raise disk_full(target)
     if done.returncode != 0:
         raise InfrastructureError(f"cp -a {source.name}: {done.stderr.strip()[-300:]}")
