@@ -318,10 +318,7 @@ def test_a_prefix_that_ends_before_the_boundary_is_the_only_record(forking):
 def test_a_fork_whose_copy_fails_runs_as_a_full_replay_or_fails_alone_with_strict(forking):
     records, asked = forking(copy_fails={3})
     assert (records[3].fork.restored, records[3].status) == (False, "ok")
-    assert (
-        records[3].fork.fallback
-        == "could not copy the sandbox at the boundary: cp -a workspace: Permission denied"
-    )
+    assert records[3].fork.fallback == "could not copy the sandbox at the boundary: cp -a workspace: Permission denied"
     records, asked = forking(copy_fails={3}, strict=True)
     assert [(r.fork.index, r.status, r.fork.restored) for r in records] == [
         (None, "ok", None), (1, "ok", True), (2, "ok", True), (3, "infra_error", False),
